@@ -1,0 +1,33 @@
+"""`kvserve` command line: generate | serve | bench | plan | simulate.
+
+Each subcommand lives beside the code it drives and registers itself here through a
+`register(subparsers)` function, so this file only wires them together.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Modules that define `register(subparsers)`; each adds one or more subcommands.
+COMMAND_MODULES = [
+    "kvserve.entrypoints",      # generate, bench throughput
+    "kvserve.analysis.cli",     # plan, simulate
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
