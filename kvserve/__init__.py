@@ -1,0 +1,9 @@
+"""kvserve: a readable LLM inference and serving engine (vLLM's public names, on purpose)."""
+from kvserve.config import EngineConfig
+from kvserve.engine.engine import LLMEngine
+from kvserve.llm import LLM
+from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
+from kvserve.sample.params import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput",
+           "CompletionOutput", "Logprob"]

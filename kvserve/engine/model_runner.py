@@ -1,0 +1,82 @@
+"""The model runner: packs one step's scheduled tokens into one flat (ragged) batch, runs one
+forward pass over the paged KV cache and returns logits for the sequences that sample
+(seed 000, "Chunked prefill": `pack(sequences)`; seed 003, block tables and slot mapping).
+It never decides who runs."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvserve.engine.request import Request
+from kvserve.model.attention import (AttentionMetadata, PrefillChunk, TorchPagedAttention,
+                                     build_decode_key_mask)
+from kvserve.model.llama import LlamaModel
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int):
+        cfg = model.cfg
+        self.model = model
+        self.block_size = block_size
+        self.device = model.device
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # One preallocated pool per layer: [num_blocks, block_size, n_kv_heads, head_dim] x (K, V)
+        self.kv_caches = [(torch.zeros(shape, dtype=model.dtype, device=self.device),
+                           torch.zeros(shape, dtype=model.dtype, device=self.device))
+                          for _ in range(cfg.num_layers)]
+
+    @staticmethod
+    def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+    def execute(self, scheduled: list[tuple[Request, int, list[int]]]) -> tuple[torch.Tensor, list[Request]]:
+        """scheduled: (request, num_new_tokens, block_ids). Returns logits [S, V] for the
+        requests whose every known token is now computed (they sample), and those requests."""
+        bs = self.block_size
+        # Decodes (one new token) first, then prefill chunks: the backend's layout.
+        order = sorted(range(len(scheduled)), key=lambda i: scheduled[i][1] != 1)
+        ids, pos, slots, logits_idx, samplers = [], [], [], [], []
+        decode_tables, decode_lens, prefills = [], [], []
+        offset = 0
+        for i in order:
+            req, n, block_ids = scheduled[i]
+            start = req.num_computed_tokens
+            p = np.arange(start, start + n)
+            table = np.asarray(block_ids, dtype=np.int64)
+            ids.append(req.token_ids[start:start + n])
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            if n == 1:
+                decode_tables.append(block_ids)
+                decode_lens.append(start + 1)
+            else:
+                prefills.append(PrefillChunk(offset, n, start + n,
+                                             torch.from_numpy(table).to(self.device)))
+            offset += n
+            if start + n == req.num_tokens:
+                logits_idx.append(offset - 1)
+                samplers.append(req)
+        dev = self.device
+        input_ids = torch.tensor([t for chunk in ids for t in chunk], dtype=torch.long, device=dev)
+        positions = torch.from_numpy(np.concatenate(pos)).to(dev)
+        meta = AttentionMetadata(slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+                                 num_decode_tokens=len(decode_lens), prefills=prefills)
+        if decode_lens:
+            width = max(len(t) for t in decode_tables)
+            tables = np.zeros((len(decode_tables), width), dtype=np.int64)
+            for row, t in enumerate(decode_tables):
+                tables[row, :len(t)] = t
+            meta.decode_block_tables = torch.from_numpy(tables).to(dev)
+            meta.decode_context_lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
+            meta.decode_key_mask = build_decode_key_mask(
+                meta.decode_context_lens, width * bs, self.model.attn.sliding_window)
+        # Chunks that do not sample still run: their K/V must reach the cache.
+        logits = self.model.forward(input_ids, positions, meta, self.kv_caches,
+                                    torch.tensor(logits_idx, dtype=torch.long, device=dev))
+        return logits, samplers
+
+
+def make_attention_backend(cfg, block_size: int) -> TorchPagedAttention:
+    return TorchPagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size,
+                               cfg.sliding_window)

@@ -1,0 +1,1 @@
+"""Paged KV cache bookkeeping: the block pool and the per-request block tables."""

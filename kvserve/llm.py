@@ -1,0 +1,53 @@
+"""LLM: offline batched generation, vLLM's entry point (`LLM(model=...).generate(prompts, params)`)."""
+from __future__ import annotations
+
+from kvserve.config import EngineConfig
+from kvserve.engine.engine import LLMEngine
+from kvserve.outputs import RequestOutput
+from kvserve.sample.params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, **kwargs):
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._ids = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order. A prompt is a
+        string, {"prompt": str} or {"prompt_token_ids": [...]}."""
+        single = isinstance(prompts, (str, dict))
+        prompts = [prompts] if single else list(prompts)
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts.")
+            params = sampling_params
+        else:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = f"gen-{self._ids}"
+                self._ids += 1
+                self.engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(ids), desc="generate")
+        while len(done) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[rid] for rid in ids]

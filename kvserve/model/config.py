@@ -1,0 +1,75 @@
+"""ModelConfig: the architecture facts the forward pass needs, read from an HF config.json."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False   # Qwen2: biases on q, k, v
+    qk_norm: bool = False          # Qwen3: RMSNorm on each head of q and k
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported model architecture {archs or cfg.get('model_type')!r}; kvserve runs "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}.")
+        kind = SUPPORTED_ARCHITECTURES[arch]
+        heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling") or None
+        if rope.get("rope_type", "default") != "default":
+            scaling = rope
+        if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            scaling = None
+        sliding = cfg.get("sliding_window")
+        if kind == "qwen2" and not cfg.get("use_sliding_window", False):
+            sliding = None
+        if kind in ("qwen3",) and not cfg.get("use_sliding_window", False):
+            sliding = None
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", kind == "qwen2"),
+            qk_norm=kind == "qwen3",
+            sliding_window=sliding,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=cfg.get("eos_token_id"),
+        )

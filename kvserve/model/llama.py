@@ -1,0 +1,86 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) over a flat, packed batch of tokens.
+
+There is no batch dimension: `input_ids [T]` holds the scheduled tokens of every sequence, the
+attention backend keeps sequences apart, and logits are computed only at `logits_indices`
+(the last scheduled token of each sequence that samples this step).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.model.attention import AttentionBackend, AttentionMetadata
+from kvserve.model.config import ModelConfig
+from kvserve.model.layers import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
+
+
+class LlamaLayer:
+    """One decoder layer's weights, fused: qkv [(H + 2 KV) * D, hidden], gate_up [2I, hidden]."""
+
+    def __init__(self, w: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig):
+        a, m = prefix + "self_attn.", prefix + "mlp."
+        self.input_norm = w[prefix + "input_layernorm.weight"]
+        self.post_norm = w[prefix + "post_attention_layernorm.weight"]
+        self.qkv = torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]])
+        self.qkv_bias = (torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
+                         if cfg.attention_bias else None)
+        self.o = w[a + "o_proj.weight"]
+        self.q_norm = w.get(a + "q_norm.weight")
+        self.k_norm = w.get(a + "k_norm.weight")
+        self.gate_up = torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]])
+        self.down = w[m + "down_proj.weight"]
+
+
+class LlamaModel:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], attn: AttentionBackend,
+                 device: torch.device, dtype: torch.dtype):
+        self.cfg, self.attn, self.device, self.dtype = cfg, attn, device, dtype
+        w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
+        self.embed = w["model.embed_tokens.weight"]                         # [V, hidden]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
+        self.norm = w["model.norm.weight"]
+        self.layers = [LlamaLayer(w, f"model.layers.{i}.", cfg) for i in range(cfg.num_layers)]
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        cos, sin = rope_cos_sin(inv_freq, cfg.max_position_embeddings)
+        self.rope_cos = cos.to(device)                                       # [P, D] float32
+        self.rope_sin = sin.to(device)
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+
+    def weight_bytes(self) -> int:
+        seen, total = set(), 0
+        tensors = [self.embed, self.lm_head, self.norm]
+        for layer in self.layers:
+            tensors += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+        for t in tensors:
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+        return total
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T] -> logits [S, V] float32 at `logits_indices` [S]."""
+        cfg = self.cfg
+        H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        T = input_ids.shape[0]
+        cos = self.rope_cos[positions].to(self.dtype).unsqueeze(1)   # [T, 1, D]
+        sin = self.rope_sin[positions].to(self.dtype).unsqueeze(1)
+        x = self.embed[input_ids]                                     # [T, hidden]
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)              # [T, (H + 2KV) * D]
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q, k, v = q.view(T, H, D), k.view(T, KV, D), v.view(T, KV, D)
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            o = self.attn.forward(q, k, v, k_cache, v_cache, meta)    # [T, H, D]
+            x = x + F.linear(o.reshape(T, H * D), layer.o)
+            h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            x = x + F.linear(swiglu(F.linear(h, layer.gate_up)), layer.down)
+        x = rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps)  # [S, hidden]
+        return F.linear(x, self.lm_head).float()                       # [S, V]

@@ -1,0 +1,1 @@
+"""Sampling: parameters, the batched sampler and (later) speculative decoding."""
