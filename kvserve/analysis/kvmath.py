@@ -1,0 +1,100 @@
+"""KV-cache sizes, memory ceilings, decode throughput ceilings and Little's law.
+
+Closed forms from seed 001 ("KV cache size: the formula that governs everything", "The
+Tokens-Per-Second Ceiling", "Little's Law", exercises 2-5), seed 003 (m_KV) and seed 000
+("Where does the compute go: MLP versus attention"). Every function is a plain formula; units are
+bytes, seconds, tokens and FLOP.
+"""
+from __future__ import annotations
+
+import math
+
+from .specs import ModelSpec, dtype_bytes
+
+KiB, MiB, GiB = 2**10, 2**20, 2**30
+
+
+def kv_bytes_per_token(model: ModelSpec | None = None, kv_dtype: str | float = "bf16", *,
+                       n_layers: int | None = None, n_kv_heads: int | None = None,
+                       head_dim: int | None = None) -> float:
+    """Seed 003: m_KV = 2 * L * n_kv * d_k * s_KV bytes per token (one key and one value per KV head
+    per layer). Pass a ModelSpec, or the three shape numbers as keywords."""
+    L = n_layers if n_layers is not None else model.n_layers
+    kv = n_kv_heads if n_kv_heads is not None else model.n_kv_heads
+    hd = head_dim if head_dim is not None else model.head_dim
+    return 2 * L * kv * hd * dtype_bytes(kv_dtype)
+
+
+def kv_cache_bytes(model: ModelSpec, seq_len: float, batch: float = 1, kv_dtype: str | float = "bf16") -> float:
+    """Seed 001 `kv_cache_bytes`: 2 * B * S * L * H_kv * d_h * P bytes, for `batch` sequences of
+    `seq_len` cached tokens each."""
+    return kv_bytes_per_token(model, kv_dtype) * seq_len * batch
+
+
+def contexts_that_fit(budget_bytes: float, seq_len: float, model: ModelSpec, kv_dtype: str | float = "bf16") -> int:
+    """How many whole contexts of `seq_len` tokens fit in a KV budget: floor(budget / (S * m_KV))
+    (seed 001 exercise 2c)."""
+    return int(budget_bytes // kv_cache_bytes(model, seq_len, 1, kv_dtype))
+
+
+def kv_budget(hw_memory: float, model: ModelSpec, n_gpu: int = 1, weight_dtype: str | float = "bf16",
+              gpu_memory_utilization: float = 0.9, activation_reserve: float = 0.0) -> float:
+    """Bytes left for the KV block pool on a replica of n_gpu GPUs: vLLM's rule of thumb,
+    utilization * total memory - weights - activation reserve (seed 003's paging cell uses 90%)."""
+    return gpu_memory_utilization * hw_memory * n_gpu - model.weight_bytes(weight_dtype) - activation_reserve
+
+
+def decode_ceiling_weights_only(n_params: float, bandwidth: float, weight_dtype: str | float = "bf16",
+                                batch: int = 1) -> float:
+    """Seed 001 "The Tokens-Per-Second Ceiling": tokens/s <= B * BW / (N_params * P). With batch=1 it is
+    the single-stream ceiling of exercise 3; with batch=B the weight-only aggregate of exercise 5."""
+    return batch * bandwidth / (n_params * dtype_bytes(weight_dtype))
+
+
+def decode_ceiling_tps(weight_bytes: float, bandwidth: float, batch: int, seq_len: float, model: ModelSpec,
+                       kv_dtype: str | float = "bf16") -> float:
+    """Seed 001 exercise 5 `decode_ceiling_tps`: aggregate tokens/s for a memory-bound decode step of
+    `batch` sequences at `seq_len` cached tokens each, reading the weights once and every KV cache:
+    t_step = (M_W + B * S * m_KV) / BW, tokens/s = B / t_step."""
+    t_step = (weight_bytes + kv_cache_bytes(model, seq_len, batch, kv_dtype)) / bandwidth  # s
+    return batch / t_step
+
+
+def littles_law(concurrency: float, latency_s: float) -> float:
+    """Seed 001 Little's law L = lambda * W, solved for the throughput lambda = L / W."""
+    return concurrency / latency_s
+
+
+def fleet_throughput(concurrency: float, output_tokens: float, tpot_s: float) -> dict:
+    """Seed 001 exercise 4: W ~ T * TPOT, lambda = L / W requests/s, and lambda * T output tokens/s."""
+    W = output_tokens * tpot_s
+    lam = littles_law(concurrency, W)
+    return {"latency_s": W, "requests_per_s": lam, "tokens_per_s": lam * output_tokens}
+
+
+def attention_crossover_tokens(d_model: int) -> int:
+    """Seed 000: a token costs ~24 d^2 FLOPs in the linear layers and ~4 T d in attention, so attention
+    dominates once T > 6d (24,576 tokens for d = 4096)."""
+    return 6 * d_model
+
+
+def flops_per_token_seed000(d_model: int, context: float) -> tuple[float, float]:
+    """Seed 000: (linear, attention) FLOPs per token per layer: (24 d^2, 4 T d), MLP hidden 4d."""
+    return 24.0 * d_model**2, 4.0 * context * d_model
+
+
+def decode_attention_intensity(model: ModelSpec, kv_dtype: str | float = "bf16") -> float:
+    """Seed 001: arithmetic intensity of decode attention, 4 S H_q d_h FLOPs over 2 S H_kv d_h P bytes
+    = 2 H_q / (H_kv P) FLOP/byte, independent of S and B (4 for Llama 3 8B in bf16)."""
+    return 2 * model.n_heads / (model.n_kv_heads * dtype_bytes(kv_dtype))
+
+
+def paging_waste_slots(block_size: int) -> float:
+    """Seed 003 "Choosing the block size": a paged sequence wastes on average (n_blk - 1) / 2 token slots
+    in its last block (for lengths uniform modulo n_blk)."""
+    return (block_size - 1) / 2
+
+
+def block_table_entries(tokens: int, block_size: int) -> int:
+    """Seed 003: ceil(T / n_blk) block-table entries per sequence."""
+    return math.ceil(tokens / block_size)

@@ -1,0 +1,260 @@
+"""The step-time model of seed 003 ("Why batching by request wastes the GPU", "Mixing prefill and
+decode in one step", "When memory runs out") and its calibration against measured step times.
+
+Seed 003's constants, for a replica of n_gpu GPUs (peak pi FLOP/s and bandwidth beta bytes/s each):
+    t_W = M_W / (n_gpu beta)                 weight read, s
+    t_K = T_bar m_KV / (n_gpu beta)          one sequence's cache read at mean context T_bar, s
+    t_F = (2 N_act + 4 L d_attn T_bar) / (n_gpu pi)   one sequence's arithmetic, s
+    t_N = 2 N_act / (n_gpu pi)               t_F without its attention term, s
+    t_0                                      fixed overhead per step, s
+A decode step of B sequences takes  t(B) = max(t_W + B t_K, B t_F) + t_0.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .kvmath import kv_bytes_per_token
+from .roofline import prefill_flops
+from .specs import HardwareSpec, ModelSpec, dtype_bytes, get_hardware
+
+
+@dataclass
+class StepModel:
+    """Seed 003's step-time model for one model on one replica.
+
+    mfu: fraction of peak the arithmetic achieves in prefill (seed 003: "often about half").
+    decode_mfu: fraction of peak for decode-token arithmetic (1.0: the seed's t_F uses pi).
+    c_half: chunk-efficiency knee (tokens). If > 0, a step that carries c prefill tokens runs its
+        prefill arithmetic at mfu * c / (c + c_half) -- an assumption that models the seed's remark that
+        "a small chunk gives the linear layers too few tokens to be compute-bound on their own"; 0 = off.
+    """
+    model: ModelSpec
+    hw: HardwareSpec
+    n_gpu: int = 1
+    dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    mfu: float = 0.5
+    decode_mfu: float = 1.0
+    t0: float = 0.0
+    c_half: float = 0.0
+
+    # -- seed 003 constants -------------------------------------------------------------------------
+    @property
+    def pi(self) -> float:
+        return self.hw.peak(self.dtype)
+
+    @property
+    def beta(self) -> float:
+        return self.hw.bandwidth
+
+    @property
+    def m_kv(self) -> float:
+        """m_KV, bytes of KV per token."""
+        return kv_bytes_per_token(self.model, self.kv_dtype)
+
+    @property
+    def t_W(self) -> float:
+        """t_W = M_W / (n_gpu beta), s."""
+        return self.model.weight_bytes(self.dtype) / (self.n_gpu * self.beta)
+
+    def t_K(self, context: float) -> float:
+        """t_K = T_bar m_KV / (n_gpu beta), s, for one sequence at `context` cached tokens."""
+        return context * self.m_kv / (self.n_gpu * self.beta)
+
+    @property
+    def t_N(self) -> float:
+        """t_N = 2 N_act / (n_gpu pi), s per token of weight arithmetic at peak."""
+        return 2.0 * self.model.n_act / (self.n_gpu * self.pi)
+
+    def t_F(self, context: float) -> float:
+        """t_F = (2 N_act + 4 L d_attn T_bar) / (n_gpu pi decode_mfu), s per decoding sequence."""
+        m = self.model
+        return (2.0 * m.n_act + 4.0 * m.n_layers * m.d_attn * context) / (self.n_gpu * self.pi * self.decode_mfu)
+
+    # -- decode step, knee, budget ------------------------------------------------------------------
+    def decode_step_time(self, batch: float, context: float) -> float:
+        """Seed 003: t(B) = max(t_W + B t_K, B t_F) + t_0, seconds, all B sequences at `context`."""
+        return max(self.t_W + batch * self.t_K(context), batch * self.t_F(context)) + self.t0
+
+    def knee_batch(self, context: float = 0.0) -> float:
+        """Seed 003 (the knee of section 20.1): the B where t_W + B t_K = B t_F, i.e.
+        B* = t_W / (t_F - t_K); with t_K = 0 and no attention term, B* = s_W pi / (2 beta)."""
+        tf, tk = self.t_F(context), self.t_K(context)
+        return math.inf if tf <= tk else self.t_W / (tf - tk)
+
+    def chunk_budget(self, batch: int, context: float = 0.0) -> float:
+        """Seed 003: the prefill tokens C a decode step of B sequences carries for free,
+        C* = (t_W + B t_K) / t_N - B (with t_K = 0, C* = B* - B)."""
+        return (self.t_W + batch * self.t_K(context)) / self.t_N - batch
+
+    # -- prefill ------------------------------------------------------------------------------------
+    def prefill_efficiency(self, chunk_tokens: float) -> float:
+        if self.c_half <= 0:
+            return self.mfu
+        return self.mfu * chunk_tokens / (chunk_tokens + self.c_half)
+
+    def prefill_time(self, n_tokens: float, cached: float = 0.0) -> float:
+        """Seed 003: prefill of T tokens at a given MFU, (2 N_act T + 2 L d_attn T^2) / (n_gpu pi MFU),
+        seconds (compute-bound; with `cached` prefix tokens, see roofline.prefill_flops)."""
+        return prefill_flops(self.model, n_tokens, cached) / (
+            self.n_gpu * self.pi * self.prefill_efficiency(n_tokens))
+
+    # -- a general mixed step -----------------------------------------------------------------------
+    def step_time(self, decode_contexts=(), chunks=()) -> float:
+        """One packed step (seed 003, "Mixing prefill and decode in one step"): the slower of reading
+        memory (weights once, every decoding sequence's cache, every chunk's cached prefix) and doing
+        arithmetic (decode tokens at decode_mfu, prefill chunks at mfu), plus t_0.
+
+        decode_contexts: cached tokens of each decoding sequence; chunks: (n_new, n_cached) pairs.
+        """
+        ctx = float(np.sum(decode_contexts)) if len(decode_contexts) else 0.0
+        n_dec = len(decode_contexts)
+        m = self.model
+        mem = self.model.weight_bytes(self.dtype) + ctx * self.m_kv
+        dec_flops = 2.0 * m.n_act * n_dec + 4.0 * m.n_layers * m.d_attn * ctx
+        pre_flops, pre_tokens = 0.0, 0
+        for n_new, n_cached in chunks:
+            mem += n_cached * self.m_kv
+            pre_flops += prefill_flops(m, n_new, n_cached)
+            pre_tokens += n_new
+        comp = dec_flops / (self.pi * self.decode_mfu)
+        if pre_tokens:
+            comp += pre_flops / (self.pi * self.prefill_efficiency(pre_tokens))
+        return max(mem / self.beta, comp) / self.n_gpu + self.t0
+
+    # -- a workload ---------------------------------------------------------------------------------
+    def workload(self, batch: int, T_in: float, T_out: float) -> dict:
+        """TTFT, TPOT and step times for B concurrent requests of T_in prompt and T_out output tokens
+        (no queueing): TTFT = prefill time alone; TPOT = decode step at the mean context
+        T_in + T_out / 2; aggregate throughput B / TPOT (seed 001's latency vocabulary)."""
+        ctx = T_in + T_out / 2
+        tpot = self.decode_step_time(batch, ctx)
+        ttft = self.prefill_time(T_in) + self.t0
+        return {
+            "batch": batch, "T_in": T_in, "T_out": T_out,
+            "ttft_s": ttft, "tpot_s": tpot,
+            "ttlt_s": ttft + tpot * (T_out - 1),  # seed 000: TTLT = TTFT + TPOT (n - 1)
+            "step_first_s": self.decode_step_time(batch, T_in),
+            "step_last_s": self.decode_step_time(batch, T_in + T_out),
+            "tokens_per_s": batch / tpot,
+            "bound": "memory" if self.t_W + batch * self.t_K(ctx) >= batch * self.t_F(ctx) else "compute",
+            "knee_batch": self.knee_batch(ctx),
+        }
+
+
+# --------------------------------------------------------------------------------------------------
+# calibration
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class StepFit:
+    """Fitted step-time parameters (seconds): t = t0 + max(t_W + t_kv * ctx_sum, t_tok * n_tokens).
+
+    t_kv is the cache-read time per cached token (t_K = T_bar * t_kv), t_tok the arithmetic time per
+    scheduled token. `rel_rmse` and `max_rel_err` measure the fit on its own samples.
+    """
+    t0: float
+    t_W: float
+    t_kv: float
+    t_tok: float
+    rel_rmse: float
+    max_rel_err: float
+    n_memory: int
+    n_compute: int
+
+    def predict(self, n_tokens, ctx_sum):
+        n_tokens, ctx_sum = np.asarray(n_tokens, float), np.asarray(ctx_sum, float)
+        return self.t0 + np.maximum(self.t_W + self.t_kv * ctx_sum, self.t_tok * n_tokens)
+
+
+def _nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with non-negative coefficients by active-set elimination (tiny problems)."""
+    active = list(range(A.shape[1]))
+    x = np.zeros(A.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(A[:, active], y, rcond=None)
+        if np.all(sol >= 0):
+            x[:] = 0
+            x[active] = sol
+            return x
+        active.pop(int(np.argmin(sol)))
+    return x
+
+
+def fit_step_model(n_tokens, ctx_sum, step_s, iters: int = 50) -> StepFit:
+    """Fit seed 003's t(B) = max(t_W + B t_K, B t_F) + t_0 to measured steps, generalised to mixed
+    steps as t = t_0 + max(t_W + t_kv * ctx_sum, t_tok * n_tokens).
+
+    n_tokens: tokens scheduled in each step [n]; ctx_sum: cached tokens read by each step [n];
+    step_s: measured step time [n], seconds. The fit alternates between assigning each sample to the
+    memory or the compute branch of the max and solving the (then linear) non-negative least squares
+    problem, from several starting splits, and keeps the best. A branch with no samples has its
+    parameters reported as 0 (not identifiable from the data).
+    """
+    n = np.asarray(n_tokens, float)
+    c = np.asarray(ctx_sum, float)
+    y = np.asarray(step_s, float)
+    if not (len(n) == len(c) == len(y)) or len(y) < 3:
+        raise ValueError("fit_step_model needs at least 3 samples of equal-length n_tokens, ctx_sum, step_s")
+    best = None
+    order = np.argsort(n)
+    starts = [np.zeros(len(y), bool), np.ones(len(y), bool)]
+    for q in (0.25, 0.5, 0.75):  # compute regime = the largest-token samples
+        s = np.zeros(len(y), bool)
+        s[order[int(q * len(y)):]] = True
+        starts.append(s)
+    for comp in starts:
+        for _ in range(iters):
+            A = np.column_stack([np.ones_like(y), ~comp, np.where(comp, 0.0, c), np.where(comp, n, 0.0)])
+            p = _nnls(A, y)
+            t0, tW, tkv, ttok = p
+            new = ttok * n > tW + tkv * c
+            if np.array_equal(new, comp):
+                break
+            comp = new
+        pred = t0 + np.maximum(tW + tkv * c, ttok * n)
+        sse = float(np.sum((pred - y) ** 2))
+        if best is None or sse < best[0]:
+            best = (sse, p, comp.copy(), pred)
+    _, (t0, tW, tkv, ttok), comp, pred = best
+    rel = (pred - y) / y
+    return StepFit(float(t0), float(tW), float(tkv), float(ttok), float(np.sqrt(np.mean(rel**2))),
+                   float(np.max(np.abs(rel))), int((~comp).sum()), int(comp.sum()))
+
+
+def calibrate_engine(model_path: str, batch_sizes=(1, 2, 4, 8), prompt_lens=(16, 64, 256), n_decode: int = 16,
+                     repeats: int = 2) -> tuple[StepFit, list[dict]]:
+    """Time the real engine (kvserve.LLM) and fit the step model to it.
+
+    Prefill samples: generate 1 token for a batch of prompts (one step of sum(prompt) tokens).
+    Decode samples: (time(n_decode tokens) - time(1 token)) / (n_decode - 1) per decode step of B
+    sequences at mean context prompt + n_decode / 2. Imports kvserve lazily; raises ImportError
+    if the engine is not available.
+    """
+    import time as _time
+
+    from kvserve import LLM, SamplingParams  # noqa: lazy, the engine may not exist yet
+
+    llm = LLM(model=model_path)
+
+    def run(prompts, max_tokens):
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        t0 = _time.perf_counter()
+        llm.generate(prompts, sp)
+        return _time.perf_counter() - t0
+
+    samples = []
+    for P in prompt_lens:
+        for B in batch_sizes:
+            prompts = [{"prompt_token_ids": [(7 * i + j) % 200 + 10 for j in range(P)]} for i in range(B)]
+            run(prompts, 2)  # warm-up
+            t1 = min(run(prompts, 1) for _ in range(repeats))
+            tn = min(run(prompts, n_decode) for _ in range(repeats))
+            samples.append({"n_tokens": B * P, "ctx_sum": 0, "step_s": t1, "kind": "prefill", "B": B, "P": P})
+            samples.append({"n_tokens": B, "ctx_sum": B * (P + n_decode / 2),
+                            "step_s": max(tn - t1, 1e-9) / (n_decode - 1), "kind": "decode", "B": B, "P": P})
+    fit = fit_step_model([s["n_tokens"] for s in samples], [s["ctx_sum"] for s in samples],
+                         [s["step_s"] for s in samples])
+    return fit, samples
