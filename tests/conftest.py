@@ -1,0 +1,56 @@
+"""Shared fixtures: the real stories260K model and random-weight models built with transformers."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+STORIES_HF = SHARED / "models" / "stories260K-hf"
+STORIES_C = SHARED / "models" / "stories260K"
+
+
+def build_random_model(arch: str, out_dir: Path, seed: int = 0) -> Path:
+    """Save a small random-weight model of `arch` with transformers, plus the stories260K
+    tokenizer (vocab 512), so kvserve and transformers can run the same weights."""
+    import transformers as tf
+
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-5, initializer_range=0.15, bos_token_id=1, eos_token_id=2,
+                  tie_word_embeddings=False)
+    if arch == "llama":
+        cfg = tf.LlamaConfig(**common, rope_theta=10000.0)
+    elif arch == "llama3":  # Llama-3 rope scaling, tied embeddings
+        cfg = tf.LlamaConfig(**{**common, "tie_word_embeddings": True}, rope_theta=500000.0,
+                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": 32})
+    elif arch == "mistral":
+        cfg = tf.MistralConfig(**common, sliding_window=None)
+    elif arch == "qwen2":
+        cfg = tf.Qwen2Config(**common)
+    elif arch == "qwen3":
+        cfg = tf.Qwen3Config(**common, head_dim=32)
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(STORIES_HF / name, out_dir / name)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def random_model_dir(tmp_path_factory):
+    cache: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in cache:
+            cache[arch] = build_random_model(arch, tmp_path_factory.mktemp(arch))
+        return cache[arch]
+
+    return get

@@ -1,0 +1,31 @@
+"""Incremental detokenization never emits a broken character, on byte-fallback tokens too."""
+from __future__ import annotations
+
+from kvserve.engine.output import IncrementalDetokenizer, held_back
+from kvserve.model.loader import load_model_dir
+from tests.conftest import STORIES_C, STORIES_HF
+
+
+def stream(tok, prompt, ids):
+    d = IncrementalDetokenizer(tok, prompt, skip_special_tokens=True)
+    pieces = [d.add(t) for t in ids]
+    return pieces, d.text
+
+
+def test_multibyte_utf8_is_streamed_whole():
+    for path in (STORIES_HF, STORIES_C):
+        _, _, tok = load_model_dir(str(path))
+        text = "Lily saw a café, a 猫 and a 🐱 smile."
+        ids = tok.encode(text)
+        prompt, out = ids[:2], ids[2:]
+        pieces, full = stream(tok, prompt, out)
+        assert all("\ufffd" not in p for p in pieces)
+        assert tok.decode(prompt) + full == text
+        # The cat emoji is four byte-fallback tokens: it appears in one piece, in one go.
+        assert any("🐱" in p for p in pieces)
+
+
+def test_held_back_is_longest_stop_prefix():
+    assert held_back("hello wor", ["world"]) == 3
+    assert held_back("hello", ["xyz"]) == 0
+    assert held_back("ab", ["abc", "b!"]) == 2
