@@ -175,6 +175,7 @@ def simulate_serving(requests: list[Request], step_model: StepModel, slots: int,
     steps = useful_slot_steps = slot_steps = 0
     step_times = []
     static_rows: list[Request] = []
+    pad = batch_steps = 0
     while len(done) < n and steps < max_steps:
         while nxt < n and reqs[nxt].arrival <= t:
             waiting.append(reqs[nxt]); nxt += 1
@@ -190,13 +191,15 @@ def simulate_serving(requests: list[Request], step_model: StepModel, slots: int,
                 for r in running:
                     r.admitted = t
                 pad = max(r.prompt for r in running)
+                batch_steps = 0
                 chunks = [(pad, 0)] * len(running)
                 for r in running:
                     r.prefilled = r.prompt
                     produced.append(r)
             else:
-                for r in running:  # every row decodes, finished or not
-                    decode_ctx.append(r.prefilled + max(r.generated, 1))
+                batch_steps += 1
+                for r in running:  # every row decodes, finished or not: pad + tokens so far
+                    decode_ctx.append(pad + batch_steps)
                     if r.generated < r.output:
                         produced.append(r)
         else:
