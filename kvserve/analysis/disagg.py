@@ -184,8 +184,8 @@ def disagg_plan(rate: float, T_in: float, T_out: float, cfg: ModelSpec, hw: Hard
     # ---- collocated with chunked prefill
     best = None
     B_max = max(1, int(kv_budget // ((T_in + T_out) * m_kv)))
-    for B in sorted({int(x) for x in
-                     [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024] if x <= B_max} | {B_max}):
+    grid = sorted({max(1, int(round(1.15 ** k))) for k in range(0, 80)} | {B_max})
+    for B in [b for b in grid if b <= B_max]:
         ctx = [T_in + T_out / 2] * B
         if base.step_time(ctx) > tpot_slo:
             break
@@ -215,7 +215,8 @@ def disagg_plan(rate: float, T_in: float, T_out: float, cfg: ModelSpec, hw: Hard
         ok = ttft_c <= ttft_slo
         cand = PoolPlan("collocated (chunked prefill)", n_c, n_c * n_gpu, ttft_c, t_step, r_c, rho,
                         {"decode_batch": B, "token_budget": C, "step_s": t_step}, ok)
-        if best is None or (cand.feasible, -cand.gpus) > (best.feasible, -best.gpus):
+        if best is None or (cand.feasible, -cand.gpus, cand.per_replica_rate) > (
+                best.feasible, -best.gpus, best.per_replica_rate):
             best = cand
     colloc = best or PoolPlan("collocated (chunked prefill)", 0, 0, math.inf, math.inf, 0.0, math.inf, {}, False)
 
