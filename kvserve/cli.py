@@ -13,6 +13,7 @@ import sys
 COMMAND_MODULES = [
     "kvserve.entrypoints",      # generate, bench throughput
     "kvserve.analysis.cli",     # plan, simulate
+    "kvserve.server.cli",       # serve
 ]
 
 

@@ -1,0 +1,556 @@
+"""The OpenAI-compatible HTTP API over one engine: FastAPI routes.
+
+    POST /v1/completions          text completion, streaming (SSE) or not
+    POST /v1/chat/completions     chat, rendered with the model's chat template (server/chat.py)
+    GET  /v1/models               the served model, named --served-model-name
+    GET  /health                  200 while the engine loop is alive, 500 once it failed
+    GET  /metrics                 Prometheus text format (server/metrics.py)
+
+Every HTTP request turns into one engine request per prompt (`n` samples of a prompt are one
+engine request with `n` sequences), all fed to the single engine loop of server/async_engine.py,
+so requests of every client are batched into the same steps. Outputs come back cumulative; the
+handlers send the difference since the last chunk.
+
+Errors a client can cause are HTTP 4xx in OpenAI's shape `{"error": {message, type, param,
+code}}`, and never reach other clients: the body is read and validated here (UTF-8, JSON, the
+pydantic schema, the context length) before anything is queued; what the engine itself rejects
+(`ValueError` in `add_request`) comes back as 400 before the response starts. A full waiting
+queue (`--max-waiting`) is 503 with `Retry-After`. A client that disconnects has its requests
+aborted and their KV blocks freed at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvserve.sample.params import SamplingParams
+from kvserve.server.async_engine import AsyncEngine, RequestFailed
+from kvserve.server.chat import ChatRenderer
+from kvserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from kvserve.server.protocol import (
+    APIError, ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
+    ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatLogprobToken, ChatMessage,
+    ChatTopLogprob, CompletionChoice, CompletionLogProbs, CompletionRequest, CompletionResponse,
+    CompletionStreamResponse, DeltaMessage, ModelCard, ModelList, UsageInfo,
+    validation_error_to_api_error)
+
+logger = logging.getLogger("kvserve.server")
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+class ServerState:
+    def __init__(self, engine, served_model_name: str, api_key: str | None, max_waiting: int | None,
+                 chat_template: str | None):
+        self.engine = engine
+        self.model_name = served_model_name
+        self.api_key = api_key
+        self.metrics = ServerMetrics(served_model_name)
+        self.async_engine = AsyncEngine(engine, self.metrics, max_waiting)
+        self.tokenizer = engine.tokenizer
+        self.chat = ChatRenderer(engine.tokenizer, chat_template) if engine.tokenizer is not None else None
+        self.max_model_len = engine.config.max_model_len
+
+
+def build_app(engine, served_model_name: str, api_key: str | None = None,
+              max_waiting: int | None = None, chat_template: str | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` (an `LLMEngine`). The engine loop starts with the app."""
+    state = ServerState(engine, served_model_name, api_key, max_waiting, chat_template)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.async_engine.start()
+        try:
+            yield
+        finally:
+            state.async_engine.shutdown()
+
+    app = FastAPI(title="kvserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.kvserve = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return _error_response(state, exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        code = "not_found" if exc.status_code == 404 else None
+        return _error_response(state, APIError(str(exc.detail), exc.status_code, code=code))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        logger.exception("internal error")
+        return _error_response(state, APIError(f"internal server error: {type(exc).__name__}: {exc}",
+                                               500, type="server_error"))
+
+    @app.get("/health")
+    async def health():
+        if state.async_engine.dead is not None:
+            return JSONResponse({"status": "error", "error": repr(state.async_engine.dead)}, 500)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        _check_auth(state, request)
+        return ModelList(data=[ModelCard(id=state.model_name, root=engine.config.model,
+                                         max_model_len=state.max_model_len)]).model_dump()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        _check_auth(state, request)
+        req = await _parse_body(state, request, CompletionRequest)
+        return await _completions(state, req, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        _check_auth(state, request)
+        req = await _parse_body(state, request, ChatCompletionRequest)
+        return await _chat(state, req, request)
+
+    return app
+
+
+# ------------------------------------------------------------------ request plumbing
+
+
+def _error_response(state: ServerState, exc: APIError) -> JSONResponse:
+    if 400 <= exc.status_code < 500 and exc.status_code != 401:
+        state.metrics.reject("bad_request")
+    return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
+
+
+def _check_auth(state: ServerState, request: Request) -> None:
+    if state.api_key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
+        state.metrics.reject("unauthorized")
+        raise APIError("invalid or missing API key: send 'Authorization: Bearer <key>'", 401,
+                       code="invalid_api_key")
+
+
+async def _parse_body(state: ServerState, request: Request, model_cls):
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise APIError(f"request body over {MAX_BODY_BYTES} bytes", 413)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(f"the request body is not valid UTF-8 (byte {e.start})") from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise APIError(f"malformed JSON in the request body: {e}") from None
+    if not isinstance(obj, dict):
+        raise APIError("the request body must be a JSON object")
+    try:
+        req = model_cls.model_validate(obj)
+    except ValidationError as e:
+        raise validation_error_to_api_error(e) from None
+    if req.model is not None and req.model not in (state.model_name, state.engine.config.model):
+        raise APIError(f"the model {req.model!r} does not exist; this server serves "
+                       f"{state.model_name!r}", 404, param="model", code="model_not_found")
+    return req
+
+
+def _max_tokens(state: ServerState, prompt_len: int, requested: int | None) -> int:
+    """The request's max_tokens, checked against the context window (vLLM's rule)."""
+    limit = state.max_model_len
+    if prompt_len >= limit:
+        raise APIError(f"This model's maximum context length is {limit} tokens. However, your "
+                       f"prompt has {prompt_len} tokens. Please reduce the length of the prompt.",
+                       param="prompt", code="context_length_exceeded")
+    if requested is None:
+        return limit - prompt_len
+    if prompt_len + requested > limit:
+        raise APIError(f"This model's maximum context length is {limit} tokens. However, you "
+                       f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
+                       f"{requested} for the completion). Please reduce the prompt or max_tokens.",
+                       param="max_tokens", code="context_length_exceeded")
+    return requested
+
+
+def _sampling_params(req, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    kw = req.sampling_kwargs()
+    kw["max_tokens"] = max_tokens
+    kw["logprobs"] = logprobs
+    if req.include_stop_str_in_output:
+        kw["include_stop_str_in_output"] = True
+    try:
+        return SamplingParams(**kw)
+    except (ValueError, TypeError) as e:
+        raise APIError(str(e)) from None
+
+
+class _Submission:
+    """The engine requests behind one HTTP request, all feeding one queue."""
+
+    def __init__(self, state: ServerState, prefix: str):
+        self.state = state
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.prefix = prefix
+        self.request_ids: list[str] = []
+        self.unfinished: set[str] = set()
+
+    async def outputs(self) -> AsyncIterator:
+        """Cumulative RequestOutputs of every engine request, as they come."""
+        while self.unfinished:
+            item = await self.queue.get()
+            if isinstance(item, RequestFailed):
+                self.unfinished.discard(item.request_id)
+                err = item.error
+                if isinstance(err, APIError):
+                    raise err
+                raise APIError(f"the engine failed: {err!r}", 500, type="server_error")
+            if item.finished:
+                self.unfinished.discard(item.request_id)
+            yield item
+
+    def abort_unfinished(self) -> None:
+        for rid in list(self.unfinished):
+            self.state.async_engine.abort(rid)
+        self.unfinished.clear()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _collect_or_disconnect(sub: _Submission, request: Request) -> dict[str, object] | None:
+    """Final output of every engine request, or None when the client went away first."""
+    async def collect():
+        final = {}
+        async for out in sub.outputs():
+            if out.finished:
+                final[out.request_id] = out
+        return final
+
+    collector = asyncio.ensure_future(collect())
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if collector in done:
+            return collector.result()
+        collector.cancel()
+        return None
+    finally:
+        watcher.cancel()
+        if not collector.done():
+            collector.cancel()
+        sub.abort_unfinished()
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+_CONTEXT_TOKENS = 6
+
+
+def _logprob_entries(state: ServerState, context: list[int], token_ids: list[int], tables: list[dict],
+                     k: int, skip_special: bool = True) -> list[tuple[str, float | None, list[tuple[str, float]]]]:
+    """(token text, its logprob, top-k [(text, logprob)]) for each generated token.
+
+    A token's text is what it adds to the decoded text *in context* -- decode(context + token)
+    minus decode(context) -- because SentencePiece-style tokens decoded alone lose their leading
+    space. The last few tokens before it (prompt and earlier output) are the context; so the
+    chosen tokens' texts concatenate to the completion text.
+    """
+    tok = state.tokenizer
+    seq = list(context[-_CONTEXT_TOKENS:])
+
+    def piece(prev_text: str, ids: list[int], tid: int) -> str:
+        if tok is None:
+            return str(tid)
+        text = tok.decode(ids, skip_special_tokens=skip_special)
+        if text.startswith(prev_text):
+            return text[len(prev_text):]
+        return tok.decode([tid], skip_special_tokens=skip_special)
+
+    prev = tok.decode(seq, skip_special_tokens=skip_special) if tok is not None else ""
+    out = []
+    for tid, table in zip(token_ids, tables):
+        chosen = table.get(tid)
+        top = sorted(table.items(), key=lambda kv: -kv[1].logprob)[:k]
+        alts = [(piece(prev, seq + [t], t), lp.logprob) for t, lp in top]
+        seq.append(tid)
+        text = piece(prev, seq, tid)
+        prev = prev + text
+        if len(seq) > 4 * _CONTEXT_TOKENS:      # keep decoding cheap on long outputs
+            seq = seq[-_CONTEXT_TOKENS:]
+            prev = tok.decode(seq, skip_special_tokens=skip_special) if tok is not None else ""
+        out.append((text, chosen.logprob if chosen is not None else None, alts))
+    return out
+
+
+def _usage(outputs: list, include_cached: bool = True) -> UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(getattr(o, "num_cached_tokens", 0) or 0 for o in outputs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details={"cached_tokens": cached} if include_cached else None)
+
+
+# ------------------------------------------------------------------ /v1/completions
+
+
+def _completion_logprobs(state: ServerState, context: list[int], token_ids: list[int],
+                         logprobs: list[dict], start_offset: int, k: int, skip_special: bool) -> CompletionLogProbs:
+    out = CompletionLogProbs()
+    offset = start_offset
+    for text, chosen, alts in _logprob_entries(state, context, token_ids, logprobs, k, skip_special):
+        out.tokens.append(text)
+        out.token_logprobs.append(chosen)
+        top = dict(alts)
+        if chosen is not None:
+            top.setdefault(text, chosen)
+        out.top_logprobs.append(top)
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+async def _completions(state: ServerState, req: CompletionRequest, request: Request):
+    if req.suffix:
+        raise APIError("suffix is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError("best_of is not supported (use n)", param="best_of")
+    if req.echo and req.logprobs is not None:
+        raise APIError("echo with logprobs needs prompt logprobs, which kvserve does not compute",
+                       param="echo")
+    tok = state.tokenizer
+    items, prompt_lens = [], []
+    for p in req.prompts():
+        if isinstance(p, str):
+            if tok is None:
+                raise APIError("this model has no tokenizer: send the prompt as token ids", param="prompt")
+            ids = tok.encode(p, add_special_tokens=True)
+            items.append(({"prompt_token_ids": ids, "prompt": p}, p))
+        else:
+            ids = p
+            items.append(({"prompt_token_ids": ids}, None))
+        prompt_lens.append(len(ids))
+    max_tokens = [_max_tokens(state, n, req.max_tokens) for n in prompt_lens]
+    params = [_sampling_params(req, m, req.logprobs) for m in max_tokens]
+    rid_prefix = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    sub = _Submission(state, rid_prefix)
+    try:
+        for i, ((item, _), p) in enumerate(zip(items, params)):
+            await _add_one(sub, i, item, p)
+    except BaseException:
+        sub.abort_unfinished()
+        raise
+    index_of = {rid: i for i, rid in enumerate(sub.request_ids)}
+    prompt_texts = [text if text is not None else (tok.decode(list(item["prompt_token_ids"]))
+                                                   if tok is not None else "")
+                    for item, text in items]
+
+    if req.stream:
+        return StreamingResponse(_stream_completions(state, req, sub, rid_prefix, created, index_of,
+                                                     prompt_texts),
+                                 media_type="text/event-stream", headers=_SSE_HEADERS)
+
+    final = await _collect_or_disconnect(sub, request)
+    if final is None:
+        return Response(status_code=499)
+    choices = []
+    outs = [final[rid] for rid in sub.request_ids]
+    for pi, out in enumerate(outs):
+        prefix_text = prompt_texts[pi] if req.echo else ""
+        for c in out.outputs:
+            lp = None
+            if req.logprobs is not None and c.logprobs is not None:
+                lp = _completion_logprobs(state, out.prompt_token_ids, c.token_ids, c.logprobs,
+                                          len(prefix_text), req.logprobs, req.skip_special_tokens)
+            choices.append(CompletionChoice(index=pi * req.n + c.index, text=prefix_text + c.text,
+                                            logprobs=lp, finish_reason=c.finish_reason,
+                                            stop_reason=c.stop_reason))
+    return CompletionResponse(id=rid_prefix, created=created, model=state.model_name,
+                              choices=choices, usage=_usage(outs)).model_dump()
+
+
+async def _add_one(sub: _Submission, i: int, item, params: SamplingParams) -> None:
+    rid = f"{sub.prefix}-{i}"
+    sub.request_ids.append(rid)
+    sub.unfinished.add(rid)
+    await sub.state.async_engine.add_request(rid, item, params, sub.queue,
+                                             prompt_text=item.get("prompt"))
+
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def _stream_completions(state, req: CompletionRequest, sub: _Submission, rid_prefix: str,
+                              created: int, index_of: dict, prompt_texts: list[str]):
+    sent_text: dict[tuple[str, int], int] = {}
+    sent_tokens: dict[tuple[str, int], int] = {}
+    offsets: dict[tuple[str, int], int] = {}
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    finals: dict[str, object] = {}
+
+    def chunk(choices, usage=None):
+        obj = CompletionStreamResponse(id=rid_prefix, created=created, model=state.model_name,
+                                       choices=choices, usage=usage).model_dump()
+        if usage is None:
+            obj.pop("usage")
+        return _sse(obj)
+
+    try:
+        if req.echo:
+            for pi, text in enumerate(prompt_texts):
+                for j in range(req.n):
+                    yield chunk([CompletionChoice(index=pi * req.n + j, text=text)])
+        async for out in sub.outputs():
+            pi = index_of[out.request_id]
+            if out.finished:
+                finals[out.request_id] = out
+            for c in out.outputs:
+                key = (out.request_id, c.index)
+                t0, n0 = sent_text.get(key, 0), sent_tokens.get(key, 0)
+                delta, new_ids = c.text[t0:], c.token_ids[n0:]
+                want_lp = req.logprobs is not None and c.logprobs is not None and bool(new_ids)
+                if not delta and c.finish_reason is None and not want_lp:
+                    continue
+                lp = None
+                if want_lp:
+                    lp = _completion_logprobs(state, out.prompt_token_ids + c.token_ids[:n0], new_ids,
+                                              c.logprobs[n0:len(c.token_ids)], offsets.get(key, 0),
+                                              req.logprobs, req.skip_special_tokens)
+                    offsets[key] = offsets.get(key, 0) + sum(len(t) for t in lp.tokens)
+                sent_text[key], sent_tokens[key] = len(c.text), len(c.token_ids)
+                yield chunk([CompletionChoice(index=pi * req.n + c.index, text=delta, logprobs=lp,
+                                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+        if include_usage:
+            yield chunk([], usage=_usage([finals[r] for r in sub.request_ids]))
+        yield "data: [DONE]\n\n"
+    except APIError as e:
+        yield _sse(e.body())
+        yield "data: [DONE]\n\n"
+    finally:
+        sub.abort_unfinished()
+
+
+# ------------------------------------------------------------------ /v1/chat/completions
+
+
+def _chat_logprobs(state: ServerState, context: list[int], token_ids: list[int], logprobs: list[dict],
+                   k: int, skip_special: bool) -> list[ChatLogprobToken]:
+    content = []
+    for text, chosen, alts in _logprob_entries(state, context, token_ids, logprobs, k, skip_special):
+        content.append(ChatLogprobToken(
+            token=text, logprob=chosen if chosen is not None else -9999.0, bytes=list(text.encode("utf-8")),
+            top_logprobs=[ChatTopLogprob(token=t, logprob=lp, bytes=list(t.encode("utf-8"))) for t, lp in alts]))
+    return content
+
+
+async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request):
+    if state.chat is None:
+        raise APIError("this model has no tokenizer, so chat is not available; use /v1/completions "
+                       "with token ids")
+    if req.tools:
+        raise APIError("tools are not supported", param="tools")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                for m in req.messages]
+    text = state.chat.render(messages, req.add_generation_prompt)
+    ids = state.chat.encode(text)
+    max_tokens = _max_tokens(state, len(ids), req.requested_max_tokens())
+    k = req.top_logprobs or 0
+    params = _sampling_params(req, max_tokens, k if req.logprobs else None)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    sub = _Submission(state, rid)
+    await _add_one(sub, 0, {"prompt_token_ids": ids, "prompt": text}, params)
+
+    if req.stream:
+        return StreamingResponse(_stream_chat(state, req, sub, rid, created, k),
+                                 media_type="text/event-stream", headers=_SSE_HEADERS)
+
+    final = await _collect_or_disconnect(sub, request)
+    if final is None:
+        return Response(status_code=499)
+    out = final[sub.request_ids[0]]
+    choices = []
+    for c in out.outputs:
+        lp = None
+        if req.logprobs and c.logprobs is not None:
+            lp = ChatChoiceLogprobs(content=_chat_logprobs(state, out.prompt_token_ids, c.token_ids,
+                                                           c.logprobs, k, req.skip_special_tokens))
+        choices.append(ChatCompletionChoice(index=c.index, message=ChatMessage(content=c.text),
+                                            logprobs=lp, finish_reason=c.finish_reason,
+                                            stop_reason=c.stop_reason))
+    return ChatCompletionResponse(id=rid, created=created, model=state.model_name, choices=choices,
+                                  usage=_usage([out])).model_dump()
+
+
+async def _stream_chat(state, req: ChatCompletionRequest, sub: _Submission, rid: str, created: int,
+                       k: int):
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    sent_text: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
+    final = None
+
+    def chunk(choices, usage=None):
+        obj = ChatCompletionStreamResponse(id=rid, created=created, model=state.model_name,
+                                           choices=choices, usage=usage).model_dump()
+        if usage is None:
+            obj.pop("usage")
+        for ch in obj["choices"]:
+            ch["delta"] = {k: v for k, v in ch["delta"].items() if v is not None}
+        return _sse(obj)
+
+    try:
+        for j in range(req.n):
+            yield chunk([ChatCompletionStreamChoice(index=j, delta=DeltaMessage(role="assistant", content=""))])
+        async for out in sub.outputs():
+            if out.finished:
+                final = out
+            for c in out.outputs:
+                t0, n0 = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
+                delta, new_ids = c.text[t0:], c.token_ids[n0:]
+                want_lp = req.logprobs and c.logprobs is not None and new_ids
+                if not delta and c.finish_reason is None and not want_lp:
+                    continue
+                lp = None
+                if want_lp:
+                    lp = ChatChoiceLogprobs(content=_chat_logprobs(
+                        state, out.prompt_token_ids + c.token_ids[:n0], new_ids,
+                        c.logprobs[n0:len(c.token_ids)], k, req.skip_special_tokens))
+                sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                if delta:
+                    yield chunk([ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(content=delta),
+                                                            logprobs=lp)])
+                    lp = None
+                if c.finish_reason is not None or lp is not None:
+                    yield chunk([ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(),
+                                                            logprobs=lp, finish_reason=c.finish_reason,
+                                                            stop_reason=c.stop_reason)])
+        if include_usage and final is not None:
+            yield chunk([], usage=_usage([final]))
+        yield "data: [DONE]\n\n"
+    except APIError as e:
+        yield _sse(e.body())
+        yield "data: [DONE]\n\n"
+    finally:
+        sub.abort_unfinished()

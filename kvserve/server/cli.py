@@ -1,0 +1,84 @@
+"""`kvserve serve`: load a model and serve it over the OpenAI API (server/app.py).
+
+    kvserve serve --model /path/to/model [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+                  [--served-model-name NAME] [--max-waiting N] [--chat-template FILE]
+                  [--shutdown-timeout S] [engine flags: --max-num-seqs, --block-size, ...]
+
+SIGTERM (or Ctrl-C) shuts down gracefully: the listening socket closes at once, in-flight
+requests run to completion for up to --shutdown-timeout seconds (then they are aborted and
+their clients' streams end), the engine loop stops, and the process exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    from kvserve.config import EngineConfig
+
+    EngineConfig.add_cli_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KVSERVE_API_KEY)")
+    g.add_argument("--served-model-name", default=None,
+                   help="model name in requests and /v1/models (default: the model directory's base name)")
+    g.add_argument("--max-waiting", type=int, default=1024,
+                   help="refuse new requests with 503 while this many are already waiting "
+                        "(0 disables the limit)")
+    g.add_argument("--chat-template", default=None,
+                   help="jinja2 chat template file (default: the model's, else a plain fallback)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may run on after SIGTERM")
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def served_name(args) -> str:
+    return args.served_model_name or os.path.basename(os.path.normpath(args.model))
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from kvserve.config import EngineConfig
+    from kvserve.engine.engine import LLMEngine
+    from kvserve.server.app import build_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("kvserve.server")
+    engine = LLMEngine(EngineConfig.from_cli_args(args))
+    name = served_name(args)
+    app = build_app(engine, name, api_key=args.api_key or None,
+                    max_waiting=args.max_waiting if args.max_waiting > 0 else None,
+                    chat_template=args.chat_template)
+    log.info("serving %s as %r on http://%s:%d (max_model_len %d)", args.model, name, args.host,
+             args.port, engine.config.max_model_len)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
+    server = uvicorn.Server(config)
+    # uvicorn re-raises the signal that stopped it once it has shut down; with a no-op handler
+    # in place that re-raise is harmless and a graceful SIGTERM ends with exit status 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    server.run()
+    if not server.started:
+        return 1            # e.g. the port was taken
+    log.info("server stopped")
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve a model over the OpenAI API",
+                              description=__doc__.splitlines()[0])
+    add_cli_args(p)
+    p.set_defaults(func=cmd_serve)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="kvserve serve")
+    add_cli_args(parser)
+    sys.exit(cmd_serve(parser.parse_args()))

@@ -1,0 +1,167 @@
+"""Prometheus metrics for `GET /metrics`, named as vLLM names them under a `kvserve:` prefix.
+
+A Grafana dashboard built for vLLM works after replacing `vllm:` with `kvserve:`.
+
+Per-request histograms, observed once when a request finishes, from the engine's own
+`RequestOutput.metrics` timestamps (seed 001's vocabulary, measured inside the server):
+
+    kvserve:time_to_first_token_seconds      arrival -> first generated token
+    kvserve:inter_token_latency_seconds      one sample per gap between consecutive tokens
+    kvserve:time_per_output_token_seconds    (last token - first token) / (tokens - 1), per request
+    kvserve:e2e_request_latency_seconds      arrival -> finished
+    kvserve:request_queue_time_seconds       arrival -> first scheduled
+    kvserve:request_prefill_time_seconds     first scheduled -> first token
+    kvserve:request_decode_time_seconds      first token -> last token
+    kvserve:request_prompt_tokens            prompt length
+    kvserve:request_generation_tokens        generated tokens
+    kvserve:request_success_total{finished_reason=stop|length|abort}
+
+Engine state, read from the latest `engine.stats()` snapshot (taken by the engine loop thread
+after every step, because the engine is not thread-safe) at scrape time:
+
+    kvserve:num_requests_running, kvserve:num_requests_waiting, kvserve:kv_cache_usage_perc,
+    kvserve:num_kv_blocks_free, kvserve:num_kv_blocks_total (gauges);
+    kvserve:num_preemptions_total, kvserve:prompt_tokens_total, kvserve:generation_tokens_total,
+    kvserve:prefix_cache_queries_total, kvserve:prefix_cache_hits_total (counters; the prefix
+    cache pair counts tokens, and is present when the engine reports it).
+
+Server: kvserve:http_requests_rejected_total{reason=overloaded|bad_request|unauthorized}.
+Every series carries `model_name`.
+"""
+from __future__ import annotations
+
+import math
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for app.py)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+# Fine at the low end: on a small model a decode step takes a millisecond or two.
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2,
+                    0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
+                    20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+# engine.stats() attribute -> (metric name, kind, help)
+_STATS_METRICS = (
+    ("num_running", "kvserve:num_requests_running", "gauge", "Requests in the running batch."),
+    ("num_waiting", "kvserve:num_requests_waiting", "gauge", "Requests waiting to be scheduled."),
+    ("kv_cache_usage", "kvserve:kv_cache_usage_perc", "gauge",
+     "Fraction of KV-cache blocks in use (1 = full)."),
+    ("num_free_blocks", "kvserve:num_kv_blocks_free", "gauge", "Free KV-cache blocks."),
+    ("num_total_blocks", "kvserve:num_kv_blocks_total", "gauge", "KV-cache blocks in the pool."),
+    ("num_preemptions_total", "kvserve:num_preemptions", "counter",
+     "Requests preempted (their KV blocks freed for others) since start."),
+    ("prompt_tokens_total", "kvserve:prompt_tokens", "counter", "Prompt tokens processed."),
+    ("generation_tokens_total", "kvserve:generation_tokens", "counter", "Tokens generated."),
+    ("prefix_cache_queries_total", "kvserve:prefix_cache_queries", "counter",
+     "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits_total", "kvserve:prefix_cache_hits", "counter",
+     "Prompt tokens found in the prefix cache."),
+)
+
+
+class _EngineStatsCollector:
+    """Exposes the latest engine-stats snapshot; the snapshot is replaced, never mutated."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.snapshot = None
+
+    def collect(self):
+        snap = self.snapshot
+        for attr, name, kind, doc in _STATS_METRICS:
+            value = getattr(snap, attr, None) if snap is not None else None
+            if value is None:
+                if snap is None and kind == "gauge":
+                    value = 0            # before the first step: an idle engine
+                else:
+                    continue             # the engine does not report this one
+            fam = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+                name, doc, labels=["model_name"])
+            fam.add_metric([self.model_name], float(value))
+            yield fam
+
+
+class ServerMetrics:
+    """All metrics of one server, in their own registry (so tests can build several apps)."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+        self.ttft = Histogram("kvserve:time_to_first_token_seconds",
+                              "Time from arrival to the first generated token.", labels,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("kvserve:inter_token_latency_seconds",
+                             "Time between consecutive generated tokens of a request.", labels,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("kvserve:time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request.", labels,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("kvserve:e2e_request_latency_seconds",
+                             "Time from arrival to the request finishing.", labels,
+                             buckets=_REQUEST_BUCKETS, registry=r)
+        self.queue = Histogram("kvserve:request_queue_time_seconds",
+                               "Time from arrival to first being scheduled.", labels,
+                               buckets=_REQUEST_BUCKETS, registry=r)
+        self.prefill = Histogram("kvserve:request_prefill_time_seconds",
+                                 "Time from first scheduled to the first token.", labels,
+                                 buckets=_REQUEST_BUCKETS, registry=r)
+        self.decode = Histogram("kvserve:request_decode_time_seconds",
+                                "Time from the first token to the last.", labels,
+                                buckets=_REQUEST_BUCKETS, registry=r)
+        self.prompt_tokens = Histogram("kvserve:request_prompt_tokens", "Prompt tokens per request.",
+                                       labels, buckets=_TOKEN_BUCKETS, registry=r)
+        self.generation_tokens = Histogram("kvserve:request_generation_tokens",
+                                           "Generated tokens per request.", labels,
+                                           buckets=_TOKEN_BUCKETS, registry=r)
+        self.success = Counter("kvserve:request_success", "Finished requests by finish reason.",
+                               labels + ["finished_reason"], registry=r)
+        self.rejected = Counter("kvserve:http_requests_rejected", "HTTP requests refused, by reason.",
+                                labels + ["reason"], registry=r)
+        self.stats = _EngineStatsCollector(model_name)
+        r.register(self.stats)
+
+    def update_stats(self, snapshot) -> None:
+        self.stats.snapshot = snapshot
+
+    def observe_finished(self, output) -> None:
+        """Record one finished `RequestOutput` (called once per engine request)."""
+        m = output.metrics
+        name = self.model_name
+        if m is not None:
+            _observe(self.ttft, name, getattr(m, "ttft", None))
+            _observe(self.tpot, name, getattr(m, "tpot", None))
+            _observe(self.e2e, name, getattr(m, "e2e", None))
+            _observe(self.queue, name, getattr(m, "queue_time", None))
+            first_sched = getattr(m, "first_scheduled_time", None)
+            first_tok = getattr(m, "first_token_time", None)
+            last_tok = getattr(m, "last_token_time", None)
+            if first_sched is not None and first_tok is not None:
+                _observe(self.prefill, name, first_tok - first_sched)
+            if first_tok is not None and last_tok is not None:
+                _observe(self.decode, name, last_tok - first_tok)
+            hist = self.itl.labels(name)
+            for gap in getattr(m, "itl", None) or ():
+                if gap is not None and math.isfinite(gap) and gap >= 0:
+                    hist.observe(gap)
+        self.prompt_tokens.labels(name).observe(len(output.prompt_token_ids or ()))
+        for c in output.outputs:
+            self.generation_tokens.labels(name).observe(len(c.token_ids))
+            self.success.labels(name, c.finish_reason or "abort").inc()
+
+    def observe_abort(self, num_sequences: int = 1) -> None:
+        self.success.labels(self.model_name, "abort").inc(num_sequences)
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _observe(hist: Histogram, name: str, value) -> None:
+    if value is not None and math.isfinite(value) and value >= 0:
+        hist.labels(name).observe(value)

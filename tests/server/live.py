@@ -1,0 +1,76 @@
+"""Start `kvserve serve` in a subprocess on 127.0.0.1 and a free port; stop it afterwards."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+STORIES_HF = ROOT.parent / "shared" / "models" / "stories260K-hf"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    def __init__(self, *extra_args: str, env: dict | None = None, startup_timeout: float = 90.0):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(STORIES_HF),
+               "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning", *extra_args]
+        full_env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", NO_PROXY="*")
+        full_env.update(env or {})
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvserve-test-{self.port}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvserve serve exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"kvserve serve did not become healthy:\n{self.log()}")
+            time.sleep(0.2)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus samples as {'name{labels}': value}, and {'name': value} summed over labels."""
+        text = httpx.get(self.base_url + "/metrics", timeout=10, trust_env=False).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+            name = key.split("{", 1)[0]
+            if "{" in key:
+                out[name] = out.get(name, 0.0) + float(value)
+        return out
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
