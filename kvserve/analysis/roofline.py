@@ -129,13 +129,20 @@ def plot_roofline(hw: HardwareSpec | tuple[float, float], ops: list[Op], path: s
     fig, ax = plt.subplots(figsize=(8, 5))
     ax.loglog(x, np.minimum(P, Bw * x) / 1e9, color="red", lw=2, label=f"{label} roof")
     ax.scatter([ridge], [P / 1e9], color="red", marker="^", zorder=5)
-    ax.annotate(f"ridge {ridge:.2f} FLOP/B", (ridge, P / 1e9), textcoords="offset points", xytext=(6, -14),
-                color="red")
+    ax.annotate(f"ridge {ridge:.2f} FLOP/B", (ridge, P / 1e9), textcoords="offset points", xytext=(-8, -4),
+                color="red", ha="right")
+    n_flat = 0
     for op in ops:
         y = op.achieved if op.achieved is not None else attainable(op.intensity, P, Bw)
         ax.scatter([op.intensity], [y / 1e9], s=50, zorder=6)
+        if y >= P * 0.999:  # on the flat roof: stagger the labels above it
+            n_flat += 1
+            offset, ha = (0, 6 + 12 * (n_flat - 1)), "center"
+        else:
+            offset, ha = (6, -4), "left"
         ax.annotate(f"{op.name} ({op.intensity:.3g}, {y / 1e9:.3g})", (op.intensity, y / 1e9),
-                    textcoords="offset points", xytext=(6, 4), fontsize=8)
+                    textcoords="offset points", xytext=offset, fontsize=8, ha=ha)
+    ax.set_ylim(top=P / 1e9 * 8)
     ax.set_xlabel("Arithmetic intensity (FLOP/byte)")
     ax.set_ylabel("Attainable performance (GFLOP/s)")
     ax.set_title(title or "Roofline")

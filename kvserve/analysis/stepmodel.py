@@ -190,7 +190,8 @@ def fit_step_model(n_tokens, ctx_sum, step_s, iters: int = 50) -> StepFit:
     n_tokens: tokens scheduled in each step [n]; ctx_sum: cached tokens read by each step [n];
     step_s: measured step time [n], seconds. The fit alternates between assigning each sample to the
     memory or the compute branch of the max and solving the (then linear) non-negative least squares
-    problem, from several starting splits, and keeps the best. A branch with no samples has its
+    problem in relative error (each residual divided by its measured time), from several starting
+    splits, and keeps the best. A branch with no samples has its
     parameters reported as 0 (not identifiable from the data).
     """
     n = np.asarray(n_tokens, float)
@@ -198,6 +199,9 @@ def fit_step_model(n_tokens, ctx_sum, step_s, iters: int = 50) -> StepFit:
     y = np.asarray(step_s, float)
     if not (len(n) == len(c) == len(y)) or len(y) < 3:
         raise ValueError("fit_step_model needs at least 3 samples of equal-length n_tokens, ctx_sum, step_s")
+    if np.any(y <= 0):
+        raise ValueError("step times must be positive")
+    w = y  # weights: minimise the relative error of each step
     best = None
     order = np.argsort(n)
     starts = [np.zeros(len(y), bool), np.ones(len(y), bool)]
@@ -208,14 +212,14 @@ def fit_step_model(n_tokens, ctx_sum, step_s, iters: int = 50) -> StepFit:
     for comp in starts:
         for _ in range(iters):
             A = np.column_stack([np.ones_like(y), ~comp, np.where(comp, 0.0, c), np.where(comp, n, 0.0)])
-            p = _nnls(A, y)
+            p = _nnls(A / w[:, None], y / w)  # relative least squares: every step counts alike
             t0, tW, tkv, ttok = p
             new = ttok * n > tW + tkv * c
             if np.array_equal(new, comp):
                 break
             comp = new
         pred = t0 + np.maximum(tW + tkv * c, ttok * n)
-        sse = float(np.sum((pred - y) ** 2))
+        sse = float(np.sum(((pred - y) / w) ** 2))
         if best is None or sse < best[0]:
             best = (sse, p, comp.copy(), pred)
     _, (t0, tW, tkv, ttok), comp, pred = best
@@ -224,37 +228,59 @@ def fit_step_model(n_tokens, ctx_sum, step_s, iters: int = 50) -> StepFit:
                    float(np.max(np.abs(rel))), int((~comp).sum()), int(comp.sum()))
 
 
-def calibrate_engine(model_path: str, batch_sizes=(1, 2, 4, 8), prompt_lens=(16, 64, 256), n_decode: int = 16,
-                     repeats: int = 2) -> tuple[StepFit, list[dict]]:
-    """Time the real engine (kvserve.LLM) and fit the step model to it.
+def calibrate_engine(model_path: str, batch_sizes=(1, 2, 4, 8, 16), prompt_lens=(8, 32, 128), n_decode: int = 12,
+                     engine_kwargs: dict | None = None, seed: int = 0) -> tuple[StepFit, list[dict]]:
+    """Time real engine steps (kvserve.LLM / LLMEngine) and fit the step model to them.
 
-    Prefill samples: generate 1 token for a batch of prompts (one step of sum(prompt) tokens).
-    Decode samples: (time(n_decode tokens) - time(1 token)) / (n_decode - 1) per decode step of B
-    sequences at mean context prompt + n_decode / 2. Imports kvserve lazily; raises ImportError
-    if the engine is not available.
+    For each (batch, prompt length) it adds `batch` requests of random prompt tokens that generate
+    `n_decode` tokens (ignore_eos), then calls `engine.step()` until they finish, timing every step
+    and recording its composition from the scheduler's output: tokens scheduled and cached tokens the
+    step reads (sum of num_computed_tokens before the step). The samples go to `fit_step_model`.
+    Imports kvserve lazily; raises ImportError if the engine is not importable.
     """
+    import random
     import time as _time
 
-    from kvserve import LLM, SamplingParams  # noqa: lazy, the engine may not exist yet
+    from kvserve import LLM, SamplingParams  # lazy: the engine is a separate part of kvserve
 
-    llm = LLM(model=model_path)
+    llm = LLM(model=model_path, **(engine_kwargs or {}))
+    eng = llm.engine
+    orig_schedule = eng.scheduler.schedule
+    current: dict = {}
 
-    def run(prompts, max_tokens):
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        t0 = _time.perf_counter()
-        llm.generate(prompts, sp)
-        return _time.perf_counter() - t0
+    def recording_schedule():
+        out = orig_schedule()
+        current["n_tokens"] = sum(n for _, n in out.scheduled)
+        current["ctx_sum"] = sum(req.num_computed_tokens for req, _ in out.scheduled)
+        current["n_seqs"] = len(out.scheduled)
+        return out
 
-    samples = []
-    for P in prompt_lens:
-        for B in batch_sizes:
-            prompts = [{"prompt_token_ids": [(7 * i + j) % 200 + 10 for j in range(P)]} for i in range(B)]
-            run(prompts, 2)  # warm-up
-            t1 = min(run(prompts, 1) for _ in range(repeats))
-            tn = min(run(prompts, n_decode) for _ in range(repeats))
-            samples.append({"n_tokens": B * P, "ctx_sum": 0, "step_s": t1, "kind": "prefill", "B": B, "P": P})
-            samples.append({"n_tokens": B, "ctx_sum": B * (P + n_decode / 2),
-                            "step_s": max(tn - t1, 1e-9) / (n_decode - 1), "kind": "decode", "B": B, "P": P})
+    eng.scheduler.schedule = recording_schedule
+    vocab = int(getattr(eng.model_config, "vocab_size", 512))
+    rng = random.Random(seed)
+    samples, rid = [], 0
+    try:
+        warm = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        eng.add_request("calib-warmup", {"prompt_token_ids": [3] * max(prompt_lens)}, warm)
+        while eng.has_unfinished_requests():
+            eng.step()
+        for P in prompt_lens:
+            for B in batch_sizes:
+                params = SamplingParams(max_tokens=n_decode, temperature=0.0, ignore_eos=True)
+                for _ in range(B):
+                    ids = [rng.randrange(3, vocab) for _ in range(P)]
+                    eng.add_request(f"calib-{rid}", {"prompt_token_ids": ids}, params)
+                    rid += 1
+                while eng.has_unfinished_requests():
+                    current.clear()
+                    t0 = _time.perf_counter()
+                    eng.step()
+                    dt = _time.perf_counter() - t0
+                    if current.get("n_tokens"):
+                        samples.append({"n_tokens": current["n_tokens"], "ctx_sum": current["ctx_sum"],
+                                        "n_seqs": current["n_seqs"], "step_s": dt, "B": B, "P": P})
+    finally:
+        eng.scheduler.schedule = orig_schedule
     fit = fit_step_model([s["n_tokens"] for s in samples], [s["ctx_sum"] for s in samples],
                          [s["step_s"] for s in samples])
     return fit, samples

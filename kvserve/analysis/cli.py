@@ -1,0 +1,455 @@
+"""`kvserve plan ...` and `kvserve simulate ...`: the analysis toolkit on the command line.
+
+Each subcommand prints a readable table and, with --plot PATH, writes a figure.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+from . import kvmath, roofline
+from .specs import HARDWARE, MODELS, HardwareSpec, dtype_bytes, get_hardware, get_model, measure_hardware
+
+GB = 1e9
+
+
+# -- formatting --------------------------------------------------------------------------------------
+def _fmt(v) -> str:
+    if isinstance(v, bool) or v is None:
+        return str(v)
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        if math.isinf(v) or math.isnan(v):
+            return str(v)
+        a = abs(v)
+        if a == 0:
+            return "0"
+        if a >= 1e5 or a < 1e-3:
+            return f"{v:.3g}"
+        if a >= 100:
+            return f"{v:,.0f}"
+        return f"{v:.3g}" if a < 1 else f"{v:.2f}"
+    return str(v)
+
+
+def table(rows: list[dict], columns: list[str] | None = None) -> str:
+    """Plain-text table of dict rows (columns default to the first row's keys)."""
+    if not rows:
+        return "(no rows)"
+    cols = columns or list(rows[0])
+    cells = [[_fmt(r.get(c, "")) for c in cols] for r in rows]
+    width = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    line = lambda xs: "  ".join(x.rjust(w) for x, w in zip(xs, width))
+    return "\n".join([line(cols), line(["-" * w for w in width])] + [line(r) for r in cells])
+
+
+def kv_table(pairs: list[tuple[str, object]]) -> str:
+    w = max(len(k) for k, _ in pairs)
+    return "\n".join(f"{k.ljust(w)}  {_fmt(v)}" for k, v in pairs)
+
+
+# -- shared arguments ---------------------------------------------------------------------------------
+def _add_hw(p, default="h100"):
+    p.add_argument("--hw", default=default, help=f"hardware preset: {', '.join(HARDWARE)}")
+    p.add_argument("--measure", action="store_true", help="measure this machine's bandwidth and matmul FLOP/s")
+    p.add_argument("--dtype", default="bf16", help="weight / compute dtype (bf16, fp16, fp8, fp32, int4)")
+    p.add_argument("--n-gpu", type=int, default=1, help="GPUs per replica (tensor parallel)")
+
+
+def _add_model(p, default="llama-3.1-8b"):
+    p.add_argument("--model", default=default,
+                   help=f"model preset ({', '.join(MODELS)}) or a path to a HF config.json / model dir")
+    p.add_argument("--kv-dtype", default="bf16", help="KV cache dtype")
+
+
+def _hw(args) -> HardwareSpec:
+    if getattr(args, "measure", False):
+        hw = measure_hardware(dtype="fp32" if args.dtype not in ("fp32", "bf16", "fp16") else args.dtype)
+        print(f"measured: {hw.name}: copy bandwidth {hw.bandwidth / GB:.1f} GB/s, "
+              f"matmul {list(hw.flops.values())[0] / 1e9:.1f} GFLOP/s ({hw.note})")
+        return HardwareSpec(hw.name, {args.dtype: list(hw.flops.values())[0]}, hw.bandwidth, hw.memory, hw.note)
+    return get_hardware(args.hw)
+
+
+def _step_model(args, hw=None):
+    from .stepmodel import StepModel
+    return StepModel(get_model(args.model), hw or _hw(args), args.n_gpu, args.dtype, args.kv_dtype,
+                     mfu=args.mfu, t0=args.t0_ms / 1e3)
+
+
+# -- plan ---------------------------------------------------------------------------------------------
+def cmd_specs(args) -> int:
+    print(table([{"preset": k, "name": h.name, "bf16_TFLOPs": h.flops.get("bf16", 0) / 1e12,
+                  "fp32_TFLOPs": h.flops.get("fp32", 0) / 1e12, "bandwidth_TB/s": h.bandwidth / 1e12,
+                  "memory_GB": h.memory / GB, "ridge_bf16": h.ridge_point("bf16")} for k, h in HARDWARE.items()]))
+    print()
+    print(table([{"preset": k, "name": m.name, "params_B": m.n_params / 1e9, "layers": m.n_layers,
+                  "d_model": m.d_model, "heads": m.n_heads, "kv_heads": m.n_kv_heads, "head_dim": m.head_dim,
+                  "KV_KiB/token": kvmath.kv_bytes_per_token(m) / 1024} for k, m in MODELS.items()]))
+    if args.measure:
+        _hw(argparse.Namespace(measure=True, dtype="fp32"))
+    return 0
+
+
+def cmd_roofline(args) -> int:
+    hw = _hw(args)
+    P, Bw = hw.peak(args.dtype), hw.bandwidth
+    m = get_model(args.model)
+    ops = [roofline.vector_op(1_000_000, dtype="fp32")]
+    if args.vector_time:
+        ops[0] = ops[0].timed(args.vector_time)
+    for n in args.matmul:
+        ops.append(roofline.matmul(n, n, n, args.dtype))
+    for b in args.batch:
+        ops.append(roofline.decode_step(m, b, args.context, args.dtype, args.kv_dtype))
+    for t in args.prefill:
+        ops.append(roofline.prefill_step(m, t, args.dtype, args.kv_dtype))
+    print(f"{hw.name} {args.dtype}: peak {P / 1e12:.1f} TFLOP/s, bandwidth {Bw / 1e12:.3g} TB/s, "
+          f"ridge point {P / Bw:.2f} FLOP/byte")
+    rows = []
+    for op in ops:
+        att = roofline.attainable(op.intensity, P, Bw)
+        rows.append({"op": op.name, "GFLOP": op.flops / 1e9, "GB moved": op.bytes / GB,
+                     "FLOP/byte": op.intensity, "bound": roofline.bound(op, P, Bw),
+                     "attainable_TFLOP/s": att / 1e12, "min_time_ms": roofline.min_time(op, P, Bw) * 1e3,
+                     "achieved_GFLOP/s": op.achieved / 1e9 if op.achieved else None})
+    print(table(rows))
+    if args.plot:
+        roofline.plot_roofline(hw, ops, args.plot, args.dtype, f"Roofline: {hw.name} ({args.dtype}), {m.name}")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def cmd_kv(args) -> int:
+    m = get_model(args.model)
+    per = kvmath.kv_bytes_per_token(m, args.kv_dtype)
+    pairs = [("model", m.name), ("KV bytes / token", int(per)), ("KV KiB / token", per / 1024),
+             (f"KV GiB / sequence of {args.seq_len}", kvmath.kv_cache_bytes(m, args.seq_len, 1, args.kv_dtype) / 2**30),
+             (f"KV GB / sequence of {args.seq_len}", kvmath.kv_cache_bytes(m, args.seq_len, 1, args.kv_dtype) / GB),
+             (f"KV GB / batch of {args.batch}", kvmath.kv_cache_bytes(m, args.seq_len, args.batch, args.kv_dtype) / GB),
+             (f"weights GB ({args.dtype})", m.weight_bytes(args.dtype) / GB),
+             ("attention overtakes linear at T >", kvmath.attention_crossover_tokens(m.d_model)),
+             ("decode attention FLOP/byte", kvmath.decode_attention_intensity(m, args.kv_dtype))]
+    if args.budget_gib is not None:
+        budget = args.budget_gib * 2**30
+    else:
+        hw = get_hardware(args.hw)
+        budget = kvmath.kv_budget(hw.memory, m, args.n_gpu, args.dtype, args.gpu_memory_utilization)
+        pairs.append((f"KV budget GiB ({args.n_gpu} x {hw.name}, {args.gpu_memory_utilization:.0%})", budget / 2**30))
+    pairs += [(f"contexts of {args.seq_len} that fit", kvmath.contexts_that_fit(budget, args.seq_len, m, args.kv_dtype)),
+              (f"paging waste / seq (blocks of {args.block_size})", kvmath.paging_waste_slots(args.block_size))]
+    print(kv_table(pairs))
+    return 0
+
+
+def cmd_ceiling(args) -> int:
+    hw = get_hardware(args.hw)
+    bw = args.bw_tbs * 1e12 if args.bw_tbs else hw.bandwidth
+    m = get_model(args.model)
+    n_params = args.params or m.n_params
+    wb = n_params * dtype_bytes(args.dtype)
+    rows = []
+    for b in args.batch:
+        rows.append({"batch": b, "seq_len": args.seq_len,
+                     "weights_only_tok/s": kvmath.decode_ceiling_weights_only(n_params, bw, args.dtype, b),
+                     "weights+KV_tok/s": kvmath.decode_ceiling_tps(wb, bw, b, args.seq_len, m, args.kv_dtype),
+                     "KV/weights bytes": kvmath.kv_cache_bytes(m, args.seq_len, b, args.kv_dtype) / wb})
+    print(f"{n_params / 1e9:.3g}B parameters in {args.dtype} ({wb / GB:.1f} GB), {bw / 1e12:.3g} TB/s")
+    print(table(rows))
+    return 0
+
+
+def cmd_little(args) -> int:
+    r = kvmath.fleet_throughput(args.concurrency, args.output_tokens, args.tpot_ms / 1e3)
+    print(kv_table([("concurrency L", args.concurrency), ("time in system W (s)", r["latency_s"]),
+                    ("requests / s (lambda = L / W)", r["requests_per_s"]),
+                    ("output tokens / s", r["tokens_per_s"])]))
+    return 0
+
+
+def cmd_step(args) -> int:
+    hw = _hw(args)
+    sm = _step_model(args, hw)
+    ctx = args.T_in + args.T_out / 2
+    print(kv_table([
+        ("model / hardware", f"{sm.model.name} on {args.n_gpu} x {hw.name} ({args.dtype})"),
+        ("t_W weight read (ms)", sm.t_W * 1e3), (f"t_K cache read at T={ctx:.0f} (ms)", sm.t_K(ctx) * 1e3),
+        (f"t_F arithmetic at T={ctx:.0f} (ms)", sm.t_F(ctx) * 1e3), ("t_N weight arithmetic (ms)", sm.t_N * 1e3),
+        ("t_0 overhead (ms)", sm.t0 * 1e3), ("knee B* (t_K = 0)", sm.knee_batch(0)),
+        (f"knee B* at T={ctx:.0f}", sm.knee_batch(ctx)),
+        (f"prefill of {args.T_in} tokens at MFU {args.mfu} (ms)", sm.prefill_time(args.T_in) * 1e3)]))
+    print()
+    rows = []
+    for b in args.batch:
+        w = sm.workload(b, args.T_in, args.T_out)
+        rows.append({"batch": b, "ttft_ms": w["ttft_s"] * 1e3, "tpot_ms": w["tpot_s"] * 1e3,
+                     "ttlt_s": w["ttlt_s"], "tokens/s": w["tokens_per_s"], "bound": w["bound"],
+                     "chunk budget C*": sm.chunk_budget(b, ctx)})
+    print(table(rows))
+    if args.plot:
+        from .plots import plot_step_times
+        bs = sorted({int(round(2 ** (k / 4))) for k in range(0, 45)})
+        plot_step_times(sm, bs, [0, args.T_in, 4 * args.T_in], args.plot, f"{sm.model.name} on {hw.name}")
+        print(f"wrote {args.plot}")
+    if args.calibrate:
+        return _calibrate(args)
+    return 0
+
+
+def _calibrate(args) -> int:
+    from .stepmodel import calibrate_engine
+    try:
+        fit, samples = calibrate_engine(args.calibrate)
+    except ImportError as e:
+        print(f"--calibrate needs the kvserve engine (from kvserve import LLM): {e}")
+        return 2
+    print(f"\ncalibration on {args.calibrate}: {len(samples)} engine steps "
+          f"({fit.n_memory} memory-branch, {fit.n_compute} compute-branch)")
+    print(kv_table([("t_0 (ms)", fit.t0 * 1e3), ("t_W (ms)", fit.t_W * 1e3),
+                    ("t_K per cached token (us)", fit.t_kv * 1e6), ("per-token cost (us)", fit.t_tok * 1e6),
+                    ("fit error, relative RMSE", fit.rel_rmse), ("fit error, max relative", fit.max_rel_err)]))
+    if args.calibrate_plot:
+        from .plots import plot_fit
+        plot_fit(fit, samples, args.calibrate_plot)
+        print(f"wrote {args.calibrate_plot}")
+    return 0
+
+
+def cmd_preempt(args) -> int:
+    from .disagg import recompute_time, swap_break_even_bw, swap_time, tier_reload_wins
+    hw, m = get_hardware(args.hw), get_model(args.model)
+    be = swap_break_even_bw(m, hw, args.mfu, args.dtype, args.kv_dtype)
+    tier = tier_reload_wins(m, hw, args.link_gbs * GB, args.n_gpu, args.mfu, args.dtype, args.kv_dtype)
+    print(kv_table([
+        ("swap/recompute break-even (GB/s per GPU)", be / GB),
+        (f"swap {args.tokens} tokens at {args.link_gbs} GB/s (ms)",
+         swap_time(m, args.tokens, args.link_gbs * GB, args.n_gpu, args.kv_dtype) * 1e3),
+        (f"recompute {args.tokens} tokens (ms)", recompute_time(m, hw, args.tokens, args.n_gpu, args.mfu, args.dtype) * 1e3),
+        ("cheaper", "swap" if args.link_gbs * GB > be else "recompute"),
+        ("tier reload break-even (GB/s per replica)", tier["break_even_bw"] / GB),
+        (f"reload from a {args.link_gbs} GB/s tier wins", tier["reload_wins"])]))
+    return 0
+
+
+def cmd_disagg(args) -> int:
+    from .disagg import disagg_plan, prefill_time, transfer_fraction, transfer_time
+    hw, m = get_hardware(args.hw), get_model(args.model)
+    link = args.link_gbs * GB
+    print(kv_table([
+        ("KV transfer / prefill (attention ignored)", transfer_fraction(m, hw, link, args.n_gpu, args.mfu, args.dtype)),
+        (f"KV of a {args.T_in}-token prompt (GB)", kvmath.kv_cache_bytes(m, args.T_in, 1, args.kv_dtype) / GB),
+        ("transfer time (ms)", transfer_time(m, args.T_in, link, args.kv_dtype) * 1e3),
+        ("prefill time (ms)", prefill_time(m, hw, args.T_in, args.n_gpu, args.mfu, args.dtype) * 1e3)]))
+    if args.rate:
+        p = disagg_plan(args.rate, args.T_in, args.T_out, m, hw, link, args.ttft_ms / 1e3, args.tpot_ms / 1e3,
+                        mfu=args.mfu, max_util=args.max_util, c_half=args.c_half, n_gpu=args.n_gpu,
+                        t0=args.t0_ms / 1e3)
+        print()
+        print(table([p["disaggregated"].row(), p["collocated"].row()]))
+        d = p["disaggregated"].detail
+        print(f"\ndisaggregated: {d['prefill_replicas']} prefill + {d['decode_replicas']} decode replicas "
+              f"(decode batch {d['decode_batch']}); collocated: {p['collocated'].detail}")
+        print(f"winner: {p['winner']} -- {p['why']}")
+    return 0
+
+
+# -- simulate -----------------------------------------------------------------------------------------
+def cmd_sim_batching(args) -> int:
+    from .simulate import batching_experiment, static_utilization_theory
+    res = {r: batching_experiment(r, args.requests, args.slots, args.mean_output, args.seed) for r in args.rate}
+    rows = []
+    for rate, runs in res.items():
+        for pol, run in runs.items():
+            rows.append({"rate/step": rate, "policy": pol, "utilisation": run["utilization"],
+                         "mean_wait": run["mean_wait"], "p99_wait": run["p99_wait"],
+                         "admitted_at_once": run["frac_admitted_at_once"], "total_steps": run["total_steps"]})
+    print(f"{args.requests} requests, {args.slots} slots, exponential outputs of mean {args.mean_output} steps; "
+          f"static saturates at 1/H_{args.slots} = {static_utilization_theory(args.slots):.1%}")
+    print(table(rows))
+    if args.plot:
+        from .plots import plot_batching
+        plot_batching(res, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def cmd_sim_serving(args) -> int:
+    from .simulate import make_requests, simulate_serving
+    from .stepmodel import StepModel
+    sm = StepModel(get_model(args.model), _hw(args), args.n_gpu, args.dtype, args.kv_dtype, mfu=args.mfu,
+                   t0=args.t0_ms / 1e3)
+    reqs = make_requests(args.requests, args.rate, args.mean_prompt, args.mean_output, args.seed)
+    runs = [("static", "static", None), ("continuous", "continuous", None)] + [
+        (f"chunked {b}", "chunked", b) for b in args.budget]
+    rows = []
+    for name, pol, b in runs:
+        s = simulate_serving(reqs, sm, args.slots, pol, b)
+        rows.append({"policy": name, "finished": s["finished"], "ttft_p50_s": s["ttft_p50_s"],
+                     "ttft_p99_s": s["ttft_p99_s"], "itl_p50_ms": s["itl_p50_s"] * 1e3,
+                     "itl_p99_ms": s["itl_p99_s"] * 1e3, "longest_gap_s": s["longest_gap_s"],
+                     "slot_util": s["utilization"], "tok/s": s["output_tokens_per_s"], "makespan_s": s["makespan_s"]})
+    print(f"{args.requests} requests at {args.rate}/s on {args.slots} slots, prompts ~{args.mean_prompt}, "
+          f"outputs ~{args.mean_output} tokens; {sm.model.name} on {sm.hw.name}, MFU {args.mfu}, t_0 {args.t0_ms} ms")
+    print(table(rows))
+    if args.plot:
+        from .plots import plot_serving
+        plot_serving(rows, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def cmd_sim_paging(args) -> int:
+    from .paging import simulate_paging, widget_trace
+    tr = widget_trace(args.seed, n_steps=max(args.steps))
+    rows, plot_runs = [], {}
+    for n in args.samples:
+        for steps in args.steps:
+            for pol in ("reserve", "paged", "shared"):
+                r = simulate_paging(tr, pol, n, memory_slots=args.memory, block_size=args.block_size, n_steps=steps)
+                rows.append({"samples": n, "step": steps, "policy": pol, "running_seqs": r["running_sequences"],
+                             "running_reqs": r["running_requests"], "finished": r["finished"],
+                             "rejected": r["rejected"], "preemptions": r["preemptions"],
+                             "token_share": r["token_share"]})
+                if steps == max(args.steps):
+                    plot_runs[f"{pol}, n={n}"] = r
+    print(f"toy memory of {args.memory} token slots, blocks of {args.block_size}, seed {args.seed}")
+    print(table(rows))
+    if args.plot:
+        from .plots import plot_paging
+        plot_paging(plot_runs, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def cmd_sim_prefix(args) -> int:
+    from .prefix import chat_trace, hit_rate_curve
+    tr = chat_trace(args.conversations, seed=args.seed)
+    pools = [float(p) for p in args.pools] + [math.inf]
+    rows = hit_rate_curve(tr, pools, args.block_size)
+    print(f"{args.conversations} conversations, {len(tr)} prompts, "
+          f"{sum(len(p) for p, _ in tr):,} prompt tokens")
+    print(table(rows))
+    if args.plot:
+        from .plots import plot_prefix
+        plot_prefix(rows, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+# -- wiring -------------------------------------------------------------------------------------------
+def register(subparsers) -> None:
+    """Add `plan` and `simulate` to the kvserve CLI."""
+    plan = subparsers.add_parser("plan", help="size a deployment with the seeds' closed forms")
+    ps = plan.add_subparsers(dest="plan_command", required=True)
+
+    p = ps.add_parser("specs", help="list hardware and model presets")
+    p.add_argument("--measure", action="store_true")
+    p.set_defaults(func=cmd_specs)
+
+    p = ps.add_parser("roofline", help="roofline of a device with ops as points (seed 000)")
+    _add_hw(p); _add_model(p)
+    p.add_argument("--batch", type=int, nargs="*", default=[1, 16, 64, 256], help="decode batch sizes")
+    p.add_argument("--context", type=int, default=2048, help="cached tokens per decoding sequence")
+    p.add_argument("--prefill", type=int, nargs="*", default=[512, 4096], help="prefill lengths")
+    p.add_argument("--matmul", type=int, nargs="*", default=[], help="square matmul sizes N")
+    p.add_argument("--vector-time", type=float, default=None, help="measured seconds of the 1M vector add")
+    p.add_argument("--plot", default=None, help="write the roofline PNG here")
+    p.set_defaults(func=cmd_roofline)
+
+    p = ps.add_parser("kv", help="KV bytes per token / sequence / batch and contexts that fit (seed 001)")
+    _add_model(p)
+    p.add_argument("--hw", default="h100"); p.add_argument("--n-gpu", type=int, default=1)
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--seq-len", type=int, default=8192); p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--budget-gib", type=float, default=None, help="KV budget (default: from --hw memory)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--block-size", type=int, default=16)
+    p.set_defaults(func=cmd_kv)
+
+    p = ps.add_parser("ceiling", help="decode tokens/s ceilings, weights only and weights + KV (seed 001)")
+    _add_model(p)
+    p.add_argument("--hw", default="a100"); p.add_argument("--bw-tbs", type=float, default=None)
+    p.add_argument("--params", type=float, default=None, help="parameter count (default: the model's)")
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--batch", type=int, nargs="*", default=[1, 32]); p.add_argument("--seq-len", type=int, default=8192)
+    p.set_defaults(func=cmd_ceiling)
+
+    p = ps.add_parser("little", help="Little's law throughput (seed 001 exercise 4)")
+    p.add_argument("--concurrency", type=float, default=40); p.add_argument("--output-tokens", type=float, default=1000)
+    p.add_argument("--tpot-ms", type=float, default=25)
+    p.set_defaults(func=cmd_little)
+
+    p = ps.add_parser("step", help="seed 003's step-time model: t_W, t_K, t_F, knee, C*, TTFT/TPOT")
+    _add_hw(p); _add_model(p)
+    p.add_argument("--mfu", type=float, default=0.5); p.add_argument("--t0-ms", type=float, default=0.3)
+    p.add_argument("--batch", type=int, nargs="*", default=[1, 8, 32, 128, 256, 512])
+    p.add_argument("--T-in", type=int, default=1000); p.add_argument("--T-out", type=int, default=250)
+    p.add_argument("--plot", default=None)
+    p.add_argument("--calibrate", default=None, metavar="MODEL_DIR",
+                   help="time the real kvserve engine on MODEL_DIR and fit t_0, t_W, t_K, per-token cost")
+    p.add_argument("--calibrate-plot", default=None)
+    p.set_defaults(func=cmd_step)
+
+    p = ps.add_parser("preempt", help="swap vs recompute break-even, KV tier reload (seed 003)")
+    _add_model(p); p.add_argument("--hw", default="h100"); p.add_argument("--dtype", default="bf16")
+    p.add_argument("--n-gpu", type=int, default=1); p.add_argument("--mfu", type=float, default=0.5)
+    p.add_argument("--tokens", type=int, default=32000); p.add_argument("--link-gbs", type=float, default=25)
+    p.set_defaults(func=cmd_preempt)
+
+    p = ps.add_parser("disagg", help="KV transfer cost and prefill/decode pool sizing (seed 003)")
+    _add_model(p); p.add_argument("--hw", default="h100"); p.add_argument("--dtype", default="bf16")
+    p.add_argument("--n-gpu", type=int, default=1); p.add_argument("--mfu", type=float, default=0.5)
+    p.add_argument("--link-gbs", type=float, default=50, help="KV link bytes/s of a replica, GB/s")
+    p.add_argument("--T-in", type=int, default=2000); p.add_argument("--T-out", type=int, default=200)
+    p.add_argument("--rate", type=float, default=None, help="requests/s to size pools for")
+    p.add_argument("--ttft-ms", type=float, default=1000); p.add_argument("--tpot-ms", type=float, default=50)
+    p.add_argument("--max-util", type=float, default=0.8); p.add_argument("--c-half", type=float, default=256)
+    p.add_argument("--t0-ms", type=float, default=0.0)
+    p.set_defaults(func=cmd_disagg)
+
+    sim = subparsers.add_parser("simulate", help="seeded scheduling, paging and prefix-cache simulators")
+    ss = sim.add_subparsers(dest="sim_command", required=True)
+
+    p = ss.add_parser("batching", help="static vs continuous batching on slots (seed 003)")
+    p.add_argument("--rate", type=float, nargs="*", default=[0.03, 0.12], help="arrivals per step")
+    p.add_argument("--requests", type=int, default=1000); p.add_argument("--slots", type=int, default=32)
+    p.add_argument("--mean-output", type=float, default=200); p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", default=None)
+    p.set_defaults(func=cmd_sim_batching)
+
+    p = ss.add_parser("serving", help="static / continuous / chunked prefill timed by the step model (seed 003)")
+    _add_hw(p); _add_model(p)
+    p.add_argument("--mfu", type=float, default=0.5); p.add_argument("--t0-ms", type=float, default=0.3)
+    p.add_argument("--slots", type=int, default=8); p.add_argument("--requests", type=int, default=48)
+    p.add_argument("--rate", type=float, default=6.0, help="requests per second")
+    p.add_argument("--mean-prompt", type=float, default=1500); p.add_argument("--mean-output", type=float, default=150)
+    p.add_argument("--budget", type=int, nargs="*", default=[64, 512, 4096], help="chunked-prefill token budgets")
+    p.add_argument("--seed", type=int, default=0); p.add_argument("--plot", default=None)
+    p.set_defaults(func=cmd_sim_serving)
+
+    p = ss.add_parser("paging", help="reserve vs paged vs shared KV memory with preemption (seed 003)")
+    p.add_argument("--samples", type=int, nargs="*", default=[1, 4]); p.add_argument("--steps", type=int, nargs="*",
+                                                                                     default=[160, 320])
+    p.add_argument("--memory", type=int, default=1024); p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0); p.add_argument("--plot", default=None)
+    p.set_defaults(func=cmd_sim_paging)
+
+    p = ss.add_parser("prefix", help="prefix-cache hit rate vs pool size, hash chain vs radix (seed 003)")
+    p.add_argument("--conversations", type=int, default=120)
+    p.add_argument("--pools", type=float, nargs="*", default=[4000, 8000, 16000, 32000, 64000, 128000])
+    p.add_argument("--block-size", type=int, default=16); p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", default=None)
+    p.set_defaults(func=cmd_sim_prefix)
+
+
+def main(argv=None) -> int:
+    """Run `plan` / `simulate` without the rest of the kvserve CLI (python -m kvserve.analysis.cli)."""
+    parser = argparse.ArgumentParser(prog="kvserve")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
