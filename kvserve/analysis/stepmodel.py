@@ -229,14 +229,16 @@ def fit_step_model(n_tokens, ctx_sum, step_s, iters: int = 50) -> StepFit:
 
 
 def calibrate_engine(model_path: str, batch_sizes=(1, 2, 4, 8, 16), prompt_lens=(8, 32, 128), n_decode: int = 12,
-                     engine_kwargs: dict | None = None, seed: int = 0) -> tuple[StepFit, list[dict]]:
+                     engine_kwargs: dict | None = None, seed: int = 0,
+                     repeats: int = 3) -> tuple[StepFit, list[dict]]:
     """Time real engine steps (kvserve.LLM / LLMEngine) and fit the step model to them.
 
     For each (batch, prompt length) it adds `batch` requests of random prompt tokens that generate
     `n_decode` tokens (ignore_eos), then calls `engine.step()` until they finish, timing every step
     and recording its composition from the scheduler's output: tokens scheduled and cached tokens the
     step reads (sum of num_computed_tokens before the step). The samples go to `fit_step_model`.
-    Imports kvserve lazily; raises ImportError if the engine is not importable.
+    Every configuration runs `repeats` times (same random prompts) and each distinct step keeps its
+    fastest time. Imports kvserve lazily; raises ImportError if the engine is not importable.
     """
     import random
     import time as _time
@@ -257,30 +259,38 @@ def calibrate_engine(model_path: str, batch_sizes=(1, 2, 4, 8, 16), prompt_lens=
 
     eng.scheduler.schedule = recording_schedule
     vocab = int(getattr(eng.model_config, "vocab_size", 512))
-    rng = random.Random(seed)
     samples, rid = [], 0
     try:
         warm = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         eng.add_request("calib-warmup", {"prompt_token_ids": [3] * max(prompt_lens)}, warm)
         while eng.has_unfinished_requests():
             eng.step()
-        for P in prompt_lens:
-            for B in batch_sizes:
-                params = SamplingParams(max_tokens=n_decode, temperature=0.0, ignore_eos=True)
-                for _ in range(B):
-                    ids = [rng.randrange(3, vocab) for _ in range(P)]
-                    eng.add_request(f"calib-{rid}", {"prompt_token_ids": ids}, params)
-                    rid += 1
-                while eng.has_unfinished_requests():
-                    current.clear()
-                    t0 = _time.perf_counter()
-                    eng.step()
-                    dt = _time.perf_counter() - t0
-                    if current.get("n_tokens"):
-                        samples.append({"n_tokens": current["n_tokens"], "ctx_sum": current["ctx_sum"],
-                                        "n_seqs": current["n_seqs"], "step_s": dt, "B": B, "P": P})
+        for rep, P, B in [(k, P, B) for k in range(repeats) for P in prompt_lens for B in batch_sizes]:
+            params = SamplingParams(max_tokens=n_decode, temperature=0.0, ignore_eos=True)
+            # fresh random prompts every repeat, so a prefix cache cannot change the step composition
+            rng = random.Random(((seed * 1_000_003 + rep) * 1009 + P) * 1009 + B)
+            for _ in range(B):
+                ids = [rng.randrange(3, vocab) for _ in range(P)]
+                eng.add_request(f"calib-{rid}", {"prompt_token_ids": ids}, params)
+                rid += 1
+            while eng.has_unfinished_requests():
+                current.clear()
+                t0 = _time.perf_counter()
+                eng.step()
+                dt = _time.perf_counter() - t0
+                if current.get("n_tokens"):
+                    samples.append({"n_tokens": current["n_tokens"], "ctx_sum": current["ctx_sum"],
+                                    "n_seqs": current["n_seqs"], "step_s": dt, "B": B, "P": P})
     finally:
         eng.scheduler.schedule = orig_schedule
+    # the same step composition measured `repeats` times: keep the fastest (other load on the machine
+    # only ever adds time)
+    best: dict = {}
+    for s in samples:
+        key = (s["n_tokens"], s["ctx_sum"], s["n_seqs"])
+        if key not in best or s["step_s"] < best[key]["step_s"]:
+            best[key] = s
+    samples = list(best.values())
     fit = fit_step_model([s["n_tokens"] for s in samples], [s["ctx_sum"] for s in samples],
                          [s["step_s"] for s in samples])
     return fit, samples
