@@ -57,10 +57,10 @@ def plot_serving(rows: list[dict], path: str) -> str:
     """Seed 003's chunked-prefill trade-off: longest gap and p99 TTFT per policy / token budget."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for r in rows:
+    for i, r in enumerate(rows):
         ax.scatter(r["longest_gap_s"] * 1e3, r["ttft_p99_s"], s=60)
         ax.annotate(r["policy"], (r["longest_gap_s"] * 1e3, r["ttft_p99_s"]), textcoords="offset points",
-                    xytext=(6, 4))
+                    xytext=(6, 6) if i % 2 else (-6, -14), ha="left" if i % 2 else "right")
     ax.set_xscale("log"); ax.set_yscale("log")
     ax.set_xlabel("longest gap between two tokens of a stream (ms)")
     ax.set_ylabel("p99 TTFT (s)")
