@@ -203,12 +203,14 @@ def fit_step_model(n_tokens, ctx_sum, step_s, iters: int = 50) -> StepFit:
         raise ValueError("step times must be positive")
     w = y  # weights: minimise the relative error of each step
     best = None
-    order = np.argsort(n)
     starts = [np.zeros(len(y), bool), np.ones(len(y), bool)]
-    for q in (0.25, 0.5, 0.75):  # compute regime = the largest-token samples
-        s = np.zeros(len(y), bool)
-        s[order[int(q * len(y)):]] = True
-        starts.append(s)
+    # compute regime = the samples with the most tokens (absolute, or per cached token read)
+    for key in (n, n / (c + c.mean() + 1.0)):
+        order = np.argsort(key)
+        for q in np.arange(0.05, 1.0, 0.05):
+            s = np.zeros(len(y), bool)
+            s[order[int(q * len(y)):]] = True
+            starts.append(s)
     for comp in starts:
         for _ in range(iters):
             A = np.column_stack([np.ones_like(y), ~comp, np.where(comp, 0.0, c), np.where(comp, n, 0.0)])

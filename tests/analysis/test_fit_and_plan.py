@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kvserve.analysis.disagg import disagg_plan, disagg_rate_bound
@@ -41,9 +41,12 @@ def test_fit_with_2_percent_noise_within_a_few_percent():
 
 
 @given(st.floats(0, 1e-3), st.floats(1e-3, 2e-2), st.floats(1e-9, 1e-7), st.floats(5e-6, 1e-4), st.integers(0, 99))
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=30, deadline=None, derandomize=True)
 def test_fit_predicts_noise_free_data(t0, tW, tkv, ttok, seed):
     n_tok, ctx, t = synthetic_steps(t0, tW, tkv, ttok, n=120, seed=seed)
+    mem = tW + tkv * ctx >= ttok * n_tok
+    # both branches of the max must be sampled for 4 parameters to be identifiable
+    assume(mem.sum() >= 5 and (~mem).sum() >= 5)
     fit = fit_step_model(n_tok, ctx, t)
     assert fit.max_rel_err < 1e-3
 

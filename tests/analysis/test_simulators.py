@@ -50,8 +50,8 @@ def test_low_rate_both_about_19_percent_busy(experiment):
 
 def test_low_rate_static_waits(experiment):
     # seed 003: static "makes the average request wait about 500 steps ..., and one in a hundred waits
-    # about 2,000". Mean over 10 seeds: ~470 (tolerance 350-650). The p99 we get is ~1,500 pooled over
-    # the 10 runs (single runs 950-1,950): the seed's policy details are not given, so the test asks for
+    # about 2,000". Mean over 10 seeds: 476 (tolerance 350-650). The p99 we get is 1,524 pooled over
+    # the 10 runs (single runs 1,184-2,001): the seed's policy details are not given, so the test asks for
     # the seed's order of magnitude (1,000-2,500) and docs/planning.md records the gap.
     runs = experiment[0.03]
     assert 350 <= np.mean([r["static"]["mean_wait"] for r in runs]) <= 650
@@ -74,7 +74,7 @@ def test_high_rate_static_saturates_near_24_percent(experiment):
 
 
 @given(st.lists(st.tuples(st.floats(0, 50), st.integers(1, 40)), min_size=1, max_size=40), st.integers(1, 6))
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=80, deadline=None, derandomize=True)
 def test_continuous_never_waits_longer_than_static(reqs, B):
     # seed 003: "Under continuous batching nobody ever waits longer than under static batching,
     # whatever the traffic."
@@ -137,7 +137,7 @@ def test_widget_ttft_direction_and_values(widget):
 
 @given(st.lists(st.tuples(st.integers(0, 30), st.integers(1, 300), st.integers(1, 20)), min_size=1, max_size=12),
        st.integers(2, 256))
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, derandomize=True)
 def test_chunked_prefill_schedule_properties(reqs, budget):
     steps, first, finish = chunked_prefill_schedule(reqs, budget)
     pre = [0] * len(reqs)
