@@ -138,20 +138,22 @@ async def send_request(client: httpx.AsyncClient, target: Target, turn: Turn, ar
                     r.usage_reported = True
                     r.prompt_len = int(usage.get("prompt_tokens") or r.prompt_len)
                     r.output_len = int(usage.get("completion_tokens") or 0)
-                text = ""
-                for ch in obj.get("choices") or []:
+                choices = obj.get("choices") or []
+                if not choices:
+                    continue            # the usage summary, or a keep-alive
+                # Every chunk with choices is one token event, even with empty text (special
+                # tokens, held-back bytes): the same rule as `vllm bench serve`.
+                for ch in choices:
                     if target.chat:
-                        text += (ch.get("delta") or {}).get("content") or ""
+                        text_parts.append((ch.get("delta") or {}).get("content") or "")
                     else:
-                        text += ch.get("text") or ""
-                if text:
-                    if r.ttft is None:
-                        r.ttft = now - start
-                    else:
-                        r.itl.append(now - last)
-                    last = now
-                    chunks += 1
-                    text_parts.append(text)
+                        text_parts.append(ch.get("text") or "")
+                if r.ttft is None:
+                    r.ttft = now - start
+                else:
+                    r.itl.append(now - last)
+                last = now
+                chunks += 1
         r.e2e = time.perf_counter() - start
         r.generated_text = "".join(text_parts)
         if not r.usage_reported:

@@ -420,24 +420,30 @@ async def _stream_completions(state, req: CompletionRequest, sub: _Submission, r
             for pi, text in enumerate(prompt_texts):
                 for j in range(req.n):
                     yield chunk([CompletionChoice(index=pi * req.n + j, text=text)])
+        done: set[tuple[str, int]] = set()
         async for out in sub.outputs():
             pi = index_of[out.request_id]
             if out.finished:
                 finals[out.request_id] = out
             for c in out.outputs:
                 key = (out.request_id, c.index)
+                if key in done:
+                    continue
                 t0, n0 = sent_text.get(key, 0), sent_tokens.get(key, 0)
                 delta, new_ids = c.text[t0:], c.token_ids[n0:]
-                want_lp = req.logprobs is not None and c.logprobs is not None and bool(new_ids)
-                if not delta and c.finish_reason is None and not want_lp:
+                # A chunk for every step that produced tokens, even when their text is held
+                # back (partial UTF-8, a possible stop string): chunk times are token times.
+                if not delta and not new_ids and c.finish_reason is None:
                     continue
                 lp = None
-                if want_lp:
+                if req.logprobs is not None and c.logprobs is not None and new_ids:
                     lp = _completion_logprobs(state, out.prompt_token_ids + c.token_ids[:n0], new_ids,
                                               c.logprobs[n0:len(c.token_ids)], offsets.get(key, 0),
                                               req.logprobs, req.skip_special_tokens)
                     offsets[key] = offsets.get(key, 0) + sum(len(t) for t in lp.tokens)
                 sent_text[key], sent_tokens[key] = len(c.text), len(c.token_ids)
+                if c.finish_reason is not None:
+                    done.add(key)
                 yield chunk([CompletionChoice(index=pi * req.n + c.index, text=delta, logprobs=lp,
                                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
         if include_usage:
@@ -520,32 +526,36 @@ async def _stream_chat(state, req: ChatCompletionRequest, sub: _Submission, rid:
             ch["delta"] = {k: v for k, v in ch["delta"].items() if v is not None}
         return _sse(obj)
 
+    started: set[int] = set()
+    done: set[int] = set()
     try:
-        for j in range(req.n):
-            yield chunk([ChatCompletionStreamChoice(index=j, delta=DeltaMessage(role="assistant", content=""))])
         async for out in sub.outputs():
             if out.finished:
                 final = out
             for c in out.outputs:
+                if c.index in done:
+                    continue
                 t0, n0 = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
                 delta, new_ids = c.text[t0:], c.token_ids[n0:]
-                want_lp = req.logprobs and c.logprobs is not None and new_ids
-                if not delta and c.finish_reason is None and not want_lp:
+                if not delta and not new_ids and c.finish_reason is None:
                     continue
                 lp = None
-                if want_lp:
+                if req.logprobs and c.logprobs is not None and new_ids:
                     lp = ChatChoiceLogprobs(content=_chat_logprobs(
                         state, out.prompt_token_ids + c.token_ids[:n0], new_ids,
                         c.logprobs[n0:len(c.token_ids)], k, req.skip_special_tokens))
                 sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
-                if delta:
-                    yield chunk([ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(content=delta),
-                                                            logprobs=lp)])
-                    lp = None
-                if c.finish_reason is not None or lp is not None:
-                    yield chunk([ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(),
-                                                            logprobs=lp, finish_reason=c.finish_reason,
-                                                            stop_reason=c.stop_reason)])
+                # One chunk per engine step that produced tokens (text may be empty while a
+                # multi-byte character or a possible stop string is held back), the role on the
+                # first one and the finish reason on the last, so that chunk timestamps are token
+                # timestamps for a benchmark client.
+                role = None if c.index in started else "assistant"
+                started.add(c.index)
+                if c.finish_reason is not None:
+                    done.add(c.index)
+                yield chunk([ChatCompletionStreamChoice(
+                    index=c.index, delta=DeltaMessage(role=role, content=delta), logprobs=lp,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
         if include_usage and final is not None:
             yield chunk([], usage=_usage([final]))
         yield "data: [DONE]\n\n"

@@ -23,7 +23,9 @@ after every step, because the engine is not thread-safe) at scrape time:
     kvserve:num_kv_blocks_free, kvserve:num_kv_blocks_total (gauges);
     kvserve:num_preemptions_total, kvserve:prompt_tokens_total, kvserve:generation_tokens_total,
     kvserve:prefix_cache_queries_total, kvserve:prefix_cache_hits_total (counters; the prefix
-    cache pair counts tokens, and is present when the engine reports it).
+    cache pair counts tokens, and is present when the engine reports it);
+    kvserve:engine_steps_total, kvserve:engine_forward_time_seconds_total,
+    kvserve:engine_step_time_seconds_total (counters: divide by steps for the mean step time).
 
 Server: kvserve:http_requests_rejected_total{reason=overloaded|bad_request|unauthorized}.
 Every series carries `model_name`.
@@ -59,6 +61,11 @@ _STATS_METRICS = (
      "Prompt tokens looked up in the prefix cache."),
     ("prefix_cache_hits_total", "kvserve:prefix_cache_hits", "counter",
      "Prompt tokens found in the prefix cache."),
+    ("num_steps", "kvserve:engine_steps", "counter", "Engine steps (one packed forward pass each)."),
+    ("forward_time_total", "kvserve:engine_forward_time_seconds", "counter",
+     "Time spent in model forward passes."),
+    ("step_time_total", "kvserve:engine_step_time_seconds", "counter",
+     "Time spent in engine steps (scheduling, forward, sampling, detokenizing)."),
 )
 
 

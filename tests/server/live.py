@@ -1,6 +1,7 @@
 """Start `kvserve serve` in a subprocess on 127.0.0.1 and a free port; stop it afterwards."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -13,6 +14,22 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
 STORIES_HF = ROOT.parent / "shared" / "models" / "stories260K-hf"
+
+
+@contextlib.contextmanager
+def reference_llm():
+    """An in-process `LLM` on the same model, run on one thread like the server subprocess
+    (OMP_NUM_THREADS=1): the same arithmetic, and no fight over two cores with the server."""
+    import torch
+
+    from kvserve import LLM
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield LLM(model=str(STORIES_HF))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def free_port() -> int:

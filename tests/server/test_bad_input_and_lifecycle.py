@@ -10,9 +10,9 @@ import time
 import httpx
 import pytest
 
-from kvserve import LLM, SamplingParams
+from kvserve import SamplingParams
 
-from .live import STORIES_HF, LiveServer
+from .live import LiveServer, reference_llm
 
 MODEL = "stories260K-hf"
 
@@ -72,13 +72,15 @@ BAD_REQUESTS = [
 
 
 def test_bad_inputs_get_openai_errors_while_a_good_request_streams(server):
-    llm = LLM(model=str(STORIES_HF))
     prompt = "Once upon a time"
-    want = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))[0].outputs[0].text
+    with reference_llm() as llm:
+        want = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=480,
+                                                     ignore_eos=True))[0].outputs[0].text
     result = {}
+    first_chunk = threading.Event()
 
     def good():
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": 200, "temperature": 0, "stream": True,
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 480, "temperature": 0, "stream": True,
                 "ignore_eos": True}
         parts = []
         with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=120,
@@ -87,10 +89,12 @@ def test_bad_inputs_get_openai_errors_while_a_good_request_streams(server):
             for line in r.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     parts.extend(ch["text"] for ch in json.loads(line[6:])["choices"])
+                    first_chunk.set()
         result["text"] = "".join(parts)
 
     t = threading.Thread(target=good)
     t.start()
+    assert first_chunk.wait(60)
     failures = []
     for name, path, body, status, msg, param in BAD_REQUESTS:
         r = _post_raw(server.base_url, path, body)
@@ -98,6 +102,8 @@ def test_bad_inputs_get_openai_errors_while_a_good_request_streams(server):
         if r.status_code != status or err is None or msg not in err["message"] or \
                 set(err) != {"message", "type", "param", "code"} or (param is not None and err["param"] != param):
             failures.append((name, r.status_code, r.text[:300]))
+    # all of that happened while the good request was being generated
+    assert server.metrics()["kvserve:num_requests_running"] == 1
     t.join(120)
     assert not failures, failures
     assert result == {"status": 200, "text": want}

@@ -9,10 +9,10 @@ import httpx
 import openai
 import pytest
 
-from kvserve import LLM, SamplingParams
+from kvserve import SamplingParams
 from kvserve.server.chat import FALLBACK_CHAT_TEMPLATE
 
-from .live import STORIES_HF, LiveServer
+from .live import LiveServer, reference_llm
 
 MODEL = "stories260K-hf"
 PROMPTS = ["Once upon a time", "Lily went to the park", "The cat was", "Tom had a big red ball",
@@ -36,7 +36,8 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(model=str(STORIES_HF))
+    with reference_llm() as m:
+        yield m
 
 
 def reference(llm, prompts, max_tokens, **kw) -> list[str]:
@@ -80,6 +81,7 @@ def test_completion_stream_equals_non_stream(client, llm):
     full = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=40))[0]
     assert usage.completion_tokens == len(full.outputs[0].token_ids)
     assert usage.prompt_tokens == len(full.prompt_token_ids)
+    assert len(pieces) == usage.completion_tokens      # one chunk per token: chunk times are token times
 
 
 def test_completion_token_id_prompt_and_echo(client, llm):
@@ -138,10 +140,29 @@ def test_n_samples(client):
     again = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=12, temperature=1.0,
                                       n=3, seed=7)
     assert [c.text for c in again.choices] == [c.text for c in resp.choices]   # seeded: reproducible
+    # streamed: each choice's pieces add up to the same samples, and each finishes exactly once
+    texts, finishes = {}, {}
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=12, temperature=1.0,
+                                           n=3, seed=7, stream=True):
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+            if ch.finish_reason:
+                finishes[ch.index] = finishes.get(ch.index, 0) + 1
+    assert [texts[i] for i in range(3)] == [c.text for c in sorted(resp.choices, key=lambda c: c.index)]
+    assert finishes == {0: 1, 1: 1, 2: 1}
+    roles, chat_texts = {}, {}
+    for chunk in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=8, temperature=1.0, n=2, seed=1, stream=True):
+        for ch in chunk.choices:
+            if ch.delta.role:
+                roles[ch.index] = roles.get(ch.index, 0) + 1
+            chat_texts[ch.index] = chat_texts.get(ch.index, "") + (ch.delta.content or "")
+    assert roles == {0: 1, 1: 1}
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                                           max_tokens=8, temperature=1.0, n=2, seed=1)
     assert sorted(c.index for c in chat.choices) == [0, 1]
     assert chat.usage.completion_tokens > 0
+    assert [chat_texts[i] for i in range(2)] == [c.message.content for c in sorted(chat.choices, key=lambda c: c.index)]
 
 
 def test_completion_logprobs(client, llm):
@@ -207,6 +228,9 @@ def test_32_concurrent_streams_get_their_solo_answers(server, llm):
     assert httpx.get(server.base_url + "/health", trust_env=False).status_code == 200
     # every token was counted, and nothing is left holding blocks
     assert after["kvserve:generation_tokens_total"] - before["kvserve:generation_tokens_total"] == sum(lengths)
+    # ... in shared steps: 32 clients' 768 tokens took a few dozen forward passes, not hundreds
+    steps = after["kvserve:engine_steps_total"] - before["kvserve:engine_steps_total"]
+    assert max(lengths) <= steps < sum(lengths) / 4
     assert after["kvserve:num_requests_running"] == 0
     assert after["kvserve:num_kv_blocks_free"] == after["kvserve:num_kv_blocks_total"]
 
