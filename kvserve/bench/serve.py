@@ -386,7 +386,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("load")
     g.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="Poisson arrival rate in req/s; inf sends all at once")
+                   help="Poisson arrival rate in req/s (chat: conversations started per second; "
+                        "each next turn follows its answer); inf sends all at once")
     g.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of inter-arrival gaps: 1 = Poisson, <1 burstier, >1 steadier")
     g.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")

@@ -146,6 +146,9 @@ def _check_auth(state: ServerState, request: Request) -> None:
 
 
 async def _parse_body(state: ServerState, request: Request, model_cls):
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise APIError(f"request body over {MAX_BODY_BYTES} bytes", 413)
     raw = await request.body()
     if len(raw) > MAX_BODY_BYTES:
         raise APIError(f"request body over {MAX_BODY_BYTES} bytes", 413)
@@ -487,7 +490,11 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     sub = _Submission(state, rid)
-    await _add_one(sub, 0, {"prompt_token_ids": ids, "prompt": text}, params)
+    try:
+        await _add_one(sub, 0, {"prompt_token_ids": ids, "prompt": text}, params)
+    except BaseException:
+        sub.abort_unfinished()      # rejected, or the client left while we waited
+        raise
 
     if req.stream:
         return StreamingResponse(_stream_chat(state, req, sub, rid, created, k),

@@ -117,11 +117,16 @@ class AsyncEngine:
                 self._wake.clear()
                 self._apply_ops()
                 if engine.has_unfinished_requests():
+                    steps_before = getattr(self.last_stats, "num_steps", None)
                     outputs = engine.step()
                     self.num_steps += 1
                     for out in outputs:
                         self._dispatch(out)
                     self._snapshot()
+                    if not outputs and steps_before is not None and self.last_stats.num_steps == steps_before:
+                        # Nothing could be scheduled (e.g. every request waits for blocks): do not
+                        # spin on the GIL; an add or abort wakes us at once.
+                        self._wake.wait(timeout=0.001)
                 else:
                     self._wake.wait(timeout=1.0)
         except BaseException as e:  # noqa: BLE001 -- a broken engine must not hang clients

@@ -8,6 +8,7 @@ Per-request histograms, observed once when a request finishes, from the engine's
     kvserve:time_to_first_token_seconds      arrival -> first generated token
     kvserve:inter_token_latency_seconds      one sample per gap between consecutive tokens
     kvserve:time_per_output_token_seconds    (last token - first token) / (tokens - 1), per request
+                                             (also as kvserve:request_time_per_output_token_seconds)
     kvserve:e2e_request_latency_seconds      arrival -> finished
     kvserve:request_queue_time_seconds       arrival -> first scheduled
     kvserve:request_prefill_time_seconds     first scheduled -> first token
@@ -107,6 +108,10 @@ class ServerMetrics:
         self.tpot = Histogram("kvserve:time_per_output_token_seconds",
                               "Mean time per output token after the first, per request.", labels,
                               buckets=_LATENCY_BUCKETS, registry=r)
+        # vLLM >= 0.10 also exports TPOT under this name; dashboards use either.
+        self.request_tpot = Histogram("kvserve:request_time_per_output_token_seconds",
+                                      "Mean time per output token after the first, per request.", labels,
+                                      buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("kvserve:e2e_request_latency_seconds",
                              "Time from arrival to the request finishing.", labels,
                              buckets=_REQUEST_BUCKETS, registry=r)
@@ -141,6 +146,7 @@ class ServerMetrics:
         if m is not None:
             _observe(self.ttft, name, getattr(m, "ttft", None))
             _observe(self.tpot, name, getattr(m, "tpot", None))
+            _observe(self.request_tpot, name, getattr(m, "tpot", None))
             _observe(self.e2e, name, getattr(m, "e2e", None))
             _observe(self.queue, name, getattr(m, "queue_time", None))
             first_sched = getattr(m, "first_scheduled_time", None)

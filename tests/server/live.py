@@ -64,7 +64,8 @@ class LiveServer:
             time.sleep(0.2)
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")[-4000:]
 
     def metrics(self) -> dict[str, float]:
@@ -90,4 +91,6 @@ class LiveServer:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+        if self.proc.returncode == 0:
+            self.log_path.unlink(missing_ok=True)     # kept only when something went wrong
         return self.proc.returncode

@@ -273,11 +273,12 @@ def test_disconnect_mid_stream_frees_blocks(server):
 
 def test_disconnect_non_streaming_aborts(server):
     _wait_idle(server)
-    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 480, "temperature": 0, "ignore_eos": True}
+    # 500 tokens take 500 engine steps: far longer than the client's 0.25 s patience
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 500, "temperature": 0, "ignore_eos": True}
     key = 'kvserve:request_success_total{finished_reason="abort",model_name="stories260K-hf"}'
     before = server.metrics().get(key, 0.0)
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(server.base_url + "/v1/completions", json=body, timeout=0.5, trust_env=False)
+        httpx.post(server.base_url + "/v1/completions", json=body, timeout=0.25, trust_env=False)
     m = _wait_idle(server, timeout=10)
     assert m[key] == before + 1
 

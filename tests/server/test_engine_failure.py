@@ -1,0 +1,46 @@
+"""If the engine itself breaks mid-step, in-flight clients get an error instead of hanging,
+/health turns 500 and new requests are refused with 503 (in-process app, real engine with a
+fault injected into its step)."""
+from __future__ import annotations
+
+import json
+
+from fastapi.testclient import TestClient
+
+from kvserve.config import EngineConfig
+from kvserve.engine.engine import LLMEngine
+from kvserve.server.app import build_app
+
+from .live import STORIES_HF
+
+
+def test_engine_fault_fails_inflight_requests_and_health():
+    engine = LLMEngine(EngineConfig(model=str(STORIES_HF)))
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def faulty_step():
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise RuntimeError("injected fault")
+        return real_step()
+
+    engine.step = faulty_step
+    app = build_app(engine, "stories")
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 200
+        events = []
+        with client.stream("POST", "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 50,
+                                                            "ignore_eos": True, "stream": True}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+        assert events[-1] == "[DONE]"
+        err = json.loads(events[-2])["error"]
+        assert "injected fault" in err["message"] and err["type"] == "server_error"
+        assert len(events) - 2 == 4          # the 4 tokens of the 4 good steps arrived first
+        h = client.get("/health")
+        assert h.status_code == 500 and "injected fault" in h.json()["error"]
+        r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
