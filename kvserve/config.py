@@ -23,6 +23,15 @@ class EngineConfig:
     max_model_len: int | None = None       # default: the model's max_position_embeddings
     seed: int | None = 0
     watermark: float = 0.01                # fraction of blocks kept free when admitting a request
+    # KV reuse and sharing (issue 3; kv/prefix_cache.py, kv/radix_cache.py, kv/manager.py)
+    enable_prefix_caching: bool = True     # automatic prefix caching (vLLM's name and default)
+    prefix_cache: str = "hash"             # "hash" (chained SHA-256 block hashes) | "radix" (radix tree)
+    cache_aware_scheduling: bool | None = None   # longest cached prefix first (None: on with radix)
+    max_wait_steps: int = 64               # starvation bound of cache-aware ordering, in steps
+    preemption_mode: str = "recompute"     # "recompute" | "swap"
+    swap_space: int = 1 << 30              # bytes of CPU memory for swapped-out blocks
+    share_blocks: bool = True              # n > 1 samples and beams share blocks (copy on write)
+    preemption_warn_threshold: int = 3     # preemptions of one request that count as thrash
 
     def __post_init__(self):
         if self.dtype not in DTYPES and self.dtype != "auto":
@@ -37,12 +46,33 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}.")
+        if self.prefix_cache not in ("hash", "radix"):
+            raise ValueError(f"prefix_cache must be 'hash' or 'radix', got {self.prefix_cache!r}.")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}.")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be a non-negative number of bytes, got {self.swap_space}.")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}.")
+        if self.max_wait_steps < 0:
+            raise ValueError(f"max_wait_steps must be >= 0, got {self.max_wait_steps}.")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES.get(self.dtype, torch.float32)
+
+    @property
+    def prefix_cache_kind(self) -> str | None:
+        """The prefix cache in use: "hash", "radix" or None (prefix caching off)."""
+        return self.prefix_cache if self.enable_prefix_caching else None
+
+    @property
+    def use_cache_aware_scheduling(self) -> bool:
+        if self.cache_aware_scheduling is None:
+            return self.prefix_cache_kind == "radix"
+        return bool(self.cache_aware_scheduling) and self.prefix_cache_kind is not None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +86,18 @@ class EngineConfig:
         parser.add_argument("--num-kv-blocks", type=int, default=None)
         parser.add_argument("--max-model-len", type=int, default=None)
         parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--watermark", type=float, default=0.01,
+                            help="fraction of KV blocks kept free when admitting a request")
+        parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                            help="reuse the KV cache of shared prompt prefixes across requests")
+        parser.add_argument("--prefix-cache", default="hash", choices=["hash", "radix"],
+                            help="chained block hashes (vLLM) or a radix tree (SGLang)")
+        parser.add_argument("--cache-aware-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                            help="serve the longest cached prefix first (default: on with --prefix-cache radix)")
+        parser.add_argument("--max-wait-steps", type=int, default=64,
+                            help="starvation bound of cache-aware scheduling, in engine steps")
+        parser.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+        parser.add_argument("--swap-space", type=int, default=1 << 30, help="bytes of CPU swap space")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
-from kvserve.outputs import RequestOutput
-from kvserve.sample.params import SamplingParams
+from kvserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from kvserve.sample.params import BeamSearchParams, SamplingParams
 
 
 class LLM:
@@ -18,7 +18,8 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order. A prompt is a
-        string, {"prompt": str} or {"prompt_token_ids": [...]}."""
+        string, {"prompt": str} or {"prompt_token_ids": [...]}; a dict may carry "cache_salt"
+        (only requests with the same salt share prefix-cache blocks)."""
         single = isinstance(prompts, (str, dict))
         prompts = [prompts] if single else list(prompts)
         if isinstance(sampling_params, list):
@@ -51,3 +52,20 @@ class LLM:
         if bar is not None:
             bar.close()
         return [done[rid] for rid in ids]
+
+    def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's offline beam search: `LLM.beam_search(prompts, BeamSearchParams(beam_width,
+        max_tokens, length_penalty=...))`. Returns, per prompt, all `beam_width` beams best
+        first, each with the prompt's and its own tokens. Runs natively in the engine (beams
+        are forked sequences sharing blocks; see kvserve/engine/beam_search.py)."""
+        sp = params.to_sampling_params()
+        outs = self.generate(prompts, sp)
+        result = []
+        for out in outs:
+            seqs = [BeamSearchSequence(tokens=list(out.prompt_token_ids) + list(c.token_ids),
+                                       output_token_ids=list(c.token_ids), cum_logprob=c.cumulative_logprob,
+                                       text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                       logprobs=[e[t].logprob for e, t in zip(c.logprobs or [], c.token_ids)])
+                    for c in out.outputs]
+            result.append(BeamSearchOutput(seqs))
+        return result

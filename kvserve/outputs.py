@@ -37,3 +37,23 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list | None = field(default=None, repr=False)
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished beam, in vLLM's shape: `tokens` are the prompt's and the beam's."""
+
+    tokens: list[int]
+    output_token_ids: list[int]
+    cum_logprob: float
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[float] | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The result of `LLM.beam_search` for one prompt: the beams, best first."""
+
+    sequences: list[BeamSearchSequence]

@@ -4,6 +4,8 @@ forward pass over the paged KV cache and returns logits for the sequences that s
 It never decides who runs."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -21,9 +23,58 @@ class ModelRunner:
         self.device = model.device
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         # One preallocated pool per layer: [num_blocks, block_size, n_kv_heads, head_dim] x (K, V)
+        self.forward_time_total = 0.0   # seconds inside the model's forward pass
         self.kv_caches = [(torch.zeros(shape, dtype=model.dtype, device=self.device),
                            torch.zeros(shape, dtype=model.dtype, device=self.device))
                           for _ in range(cfg.num_layers)]
+
+    # -- block moves for sharing and swapping (kv/manager.py queues them; run before execute) --
+    def init_swap_space(self, num_cpu_blocks: int) -> None:
+        """CPU copies of the per-layer pools, [num_cpu_blocks, block_size, n_kv_heads, head_dim]."""
+        self.cpu_caches = []
+        if num_cpu_blocks <= 0:
+            return
+        shape = (num_cpu_blocks,) + tuple(self.kv_caches[0][0].shape[1:])
+        pin = self.device.type == "cuda"
+        self.cpu_caches = [(torch.empty(shape, dtype=self.model.dtype, pin_memory=pin),
+                            torch.empty(shape, dtype=self.model.dtype, pin_memory=pin))
+                           for _ in self.kv_caches]
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy on write: block src -> dst in every layer's K and V cache."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
+        for k, v in self.kv_caches:
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """(gpu block, cpu block): copy device blocks into the CPU swap space."""
+        if not pairs:
+            return
+        gpu = torch.tensor([g for g, _ in pairs], dtype=torch.long, device=self.device)
+        cpu = torch.tensor([c for _, c in pairs], dtype=torch.long)
+        for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches):
+            ck.index_copy_(0, cpu, k.index_select(0, gpu).cpu())
+            cv.index_copy_(0, cpu, v.index_select(0, gpu).cpu())
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """(cpu block, gpu block): copy swapped blocks back onto the device."""
+        if not pairs:
+            return
+        cpu = torch.tensor([c for c, _ in pairs], dtype=torch.long)
+        gpu = torch.tensor([g for _, g in pairs], dtype=torch.long, device=self.device)
+        for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches):
+            k.index_copy_(0, gpu, ck.index_select(0, cpu).to(self.device, non_blocking=True))
+            v.index_copy_(0, gpu, cv.index_select(0, cpu).to(self.device, non_blocking=True))
+
+    def apply_kv_ops(self, ops) -> None:
+        """Run the manager's queued block moves: swap out, swap in, then copies."""
+        self.swap_out(ops.swap_out)
+        self.swap_in(ops.swap_in)
+        self.copy_blocks(ops.copies)
 
     @staticmethod
     def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
@@ -72,8 +123,12 @@ class ModelRunner:
             meta.decode_key_mask = build_decode_key_mask(
                 meta.decode_context_lens, width * bs, self.model.attn.sliding_window)
         # Chunks that do not sample still run: their K/V must reach the cache.
+        t0 = time.perf_counter()
         logits = self.model.forward(input_ids, positions, meta, self.kv_caches,
                                     torch.tensor(logits_idx, dtype=torch.long, device=dev))
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        self.forward_time_total += time.perf_counter() - t0
         return logits, samplers
 
 

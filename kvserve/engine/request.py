@@ -71,7 +71,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float | None = None, *, eos_token_id: int | None = None,
-                 parent_id: str | None = None, index: int = 0, seed: int | None = None):
+                 parent_id: str | None = None, index: int = 0, seed: int | None = None,
+                 cache_salt: str | None = None):
         self.request_id = request_id
         self.parent_id = parent_id or request_id
         self.index = index
@@ -90,6 +91,23 @@ class Request:
         self.cumulative_logprob = 0.0
         self.seed = seed
         self.generator: torch.Generator | None = None  # made by the sampler on its device
+        # Prefix cache (kv/prefix_cache.py): the salt that scopes sharing, and this sequence's
+        # labelling progress (chained hashes, radix keys and node), kept across steps.
+        self.cache_salt = cache_salt
+        self.block_hashes: list[bytes] = []
+        self.block_keys: list[tuple] = []
+        self.num_labelled_blocks = 0
+        self.radix_node = None
+        self._num_cached_set = False
+        # Sharing (n > 1): samples wait for the first one's prefill, then fork its blocks.
+        self.pending_forks: list[Request] = []
+        self.fork_parent: Request | None = None
+        self.extra_seats = 0      # seats its forks will take (n - 1 samples, beam_width - 1 beams)
+        # Preemption by swap: the blocks are in the CPU swap space.
+        self.swapped = False
+        self.enqueue_step = 0
+        # Beam search: this beam's top candidates (token ids, logprobs) once its logits are in.
+        self.beam_candidates: tuple[list[int], list[float]] | None = None
 
     @property
     def arrival_time(self) -> float:
@@ -106,6 +124,10 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def fork_pending(self) -> bool:
+        return self.fork_parent is not None
 
     @property
     def is_finished(self) -> bool:

@@ -71,6 +71,7 @@ class BlockPool:
         # Called with a block that is about to be reused for new contents, so that a prefix
         # cache can forget its label. Set by the prefix cache, None without one.
         self.on_evict = None
+        self.num_evictions = 0  # labelled (cached) blocks reused for new contents
 
     @property
     def num_free_blocks(self) -> int:
@@ -92,6 +93,7 @@ class BlockPool:
         for _ in range(n):
             block = self.free_queue.popleft()
             if block.block_hash is not None:
+                self.num_evictions += 1
                 if self.on_evict is not None:
                     self.on_evict(block)
                 block.block_hash = None

@@ -1,53 +1,247 @@
-"""KV cache manager: per-request block tables over the shared pool (seed 003, paging).
+"""KV cache manager: per-request block tables over the shared pool (seed 003, paging, "Sharing
+blocks, and copying on write", "Reusing the cache across requests", "When memory runs out").
 
-`allocate_slots` grows a request's block table so that its next `num_new_tokens` tokens have
-slots; `free` returns the request's blocks, tail first. The slot of token position `p` of a
-request is `block_table[p // block_size] * block_size + p % block_size`.
+`allocate_slots` grows a request's block table so that its next tokens have slots; `free`
+returns the request's blocks, tail first. The slot of token position `p` of a request is
+`block_table[p // block_size] * block_size + p % block_size`.
+
+Sharing: `fork` gives a new sequence (a sample of n > 1, a beam) the parent's block table with
+one more reference on every block. A sequence about to write into a block that another table
+also holds gets a private copy first (copy on write: `allocate_slots(..., num_computed=...)`),
+so at most one block is copied per sequence per step. `allocate_prefill` admits a request over
+its prefix-cache hit. The manager never touches tensors: copies and swaps are queued as block-id
+pairs and the engine hands them to the model runner (`take_pending`) before the forward pass.
+A copy's source keeps an extra reference until then, so no other request can reuse it first.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from kvserve.kv.block_pool import BlockPool, KVBlock
+from kvserve.kv.offload import CpuSwapSpace
+from kvserve.kv.prefix_cache import NO_HIT, PrefixHit, make_prefix_cache
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass
+class PendingKVOps:
+    """Block moves to run before the next forward pass, in this order."""
+
+    swap_out: list[tuple[int, int]] = field(default_factory=list)   # (gpu block, cpu block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)    # (cpu block, gpu block)
+    copies: list[tuple[int, int]] = field(default_factory=list)     # (src gpu block, dst gpu block)
+
+    def __bool__(self) -> bool:
+        return bool(self.swap_out or self.swap_in or self.copies)
+
+
+@dataclass
+class KVStats:
+    prefix_cache_queries: int = 0      # tokens looked up at admission
+    prefix_cache_hits: int = 0         # of which found in the cache
+    prefix_cache_eligible: int = 0     # of which the cache could have held at most
+    cow_copies: int = 0                # blocks copied because a shared block was written
+    partial_copies: int = 0            # radix hits on a partial block, copied into a fresh one
+    swap_out_blocks: int = 0
+    swap_in_blocks: int = 0
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: str | None = None,
+                 cache_namespace: str = "", num_cpu_blocks: int = 0):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[KVBlock]] = {}
+        self.cache = make_prefix_cache(prefix_cache, self.pool, block_size, cache_namespace)
+        self.swap_space = CpuSwapSpace(num_cpu_blocks)
+        self.swapped_tables: dict[str, list[int]] = {}   # request id -> CPU block ids
+        self._pending = PendingKVOps()
+        self._copy_sources: list[KVBlock] = []           # held until the copies have run
+        self.stats = KVStats()
 
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.cache.num_cached_blocks if self.cache is not None else 0
 
     def blocks_needed(self, request_id: str, num_tokens: int) -> int:
         """New blocks required for the request to hold `num_tokens` tokens in all."""
         held = len(self.block_tables.get(request_id, ()))
         return max(0, cdiv(num_tokens, self.block_size) - held)
 
-    def allocate_slots(self, request_id: str, num_tokens: int, reserve: int = 0) -> bool:
+    # -- growth and copy on write ------------------------------------------------------------
+    def allocate_slots(self, request_id: str, num_tokens: int, reserve: int = 0,
+                       num_computed: int | None = None) -> bool:
         """Make room for `num_tokens` tokens in all; False (and no change) if the pool is short.
-        `reserve` free blocks must remain afterwards (the admission watermark)."""
-        need = self.blocks_needed(request_id, num_tokens)
-        if need + reserve > self.pool.num_free_blocks:
+        `reserve` free blocks must remain afterwards (the admission watermark). With
+        `num_computed`, the block the next token is written into is made private first (CoW)."""
+        table = self.block_tables.get(request_id)
+        need = max(0, cdiv(num_tokens, self.block_size) - (len(table) if table else 0))
+        cow = -1
+        if table and num_computed is not None:
+            j = num_computed // self.block_size
+            if j < len(table) and table[j].ref_cnt > 1:
+                cow = j
+        if need + (cow >= 0) + reserve > self.pool.num_free_blocks:
             return False
+        if table is None:
+            table = self.block_tables[request_id] = []
+        if cow >= 0:
+            (new,) = self.pool.allocate(1)
+            src = table[cow]
+            self._copy_sources.append(src)       # our reference now protects the source
+            self._pending.copies.append((src.block_id, new.block_id))
+            table[cow] = new
+            self.stats.cow_copies += 1
         if need:
-            self.block_tables.setdefault(request_id, []).extend(self.pool.allocate(need))
-        else:
-            self.block_tables.setdefault(request_id, [])
+            table.extend(self.pool.allocate(need))
         return True
+
+    # -- prefix cache ------------------------------------------------------------------------
+    def lookup(self, req) -> PrefixHit:
+        """The cached prefix a request without blocks could start from (no side effects)."""
+        if self.cache is None or req.num_computed_tokens or self.block_tables.get(req.request_id):
+            return NO_HIT
+        return self.cache.match(req)
+
+    def allocate_prefill(self, req, hit: PrefixHit, num_tokens: int, reserve: int = 0) -> bool:
+        """Admit a request without blocks: share the hit's blocks, copy its partial block,
+        allocate the rest up to `num_tokens`, and start it at the hit. False: no change."""
+        bs = self.block_size
+        fresh = cdiv(num_tokens, bs) - len(hit.blocks)
+        taken = sum(1 for b in hit.blocks if b.ref_cnt == 0)
+        if hit.copy_src is not None and hit.copy_src.ref_cnt == 0:
+            taken += 1
+        if fresh + taken + reserve > self.pool.num_free_blocks:
+            return False
+        for b in hit.blocks:
+            self.pool.touch(b)
+        table = list(hit.blocks)
+        if hit.copy_src is not None:
+            self.pool.touch(hit.copy_src)
+            self._copy_sources.append(hit.copy_src)
+        new = self.pool.allocate(fresh)
+        if hit.copy_src is not None:
+            self._pending.copies.append((hit.copy_src.block_id, new[0].block_id))
+            self.stats.partial_copies += 1
+        table += new
+        self.block_tables[req.request_id] = table
+        req.num_computed_tokens = hit.num_tokens
+        if not req._num_cached_set:          # vLLM reports the first admission's hit
+            req.num_cached_tokens = hit.num_tokens
+            req._num_cached_set = True
+        if self.cache is not None:
+            self.cache.reset_request(req)
+            self.cache.cache_full_blocks(req, table)     # walks the shared path (labels nothing new)
+            s = self.stats
+            s.prefix_cache_queries += req.num_tokens
+            s.prefix_cache_hits += hit.num_tokens
+            s.prefix_cache_eligible += self.cache.eligible_tokens(req)
+        return True
+
+    def cache_blocks(self, req) -> None:
+        """After a forward pass: label the request's newly computed full blocks."""
+        if self.cache is not None:
+            table = self.block_tables.get(req.request_id)
+            if table:
+                self.cache.cache_full_blocks(req, table)
+
+    # -- sharing -----------------------------------------------------------------------------
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child shares every block of the parent (one more reference each)."""
+        blocks = self.block_tables.get(parent_id, [])
+        for b in blocks:
+            self.pool.touch(b)
+        self.block_tables[child_id] = list(blocks)
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.block_tables.get(request_id, ())]
 
-    def free(self, request_id: str) -> None:
-        """Return every block of the request, tail first, so that shared heads live longest."""
+    def free(self, request_id: str, req=None) -> None:
+        """Return every block of the request, tail first, so that shared heads live longest.
+        With `req`, a radix cache first keeps the request's partial last block."""
         blocks = self.block_tables.pop(request_id, None)
         if blocks:
+            if self.cache is not None and req is not None:
+                self.cache.cache_partial_block(req, blocks)
             self.pool.free(reversed(blocks))
+        if req is not None and self.cache is not None:
+            self.cache.reset_request(req)
+        cpu = self.swapped_tables.pop(request_id, None)
+        if cpu:
+            for i in cpu:
+                self.swap_space.decref(i)
+
+    # -- swapping ----------------------------------------------------------------------------
+    def swap_out(self, reqs: list) -> bool:
+        """Copy the requests' blocks to CPU (shared blocks once) and free them on the GPU.
+        False, changing nothing, if the swap space is short."""
+        distinct: dict[int, KVBlock] = {}
+        for r in reqs:
+            for b in self.block_tables.get(r.request_id, ()):
+                distinct.setdefault(b.block_id, b)
+        if len(distinct) > self.swap_space.num_free_blocks:
+            return False
+        cpu_ids = self.swap_space.allocate(len(distinct))
+        to_cpu = dict(zip(distinct, cpu_ids))
+        self._pending.swap_out.extend(to_cpu.items())
+        self.stats.swap_out_blocks += len(distinct)
+        seen: set[int] = set()
+        for r in reqs:
+            table = self.block_tables.get(r.request_id, [])
+            ids = [to_cpu[b.block_id] for b in table]
+            for i in ids:
+                if i in seen:
+                    self.swap_space.incref(i)
+                seen.add(i)
+            self.free(r.request_id, r)
+            self.swapped_tables[r.request_id] = ids
+        return True
+
+    def swap_in(self, reqs: list, reserve: int = 0) -> bool:
+        """Bring swapped requests back into fresh GPU blocks. False, changing nothing, if short."""
+        distinct: list[int] = []
+        seen: set[int] = set()
+        for r in reqs:
+            for i in self.swapped_tables.get(r.request_id, ()):
+                if i not in seen:
+                    seen.add(i)
+                    distinct.append(i)
+        if len(distinct) + reserve > self.pool.num_free_blocks:
+            return False
+        gpu = dict(zip(distinct, self.pool.allocate(len(distinct))))
+        self._pending.swap_in.extend((i, b.block_id) for i, b in gpu.items())
+        self.stats.swap_in_blocks += len(distinct)
+        used: set[int] = set()
+        for r in reqs:
+            ids = self.swapped_tables.pop(r.request_id, [])
+            table = []
+            for i in ids:
+                b = gpu[i]
+                if i in used:
+                    self.pool.touch(b)
+                used.add(i)
+                table.append(b)
+                self.swap_space.decref(i)
+            self.block_tables[r.request_id] = table
+            if self.cache is not None:
+                self.cache.reset_request(r)
+        return True
+
+    def take_pending(self) -> PendingKVOps:
+        """The block moves queued since the last call; the caller runs them before the next
+        forward pass (and before the next schedule). Releases the copy sources."""
+        ops, self._pending = self._pending, PendingKVOps()
+        if self._copy_sources:
+            self.pool.free(self._copy_sources)
+            self._copy_sources = []
+        return ops
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
@@ -55,6 +249,15 @@ class KVCacheManager:
         for blocks in self.block_tables.values():
             for b in blocks:
                 counts[b.block_id] = counts.get(b.block_id, 0) + 1
+        for b in self._copy_sources:
+            counts[b.block_id] = counts.get(b.block_id, 0) + 1
         for b in self.pool.blocks:
             assert b.ref_cnt == counts.get(b.block_id, 0), (
                 f"block {b.block_id}: ref_cnt {b.ref_cnt} but held by {counts.get(b.block_id, 0)} tables")
+        cpu: dict[int, int] = {}
+        for ids in self.swapped_tables.values():
+            for i in ids:
+                cpu[i] = cpu.get(i, 0) + 1
+        self.swap_space.check_integrity(cpu)
+        if self.cache is not None:
+            self.cache.check_integrity()

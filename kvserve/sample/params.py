@@ -23,6 +23,11 @@ class SamplingParams:
     logprobs: int | None = None   # top-k logprobs per generated token (0: the sampled token only)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Beam search (vLLM v0's fields): keep the `beam_width` most likely partial answers, ranked by
+    # cumulative logprob / len ** length_penalty; returns the best `n`. Uses raw log-probabilities.
+    use_beam_search: bool = False
+    beam_width: int | None = None       # default: max(n, 2)
+    length_penalty: float = 1.0
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -30,6 +35,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.use_beam_search and self.beam_width is None:
+            self.beam_width = max(self.n, 2) if isinstance(self.n, int) else 2
         self.validate()
 
     def _fail(self, msg: str):
@@ -66,6 +73,17 @@ class SamplingParams:
             self._fail("stop must be a non-empty string or a list of non-empty strings.")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             self._fail("stop_token_ids must be non-negative integers.")
+        if self.use_beam_search:
+            if not isinstance(self.beam_width, int) or self.beam_width < 1:
+                self._fail(f"beam_width must be an integer >= 1, got {self.beam_width!r}.")
+            if self.n > self.beam_width:
+                self._fail(f"n ({self.n}) must not exceed beam_width ({self.beam_width}).")
+            if (self.top_k or self.top_p < 1.0 or self.min_p or self.uses_penalties or self.min_tokens
+                    or self.stop_strings):
+                self._fail("beam search ranks raw log-probabilities: top_k, top_p, min_p, penalties, "
+                           "min_tokens and stop strings are not supported with use_beam_search.")
+        elif self.beam_width is not None:
+            self._fail("beam_width needs use_beam_search=True.")
 
     @property
     def greedy(self) -> bool:
@@ -75,3 +93,20 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's offline beam-search parameters: `LLM.beam_search(prompts, BeamSearchParams(...))`."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0            # accepted for vLLM compatibility; beams rank raw logprobs
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def to_sampling_params(self) -> SamplingParams:
+        return SamplingParams(n=self.beam_width, use_beam_search=True, beam_width=self.beam_width,
+                              length_penalty=self.length_penalty, max_tokens=self.max_tokens,
+                              ignore_eos=self.ignore_eos, temperature=0.0, logprobs=0)
