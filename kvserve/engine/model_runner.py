@@ -120,6 +120,7 @@ class ModelRunner:
                 tables[row, :len(t)] = t
             meta.decode_block_tables = torch.from_numpy(tables).to(dev)
             meta.decode_context_lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
+            meta.decode_context_lens_list = decode_lens
             meta.decode_key_mask = build_decode_key_mask(
                 meta.decode_context_lens, width * bs, self.model.attn.sliding_window)
         # Chunks that do not sample still run: their K/V must reach the cache.

@@ -30,6 +30,7 @@ class AttentionMetadata:
     num_decode_tokens: int = 0                  # decodes come first, one token each
     decode_block_tables: torch.Tensor | None = None   # [num_decodes, max_blocks] int64 (padded)
     decode_context_lens: torch.Tensor | None = None   # [num_decodes] int64
+    decode_context_lens_list: list[int] = field(default_factory=list)   # the same, on the host
     decode_key_mask: torch.Tensor | None = None       # [num_decodes, 1, 1, max_blocks*block_size]
     prefills: list[PrefillChunk] = field(default_factory=list)
 
@@ -57,8 +58,10 @@ class TorchPagedAttention(AttentionBackend):
         kv_shape = (-1, self.num_kv_heads, self.head_dim)
         k_cache.view(kv_shape).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(kv_shape).index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)
         nd = meta.num_decode_tokens
+        if nd == q.shape[0]:                      # a pure decode step: no copy into `out`
+            return self._decode(q, k_cache, v_cache, meta)
+        out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
         for chunk in meta.prefills:
@@ -67,18 +70,31 @@ class TorchPagedAttention(AttentionBackend):
         return out
 
     def _gather(self, cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-        # [..., n_blocks] -> [..., KV, n_blocks * block_size, D]
-        x = cache[block_table]                                   # [..., nb, bs, KV, D]
-        x = x.flatten(-4, -3)                                    # [..., nb*bs, KV, D]
-        return x.transpose(-3, -2)
+        """[..., n_blocks] block ids -> [..., n_blocks * block_size, KV, D] (one contiguous copy)."""
+        x = cache.index_select(0, block_table.reshape(-1))                # [N*nb, bs, KV, D]
+        return x.view(*block_table.shape[:-1], -1, *cache.shape[2:])
 
     def _decode(self, q, k_cache, v_cache, meta):
-        keys = self._gather(k_cache, meta.decode_block_tables)    # [B, KV, L, D]
+        """All one-token queries at once with batched matmuls over the gathered context.
+        q [B, H, D]; GQA groups G = H / KV query heads per KV head."""
+        B, H, D = q.shape
+        KV = self.num_kv_heads
+        keys = self._gather(k_cache, meta.decode_block_tables)              # [B, L, KV, D]
         values = self._gather(v_cache, meta.decode_block_tables)
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=meta.decode_key_mask,   # q [B, H, 1, D]
-            scale=self.scale, enable_gqa=True)
-        return o.squeeze(2)                                        # [B, H, D]
+        if B == 1 and self.sliding_window is None:
+            # One sequence: no padding to mask, one fused SDPA call over its exact context.
+            n = meta.decode_context_lens_list[0]
+            o = F.scaled_dot_product_attention(
+                q.unsqueeze(2), keys[:, :n].transpose(1, 2), values[:, :n].transpose(1, 2),
+                scale=self.scale, enable_gqa=True)                          # [1, H, 1, D]
+            return o.view(1, H, D)
+        qg = q.view(B, KV, H // KV, D)                                      # [B, KV, G, D]
+        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float()         # [B, KV, G, L]
+        scores = scores * self.scale
+        scores.masked_fill_(~meta.decode_key_mask, float("-inf"))           # mask [B, 1, 1, L]
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        out = torch.matmul(probs, values.permute(0, 2, 1, 3))               # [B, KV, G, D]
+        return out.reshape(B, H, D)
 
     def _prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk):
         n_new, ctx = chunk.q_len, chunk.context_len
@@ -89,8 +105,8 @@ class TorchPagedAttention(AttentionBackend):
                 q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                 is_causal=True, scale=self.scale, enable_gqa=True)
             return o.transpose(0, 1)
-        keys = self._gather(k_cache, chunk.block_table)[:, :ctx]   # [KV, ctx, D]
-        values = self._gather(v_cache, chunk.block_table)[:, :ctx]
+        keys = self._gather(k_cache, chunk.block_table)[:ctx].transpose(0, 1)   # [KV, ctx, D]
+        values = self._gather(v_cache, chunk.block_table)[:ctx].transpose(0, 1)
         q_pos = torch.arange(ctx - n_new, ctx, device=q.device).unsqueeze(1)   # [n_new, 1]
         k_pos = torch.arange(ctx, device=q.device).unsqueeze(0)                # [1, ctx]
         mask = k_pos <= q_pos

@@ -8,11 +8,11 @@ import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x * w / sqrt(mean(x^2) + eps), computed in float32 like the reference models."""
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    """x * w / sqrt(mean(x^2) + eps), normalised in float32 like the reference models
+    (one fused kernel; in float32 it equals transformers' formula bit for bit)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -39,18 +39,18 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [max_positions, head_dim], halves repeated (rotate_half convention)."""
+    """cos and signed sin tables [max_positions, head_dim] for the rotate_half convention:
+    cos = [cos, cos], sin = [-sin, sin], so that rope(x) = x * cos + roll(x, d/2) * sin."""
     pos = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.outer(pos, inv_freq.float())          # [P, head_dim/2]
-    emb = torch.cat([freqs, freqs], dim=-1)              # [P, head_dim]
-    return emb.cos(), emb.sin()
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (j, j + d/2) of every head. x [T, heads, d]; cos, sin [T, 1, d]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    """Rotate pairs (j, j + d/2) of every head. x [T, heads, d]; cos, sin [T, 1, d] from
+    `rope_cos_sin`. roll(x, d/2) = [x2, x1]; times [-sin, sin] it is rotate_half(x) * sin."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:

@@ -72,12 +72,13 @@ class LlamaModel:
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)              # [T, (H + 2KV) * D]
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q, k, v = q.view(T, H, D), k.view(T, KV, D), v.view(T, KV, D)
-            if layer.q_norm is not None:
-                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            qk, v = qk.view(T, H + KV, D), v.view(T, KV, D)
+            if layer.q_norm is not None:   # Qwen3: per-head RMSNorm of q and k before RoPE
+                qk = torch.cat([rms_norm(qk[:, :H], layer.q_norm, cfg.rms_norm_eps),
+                                rms_norm(qk[:, H:], layer.k_norm, cfg.rms_norm_eps)], dim=1)
+            qk = apply_rope(qk, cos, sin)                             # q and k heads at once
+            q, k = qk[:, :H], qk[:, H:]
             o = self.attn.forward(q, k, v, k_cache, v_cache, meta)    # [T, H, D]
             x = x + F.linear(o.reshape(T, H * D), layer.o)
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
