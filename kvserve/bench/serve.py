@@ -292,8 +292,11 @@ async def benchmark(args) -> dict:
         if not t.model or os.path.isdir(t.model):
             # A local directory is a tokenizer source; the server knows the model by its own name.
             t.model = await resolve_model(t, args.timeout)
-    conversations = build_dataset(args)
     rates = parse_rates(args.sweep_rates) if args.sweep_rates else [args.request_rate]
+    # Fresh prompts for every pass (seed + pass index), so that a prefix cache cannot serve one
+    # pass from the previous one; every server of a --compare gets the same prompts per rate.
+    datasets = [build_dataset(argparse.Namespace(**{**vars(args), "seed": args.seed + i}))
+                for i in range(len(rates))]
 
     out: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -302,7 +305,7 @@ async def benchmark(args) -> dict:
     }
     for t in targets:
         rows = []
-        for rate in rates:
+        for rate, conversations in zip(rates, datasets):
             results, duration = await run_pass(t, conversations, args, rate)
             s = summarize(results, duration, percentiles, args.slo_ttft_ms, args.slo_tpot_ms,
                           args.slo_e2e_ms)
