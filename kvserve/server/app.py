@@ -351,6 +351,8 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
         else:
             ids = p
             items.append(({"prompt_token_ids": ids}, None))
+        if req.cache_salt is not None:
+            items[-1][0]["cache_salt"] = req.cache_salt
         prompt_lens.append(len(ids))
     max_tokens = [_max_tokens(state, n, req.max_tokens) for n in prompt_lens]
     params = [_sampling_params(req, m, req.logprobs) for m in max_tokens]
@@ -491,7 +493,10 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
     created = int(time.time())
     sub = _Submission(state, rid)
     try:
-        await _add_one(sub, 0, {"prompt_token_ids": ids, "prompt": text}, params)
+        item = {"prompt_token_ids": ids, "prompt": text}
+        if req.cache_salt is not None:
+            item["cache_salt"] = req.cache_salt
+        await _add_one(sub, 0, item, params)
     except BaseException:
         sub.abort_unfinished()      # rejected, or the client left while we waited
         raise

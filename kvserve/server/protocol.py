@@ -8,7 +8,8 @@ parameters still work; known fields of the wrong type are rejected.
 
 Beyond OpenAI's parameters the requests accept vLLM's sampling extensions with vLLM's names:
 `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
-`skip_special_tokens`.
+`skip_special_tokens`, `include_stop_str_in_output`, and `cache_salt` (only requests with the
+same salt share prefix-cache blocks).
 """
 from __future__ import annotations
 
@@ -105,6 +106,7 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
+    cache_salt: Optional[str] = Field(None, min_length=1)   # vLLM's: scopes prefix-cache sharing
 
     @field_validator("stop")
     @classmethod

@@ -311,3 +311,25 @@ def test_metrics_histograms_follow_requests(server, client):
     for name in ("kvserve:kv_cache_usage_perc", "kvserve:num_requests_waiting", "kvserve:num_preemptions_total",
                  "kvserve:prefix_cache_queries_total"):
         assert name in text
+
+
+def test_prefix_cache_hits_show_in_usage_and_metrics(server, client):
+    _wait_idle(server)
+    # a prompt of several full 16-token blocks, unique to this test
+    prompt = "The little red hen found a grain of wheat and asked her friends to help her plant it. " * 3
+    before = server.metrics()
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    salted = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                                       extra_body={"cache_salt": "tenant-b"})
+    after = server.metrics()
+    n = first.usage.prompt_tokens
+    assert n >= 48
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= 16 * ((n - 1) // 16) - 16
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0       # another tenant shares nothing
+    assert second.choices[0].text == first.choices[0].text == salted.choices[0].text
+    hits = after["kvserve:prefix_cache_hits_total"] - before["kvserve:prefix_cache_hits_total"]
+    assert hits == second.usage.prompt_tokens_details.cached_tokens
+    assert after["kvserve:prefix_cache_queries_total"] - before["kvserve:prefix_cache_queries_total"] >= 3 * n - 3
