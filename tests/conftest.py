@@ -7,6 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# The models under test are tiny: one thread is as fast as two, and it keeps the suite steady
+# when the two cores are shared (a live server subprocess, CI neighbours).
+torch.set_num_threads(1)
+
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 STORIES_HF = SHARED / "models" / "stories260K-hf"
 STORIES_C = SHARED / "models" / "stories260K"
