@@ -333,3 +333,16 @@ def test_prefix_cache_hits_show_in_usage_and_metrics(server, client):
     hits = after["kvserve:prefix_cache_hits_total"] - before["kvserve:prefix_cache_hits_total"]
     assert hits == second.usage.prompt_tokens_details.cached_tokens
     assert after["kvserve:prefix_cache_queries_total"] - before["kvserve:prefix_cache_queries_total"] >= 3 * n - 3
+
+
+def test_stream_several_prompts_keeps_choices_apart(client, llm):
+    want = reference(llm, PROMPTS[4:7], 12)
+    texts, finishes = {}, {}
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPTS[4:7], max_tokens=12, temperature=0,
+                                           stream=True):
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+            if ch.finish_reason:
+                finishes[ch.index] = finishes.get(ch.index, 0) + 1
+    assert [texts[i] for i in range(3)] == want
+    assert finishes == {0: 1, 1: 1, 2: 1}
