@@ -21,8 +21,9 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = model.device
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        # One preallocated pool per layer: [num_blocks, block_size, n_kv_heads, head_dim] x (K, V)
+        # One preallocated pool per layer and K/V, in the attention backend's layout
+        # ([num_blocks, n_kv_heads, block_size, head_dim] for the portable backend).
+        shape = model.attn.cache_shape(num_blocks)
         self.forward_time_total = 0.0   # seconds inside the model's forward pass
         self.kv_caches = [(torch.zeros(shape, dtype=model.dtype, device=self.device),
                            torch.zeros(shape, dtype=model.dtype, device=self.device))

@@ -37,7 +37,7 @@ class AttentionMetadata:
 
 class AttentionBackend:
     """Writes the new K/V into the cache and attends. Shapes: q [T, H, D]; k, v [T, KV, D];
-    caches [num_blocks, block_size, KV, D]; returns [T, H, D]."""
+    returns [T, H, D]. The backend owns the layout of one layer's cache (`cache_shape`)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                  sliding_window: int | None = None):
@@ -46,18 +46,26 @@ class AttentionBackend:
         self.sliding_window = sliding_window
         self.scale = head_dim ** -0.5
 
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        raise NotImplementedError
+
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         raise NotImplementedError
 
 
 class TorchPagedAttention(AttentionBackend):
-    """Portable backend: scatter through the slot mapping, gather through block tables,
-    `scaled_dot_product_attention` (GQA-aware) for all decodes at once and per prefill chunk."""
+    """Portable backend. Cache layout [num_blocks, KV, block_size, D]: a gathered block is
+    `KV` contiguous [block_size, D] matrices, so decode attention runs as batched matmuls
+    block by block, straight on the gathered blocks, with no transposed copy of the context."""
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        kv_shape = (-1, self.num_kv_heads, self.head_dim)
-        k_cache.view(kv_shape).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(kv_shape).index_copy_(0, meta.slot_mapping, v)
+        block = meta.slot_mapping // self.block_size
+        offset = meta.slot_mapping % self.block_size
+        k_cache[block, :, offset] = k                     # k [T, KV, D] -> its slots
+        v_cache[block, :, offset] = v
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:                      # a pure decode step: no copy into `out`
             return self._decode(q, k_cache, v_cache, meta)
@@ -69,32 +77,26 @@ class TorchPagedAttention(AttentionBackend):
             out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, chunk)
         return out
 
-    def _gather(self, cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-        """[..., n_blocks] block ids -> [..., n_blocks * block_size, KV, D] (one contiguous copy)."""
-        x = cache.index_select(0, block_table.reshape(-1))                # [N*nb, bs, KV, D]
-        return x.view(*block_table.shape[:-1], -1, *cache.shape[2:])
-
     def _decode(self, q, k_cache, v_cache, meta):
-        """All one-token queries at once with batched matmuls over the gathered context.
-        q [B, H, D]; GQA groups G = H / KV query heads per KV head."""
+        """One-token queries of B sequences. q [B, H, D]; G = H / KV query heads per KV head.
+        Scores and outputs are computed per gathered block with two batched matmuls."""
         B, H, D = q.shape
-        KV = self.num_kv_heads
-        keys = self._gather(k_cache, meta.decode_block_tables)              # [B, L, KV, D]
-        values = self._gather(v_cache, meta.decode_block_tables)
-        if B == 1 and self.sliding_window is None:
-            # One sequence: no padding to mask, one fused SDPA call over its exact context.
-            n = meta.decode_context_lens_list[0]
-            o = F.scaled_dot_product_attention(
-                q.unsqueeze(2), keys[:, :n].transpose(1, 2), values[:, :n].transpose(1, 2),
-                scale=self.scale, enable_gqa=True)                          # [1, H, 1, D]
-            return o.view(1, H, D)
-        qg = q.view(B, KV, H // KV, D)                                      # [B, KV, G, D]
-        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float()         # [B, KV, G, L]
-        scores = scores * self.scale
+        KV, bs = self.num_kv_heads, self.block_size
+        tables = meta.decode_block_tables                                   # [B, nb]
+        nb = tables.shape[1]
+        G = H // KV
+        kb = k_cache.index_select(0, tables.reshape(-1))                    # [B*nb, KV, bs, D]
+        vb = v_cache.index_select(0, tables.reshape(-1))
+        qb = q.view(B, 1, KV, G, D).expand(B, nb, KV, G, D).reshape(B * nb * KV, G, D)
+        scores = torch.bmm(qb, kb.view(-1, bs, D).transpose(1, 2))          # [B*nb*KV, G, bs]
+        scores = scores.view(B, nb, KV, G, bs).permute(0, 2, 3, 1, 4).reshape(B, KV, G, nb * bs)
+        scores = scores.float() * self.scale
         scores.masked_fill_(~meta.decode_key_mask, float("-inf"))           # mask [B, 1, 1, L]
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        out = torch.matmul(probs, values.permute(0, 2, 1, 3))               # [B, KV, G, D]
-        return out.reshape(B, H, D)
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)                   # [B, KV, G, L]
+        probs = probs.view(B, KV, G, nb, bs).permute(0, 3, 1, 2, 4).reshape(B * nb * KV, G, bs)
+        partial = torch.bmm(probs, vb.view(-1, bs, D))                      # [B*nb*KV, G, D]
+        out = partial.view(B, nb, KV, G, D).sum(dim=1, dtype=torch.float32)  # [B, KV, G, D]
+        return out.to(q.dtype).view(B, H, D)
 
     def _prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk):
         n_new, ctx = chunk.q_len, chunk.context_len
@@ -105,8 +107,8 @@ class TorchPagedAttention(AttentionBackend):
                 q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                 is_causal=True, scale=self.scale, enable_gqa=True)
             return o.transpose(0, 1)
-        keys = self._gather(k_cache, chunk.block_table)[:ctx].transpose(0, 1)   # [KV, ctx, D]
-        values = self._gather(v_cache, chunk.block_table)[:ctx].transpose(0, 1)
+        keys = self._context(k_cache, chunk.block_table, ctx)               # [KV, ctx, D]
+        values = self._context(v_cache, chunk.block_table, ctx)
         q_pos = torch.arange(ctx - n_new, ctx, device=q.device).unsqueeze(1)   # [n_new, 1]
         k_pos = torch.arange(ctx, device=q.device).unsqueeze(0)                # [1, ctx]
         mask = k_pos <= q_pos
@@ -115,6 +117,11 @@ class TorchPagedAttention(AttentionBackend):
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
         return o.transpose(0, 1)                                   # [n_new, H, D]
+
+    def _context(self, cache: torch.Tensor, block_table: torch.Tensor, ctx: int) -> torch.Tensor:
+        """One sequence's first `ctx` cached tokens as [KV, ctx, D]."""
+        blocks = cache.index_select(0, block_table)                         # [nb, KV, bs, D]
+        return blocks.transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_dim)[:, :ctx]
 
 
 def build_decode_key_mask(context_lens: torch.Tensor, max_len: int,
