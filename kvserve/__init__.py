@@ -2,8 +2,8 @@
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.llm import LLM
-from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
-from kvserve.sample.params import SamplingParams
+from kvserve.outputs import BeamSearchOutput, CompletionOutput, Logprob, RequestOutput
+from kvserve.sample.params import BeamSearchParams, SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput",
-           "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "BeamSearchParams", "RequestOutput",
+           "CompletionOutput", "BeamSearchOutput", "Logprob"]
