@@ -24,9 +24,15 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         raise NotImplementedError
 
+    _anchor: list[int] | None = None
+
     def token_to_text(self, token_id: int) -> str:
-        """The text one token stands for on its own (for logprob tables)."""
-        return self.decode([token_id], skip_special_tokens=False)
+        """The text a token adds after other text (for logprob tables): decoded after an anchor
+        token, so that a leading space survives decoders that strip the first one."""
+        if self._anchor is None:
+            self._anchor = self.encode("a", add_special_tokens=False)[-1:]
+        head = self.decode(self._anchor, skip_special_tokens=False)
+        return self.decode(self._anchor + [token_id], skip_special_tokens=False)[len(head):]
 
 
 class HFTokenizer(Tokenizer):

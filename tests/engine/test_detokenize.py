@@ -29,3 +29,10 @@ def test_held_back_is_longest_stop_prefix():
     assert held_back("hello wor", ["world"]) == 3
     assert held_back("hello", ["xyz"]) == 0
     assert held_back("ab", ["abc", "b!"]) == 2
+
+
+def test_logprob_token_text_keeps_its_leading_space():
+    for path in (STORIES_HF, STORIES_C):
+        _, _, tok = load_model_dir(str(path))
+        ids = tok.encode("Tom had a red ball", add_special_tokens=False)
+        assert "".join(tok.token_to_text(t) for t in ids) == " Tom had a red ball"
