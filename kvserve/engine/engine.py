@@ -63,7 +63,7 @@ class EngineStats:
     num_repeatedly_preempted_total: int = 0  # sequences preempted preemption_warn_threshold times
     max_preemptions_per_request: int = 0
     num_steps: int = 0
-    forward_time_total: float = 0.0
+    forward_time_total: float = 0.0        # seconds inside the model's forward pass
     step_time_total: float = 0.0
 
 
@@ -247,11 +247,7 @@ class LLMEngine:
         if sched.is_empty:
             return outputs
         batch = [(req, n, self.kv.block_ids(req.request_id)) for req, n in sched.scheduled]
-        t1 = time.perf_counter()
         logits, samplers = self.runner.execute(batch)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        t2 = time.perf_counter()
         self.scheduler.update_after_step(sched)
         # Rows to sample: one per sequence, plus one per sample forked off a finished prefill
         # (they draw from the same logits with their own generators); beams propose candidates.
@@ -308,7 +304,6 @@ class LLMEngine:
             if out.finished:
                 self._retire_group(out.request_id)
         self._stats.num_steps += 1
-        self._stats.forward_time_total += t2 - t1
         self._stats.step_time_total += time.perf_counter() - t0
         return outputs
 
@@ -459,6 +454,7 @@ class LLMEngine:
         s.num_free_blocks = self.kv.num_free_blocks
         s.num_total_blocks = self.kv.pool.num_blocks
         s.num_preemptions_total = self.scheduler.num_preemptions
+        s.forward_time_total = self.runner.forward_time_total   # inside the model's forward
         kv, sched = self.kv, self.scheduler
         s.prefix_cache_queries_total = kv.stats.prefix_cache_queries
         s.prefix_cache_hits_total = kv.stats.prefix_cache_hits

@@ -25,14 +25,15 @@ class Tokenizer:
         raise NotImplementedError
 
     _anchor: list[int] | None = None
+    _anchor_len = 0
 
     def token_to_text(self, token_id: int) -> str:
         """The text a token adds after other text (for logprob tables): decoded after an anchor
         token, so that a leading space survives decoders that strip the first one."""
         if self._anchor is None:
             self._anchor = self.encode("a", add_special_tokens=False)[-1:]
-        head = self.decode(self._anchor, skip_special_tokens=False)
-        return self.decode(self._anchor + [token_id], skip_special_tokens=False)[len(head):]
+            self._anchor_len = len(self.decode(self._anchor, skip_special_tokens=False))
+        return self.decode(self._anchor + [token_id], skip_special_tokens=False)[self._anchor_len:]
 
 
 class HFTokenizer(Tokenizer):
