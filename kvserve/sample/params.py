@@ -1,7 +1,31 @@
 """SamplingParams: how one request turns logits into tokens and when it stops (vLLM's names)."""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
+
+# Limits that keep every accepted request computable: no accepted value makes a sampler step
+# raise, overflow an int64 tensor or a float32 logit. Seeds feed torch.Generator.manual_seed,
+# which takes [-2**63, 2**64 - 1]; kvserve takes the non-negative part, and sample i of n uses
+# seed + i, so seed + n - 1 must stay <= 2**64 - 1.
+INT64_MAX = 2**63 - 1
+SEED_MAX = 2**64 - 1
+MAX_LOGPROBS = 20                 # OpenAI's (and vLLM's default) limit on top logprobs
+MAX_STOP_TOKEN_IDS = 1024
+MAX_TEMPERATURE = 100.0           # as the OpenAI server's schema
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+MAX_ABS_LENGTH_PENALTY = 10.0     # seq_len ** length_penalty stays a finite, non-zero float
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_finite_real(v) -> bool:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        return False
+    return isinstance(v, numbers.Integral) or math.isfinite(v)   # isfinite(10**400) would raise
 
 
 @dataclass
@@ -11,7 +35,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0            # 0 or -1: off
     min_p: float = 0.0
-    seed: int | None = None
+    seed: int | None = None        # None or -1: unseeded; sample i of n uses seed + i
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -31,50 +55,73 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
-        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k == -1:
+        if self.stop is None:
+            self.stop_strings = []
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop_strings = list(self.stop)
+        else:
+            self.stop_strings = [self.stop]          # validate() rejects anything but a string
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids)
+        else:
+            self._fail(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}.")
+        if _is_int(self.top_k) and self.top_k == -1:
             self.top_k = 0
+        if _is_int(self.seed) and self.seed == -1:  # vLLM's "no seed"
+            self.seed = None
         if self.use_beam_search and self.beam_width is None:
-            self.beam_width = max(self.n, 2) if isinstance(self.n, int) else 2
+            self.beam_width = max(self.n, 2) if _is_int(self.n) else 2
         self.validate()
 
     def _fail(self, msg: str):
         raise ValueError(msg)
 
+    def _check_real(self, name: str, lo: float, hi: float, *, lo_open: bool = False, rule: str = "") -> None:
+        v = getattr(self, name)
+        ok = _is_finite_real(v) and (lo < v if lo_open else lo <= v) and v <= hi
+        if not ok:
+            interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+            self._fail(f"{name} must be a finite number in {interval}{rule}, got {v!r}.")
+
     def validate(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
+        """Reject what no model could serve. Checks that need the model (token ids against the
+        vocabulary) are in `verify_for_model`."""
+        if not _is_int(self.n) or self.n < 1:
             self._fail(f"n must be an integer >= 1, got {self.n!r}.")
-        if self.temperature < 0:
-            self._fail(f"temperature must be >= 0 (0 means greedy), got {self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:
-            self._fail(f"top_p must be in (0, 1], got {self.top_p}.")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            self._fail(f"top_k must be a non-negative integer (0 or -1 disables it), got {self.top_k!r}.")
-        if not 0.0 <= self.min_p <= 1.0:
-            self._fail(f"min_p must be in [0, 1], got {self.min_p}.")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            self._fail(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            self._fail(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
-        if not self.repetition_penalty > 0:
-            self._fail(f"repetition_penalty must be > 0, got {self.repetition_penalty}.")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        self._check_real("temperature", 0.0, MAX_TEMPERATURE, rule=" (0 means greedy)")
+        self._check_real("top_p", 0.0, 1.0, lo_open=True, rule=" (1 disables it)")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= INT64_MAX:
+            self._fail(f"top_k must be an integer in [-1, 2**63 - 1] (0 or -1 disables it; values "
+                       f"above the vocabulary size keep the whole vocabulary), got {self.top_k!r}.")
+        self._check_real("min_p", 0.0, 1.0, rule=" (0 disables it)")
+        self._check_real("presence_penalty", -2.0, 2.0)
+        self._check_real("frequency_penalty", -2.0, 2.0)
+        lo, hi = REPETITION_PENALTY_RANGE
+        self._check_real("repetition_penalty", lo, hi, rule=" (1 disables it)")
+        self._check_real("length_penalty", -MAX_ABS_LENGTH_PENALTY, MAX_ABS_LENGTH_PENALTY)
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             self._fail(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
             self._fail(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             self._fail(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens}).")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            self._fail(f"logprobs must be a non-negative integer, got {self.logprobs!r}.")
-        if self.seed is not None and not isinstance(self.seed, int):
-            self._fail(f"seed must be an integer, got {self.seed!r}.")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            self._fail(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}.")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= SEED_MAX - (self.n - 1)):
+            self._fail(f"seed must be an integer in [0, 2**64 - n] = [0, {SEED_MAX - (self.n - 1)}] for n={self.n} "
+                       f"(sample i is seeded with seed + i, an unsigned 64-bit value), or -1 or None for "
+                       f"no seed; got {self.seed!r}.")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             self._fail("stop must be a non-empty string or a list of non-empty strings.")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            self._fail("stop_token_ids must be non-negative integers.")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            self._fail(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}.")
+        bad = next((t for t in self.stop_token_ids if not _is_int(t) or not 0 <= t <= INT64_MAX), None)
+        if bad is not None:
+            self._fail(f"stop_token_ids must be non-negative integers (token ids), got {bad!r}.")
         if self.use_beam_search:
-            if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            if not _is_int(self.beam_width) or self.beam_width < 1:
                 self._fail(f"beam_width must be an integer >= 1, got {self.beam_width!r}.")
             if self.n > self.beam_width:
                 self._fail(f"n ({self.n}) must not exceed beam_width ({self.beam_width}).")
@@ -84,6 +131,18 @@ class SamplingParams:
                            "min_tokens and stop strings are not supported with use_beam_search.")
         elif self.beam_width is not None:
             self._fail("beam_width needs use_beam_search=True.")
+
+    def verify_for_model(self, vocab_size: int) -> None:
+        """Checks that depend on the model: raise ValueError if these parameters cannot be served
+        by a model with `vocab_size` tokens. (top_k above the vocabulary size is fine: it keeps
+        the whole vocabulary.)"""
+        if not _is_int(vocab_size) or vocab_size < 1:
+            raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}.")
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            self._fail(f"stop_token_ids {bad[:8]} are outside the vocabulary [0, {vocab_size}).")
+        if self.logprobs is not None and self.logprobs > vocab_size:
+            self._fail(f"logprobs ({self.logprobs}) must not exceed the vocabulary size ({vocab_size}).")
 
     @property
     def greedy(self) -> bool:

@@ -1,13 +1,17 @@
 """Turn one step's logits into one token per sampling sequence (seed 000, "Prefill and decode").
 
-Order, as in vLLM: penalties (repetition on prompt + output, presence and frequency on output),
-min_tokens masking of stop tokens, then greedy argmax, or temperature, top-k, top-p, min-p and a
-draw. Each seeded request draws from its own generator, so its tokens do not depend on what else
-is in the batch. Logprobs are those of the raw model distribution, with the sampled token's rank.
+Order, as in vLLM v0 and transformers' generate: penalties (repetition on prompt + output,
+presence and frequency on output), min_tokens masking of stop tokens, then greedy argmax, or
+temperature, top-k, top-p, min-p and a draw. (vLLM v1 applies min-p before top-k/top-p; the two
+orders differ when top-p and min-p are combined.) `process_logits` / `processed_logprobs` give
+the distribution each row is chosen from. Each seeded request draws from its own generator, so
+its tokens do not depend on what else is in the batch. Logprobs are those of the raw model
+distribution (log_softmax of the unprocessed logits), with the sampled token's rank.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -22,6 +26,103 @@ class SampleResult:
     top: list[tuple[int, float]] | None = None      # top-k (token, logprob), if asked
 
 
+def process_logits(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """The logits each row's token is chosen from, [S, V], one row per request in `reqs`.
+
+    Every row: penalties, then -inf on stop tokens while min_tokens is not reached. A sampled
+    row then also gets temperature, top-k, top-p and min-p (-inf where filtered out): its token
+    is drawn from softmax of the row. A greedy row's token is the row's argmax. `logits` is
+    never written to; when no row changes it is returned as is.
+    """
+    x = logits.clone() if any(_changes_logits(r) for r in reqs) else logits
+    _apply_penalties(x, reqs)
+    _mask_early_stops(x, reqs)
+    rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
+    if rows:
+        params = [reqs[i].params for i in rows]
+        temps = torch.tensor([p.temperature for p in params], device=x.device).unsqueeze(1)
+        x[torch.tensor(rows, device=x.device)] = apply_top_k_top_p_min_p(x[rows] / temps, params)
+    return x
+
+
+def processed_logprobs(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """log_softmax of `process_logits`, [S, V]: for a sampled row, the log-probabilities of the
+    distribution its token is drawn from (-inf for the tokens it can not draw); for a greedy row,
+    those of the penalised, masked distribution whose argmax it takes."""
+    return torch.log_softmax(process_logits(logits, reqs), dim=-1)
+
+
+def apply_top_k_top_p_min_p(x: torch.Tensor, params) -> torch.Tensor:
+    """x [R, V] temperature-scaled logits, one SamplingParams per row: top-k, then top-p on the
+    renormalised survivors, then min-p; filtered tokens become -inf. A row whose top_p is 1
+    (off) loses no token to top-p, whatever the other rows ask."""
+    V = x.shape[1]
+    top_k = [min(p.top_k, V) if p.top_k > 0 else V for p in params]    # top_k > V keeps all
+    top_p = [p.top_p for p in params]
+    min_p = [p.min_p for p in params]
+    if any(k < V for k in top_k) or any(tp < 1.0 for tp in top_p):
+        sorted_x, order = x.sort(dim=-1, descending=True)       # [R, V]
+        rank = torch.arange(V, device=x.device).unsqueeze(0)    # [1, V]
+        k = torch.tensor(top_k, device=x.device).unsqueeze(1)
+        drop = rank >= k
+        sorted_probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs     # mass of higher-ranked tokens
+        p = torch.tensor(top_p, device=x.device).unsqueeze(1)
+        # keeps at least the top token; rows with top_p == 1 are exempt, as rounding can push
+        # `before` of tail tokens to 1.0
+        drop |= (before >= p) & (p < 1.0)
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+        x = torch.empty_like(x).scatter_(1, order, sorted_x)
+    if any(mp > 0 for mp in min_p):
+        probs = torch.softmax(x, dim=-1)
+        mp = torch.tensor(min_p, device=x.device).unsqueeze(1)
+        x = x.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    return x
+
+
+def _changes_logits(r: Request) -> bool:
+    p = r.params
+    return p.uses_penalties or r.num_output_tokens < p.min_tokens or not p.greedy
+
+
+def _apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> None:
+    """In place: repetition penalty on every token of prompt + output (divide a positive logit,
+    multiply a negative one), then logit -= frequency_penalty * count + presence_penalty * (count > 0)
+    over the output tokens."""
+    rows = [i for i, r in enumerate(reqs) if r.params.uses_penalties]
+    if not rows:
+        return
+    V = logits.shape[1]
+    for i in rows:
+        r, p = reqs[i], reqs[i].params
+        out = torch.tensor(r.output_token_ids, dtype=torch.long, device=logits.device)
+        counts = torch.bincount(out, minlength=V)[:V].to(logits.dtype)          # [V]
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.zeros(V, dtype=torch.bool, device=logits.device)
+            seen[torch.tensor(r.token_ids, dtype=torch.long, device=logits.device)] = True
+            penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            row.copy_(torch.where(seen, penalised, row))
+        row -= p.frequency_penalty * counts
+        row -= p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _mask_early_stops(logits: torch.Tensor, reqs: Sequence[Request]) -> None:
+    """In place: -inf on the stop token ids (and EOS unless ignored) of every request that has
+    fewer than min_tokens output tokens. Ids outside the vocabulary can never be sampled, so
+    they need no mask and are skipped."""
+    V = logits.shape[1]
+    for i, r in enumerate(reqs):
+        p = r.params
+        if r.num_output_tokens < p.min_tokens:
+            stops = list(p.stop_token_ids)
+            if r.eos_token_id is not None and not p.ignore_eos:
+                stops.append(r.eos_token_id)
+            stops = [t for t in stops if 0 <= t < V]
+            if stops:
+                logits[i, stops] = float("-inf")
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device, seed: int | None = None):
         self.vocab_size = vocab_size
@@ -32,17 +133,14 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampleResult]:
         """logits [S, V] float32, one row per request in `reqs`."""
         raw = logits
-        logits = logits.clone() if any(self._changes_logits(r) for r in reqs) else logits
-        self._apply_penalties(logits, reqs)
-        self._mask_early_stops(logits, reqs)
-        tokens = self._choose(logits, reqs)                          # [S] int64
+        tokens = self._choose(process_logits(logits, reqs), reqs)   # [S] int64
         need_lp = [r.params.logprobs is not None for r in reqs]
         results = []
         if any(need_lp):
             logprobs = torch.log_softmax(raw, dim=-1)                # [S, V]
             chosen = logprobs.gather(1, tokens.unsqueeze(1))         # [S, 1]
             ranks = (logprobs > chosen).sum(dim=1) + 1               # [S]
-            k = max(r.params.logprobs or 0 for r in reqs)
+            k = min(max(r.params.logprobs or 0 for r in reqs), logprobs.shape[1])
             top_lp, top_ids = logprobs.topk(k, dim=1) if k else (None, None)
             tok_l, lp_l, rank_l = tokens.tolist(), chosen.squeeze(1).tolist(), ranks.tolist()
             for i, r in enumerate(reqs):
@@ -54,50 +152,13 @@ class Sampler:
             return results
         return [SampleResult(t, 0.0, 0) for t in tokens.tolist()]
 
-    @staticmethod
-    def _changes_logits(r: Request) -> bool:
-        p = r.params
-        return (p.uses_penalties or r.num_output_tokens < p.min_tokens or not p.greedy)
-
-    def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request]) -> None:
-        rows = [i for i, r in enumerate(reqs) if r.params.uses_penalties]
-        if not rows:
-            return
-        V = logits.shape[1]
-        for i in rows:
-            r, p = reqs[i], reqs[i].params
-            out = torch.tensor(r.output_token_ids, dtype=torch.long, device=logits.device)
-            counts = torch.bincount(out, minlength=V)[:V].to(logits.dtype)          # [V]
-            row = logits[i]
-            if p.repetition_penalty != 1.0:
-                seen = torch.zeros(V, dtype=torch.bool, device=logits.device)
-                seen[torch.tensor(r.token_ids, dtype=torch.long, device=logits.device)] = True
-                penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-                row.copy_(torch.where(seen, penalised, row))
-            row -= p.frequency_penalty * counts
-            row -= p.presence_penalty * (counts > 0).to(logits.dtype)
-
-    def _mask_early_stops(self, logits: torch.Tensor, reqs: list[Request]) -> None:
-        for i, r in enumerate(reqs):
-            p = r.params
-            if r.num_output_tokens < p.min_tokens:
-                stops = list(p.stop_token_ids)
-                if r.eos_token_id is not None and not p.ignore_eos:
-                    stops.append(r.eos_token_id)
-                if stops:
-                    logits[i, stops] = float("-inf")
-
-    def _choose(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        greedy = logits.argmax(dim=-1)                               # [S]
+    def _choose(self, x: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """x: `process_logits` of the step. Greedy rows take the argmax, sampled rows a draw."""
+        greedy = x.argmax(dim=-1)                                    # [S]
         rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if not rows:
             return greedy
-        x = logits[rows]                                             # [R, V]
-        params = [reqs[i].params for i in rows]
-        temps = torch.tensor([p.temperature for p in params], device=x.device).unsqueeze(1)
-        x = x / temps
-        x = self._top_k_top_p_min_p(x, params)
-        probs = torch.softmax(x, dim=-1)                             # [R, V]
+        probs = torch.softmax(x[rows], dim=-1)                       # [R, V]
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one generator per row.
         noise = torch.empty_like(probs)
         unseeded = []
@@ -106,7 +167,9 @@ class Sampler:
             if r.seed is not None:
                 if r.generator is None:
                     r.generator = torch.Generator(device=x.device)
-                    r.generator.manual_seed(r.seed)
+                    # params allow seed + n - 1 <= 2**64 - 1; the modulo keeps any other int
+                    # (torch takes [-2**63, 2**64 - 1] and maps negatives the same way) from raising
+                    r.generator.manual_seed(int(r.seed) % 2**64)
                 noise[j].exponential_(generator=r.generator)
             else:
                 unseeded.append(j)
@@ -118,26 +181,3 @@ class Sampler:
         out = greedy.clone()
         out[torch.tensor(rows, device=x.device)] = sampled
         return out
-
-    @staticmethod
-    def _top_k_top_p_min_p(x: torch.Tensor, params) -> torch.Tensor:
-        top_k = [p.top_k for p in params]
-        top_p = [p.top_p for p in params]
-        min_p = [p.min_p for p in params]
-        if any(top_k) or any(tp < 1.0 for tp in top_p):
-            sorted_x, order = x.sort(dim=-1, descending=True)       # [R, V]
-            V = x.shape[1]
-            rank = torch.arange(V, device=x.device).unsqueeze(0)    # [1, V]
-            k = torch.tensor([tk if tk > 0 else V for tk in top_k], device=x.device).unsqueeze(1)
-            drop = rank >= k
-            sorted_probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
-            before = sorted_probs.cumsum(dim=-1) - sorted_probs     # mass of higher-ranked tokens
-            p = torch.tensor(top_p, device=x.device).unsqueeze(1)
-            drop |= before >= p                                     # keeps at least the top token
-            sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-            x = torch.empty_like(x).scatter_(1, order, sorted_x)
-        if any(mp > 0 for mp in min_p):
-            probs = torch.softmax(x, dim=-1)
-            mp = torch.tensor(min_p, device=x.device).unsqueeze(1)
-            x = x.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, float("-inf"))
-        return x

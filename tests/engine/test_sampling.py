@@ -141,3 +141,133 @@ def test_n_samples_equal_separately_seeded_requests(llm):
 def test_invalid_params_raise(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+# -- server hardening, defect 1: values that used to pass validation and then crash the step ----
+
+NAN, INF = float("nan"), float("inf")
+BAD_VALUES = [
+    # top_k: an int64 at use; bools and fractions are not counts
+    (dict(top_k=2**63), "top_k"), (dict(top_k=2**70), "top_k"), (dict(top_k=True), "top_k"),
+    (dict(top_k=2.5), "top_k"), (dict(top_k=-2), "top_k"),
+    # seed: sample i uses seed + i, which torch.Generator must take
+    (dict(seed=2**64), "seed"), (dict(seed=2**64 - 1, n=2), "seed"), (dict(seed=2**64 - 3, n=4), "seed"),
+    (dict(seed=-2), "seed"), (dict(seed=-(2**63)), "seed"), (dict(seed=True), "seed"), (dict(seed=1.0), "seed"),
+    # bools where integers are expected
+    (dict(n=True), "n must"), (dict(max_tokens=True), "max_tokens"), (dict(min_tokens=True), "min_tokens"),
+    (dict(logprobs=True), "logprobs"),
+    # NaN / inf / out of range in every float field
+    *[(dict([(name, v)]), name) for name in ("temperature", "top_p", "min_p", "presence_penalty",
+                                             "frequency_penalty", "repetition_penalty", "length_penalty")
+      for v in (NAN, INF, -INF)],
+    (dict(temperature=101.0), "temperature"), (dict(temperature=1e39), "temperature"),
+    (dict(temperature=True), "temperature"), (dict(temperature="1"), "temperature"),
+    (dict(repetition_penalty=-1.0), "repetition_penalty"), (dict(repetition_penalty=1e-3), "repetition_penalty"),
+    (dict(repetition_penalty=100.5), "repetition_penalty"), (dict(repetition_penalty=10**400), "repetition_penalty"),
+    (dict(length_penalty=11.0), "length_penalty"), (dict(length_penalty=-11.0), "length_penalty"),
+    # lists and counts
+    (dict(logprobs=21), "logprobs"),
+    (dict(stop_token_ids=list(range(1025))), "stop_token_ids"), (dict(stop_token_ids=[2**63]), "stop_token_ids"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(stop_token_ids=[True]), "stop_token_ids"),
+    (dict(stop_token_ids=[1.0]), "stop_token_ids"), (dict(stop_token_ids=5), "stop_token_ids"),
+    (dict(stop=5), "stop"),
+]
+
+
+@pytest.mark.parametrize("bad,field", BAD_VALUES, ids=[repr(b)[:40] for b, _ in BAD_VALUES])
+def test_bad_values_raise_a_clear_value_error(bad, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("ok", [dict(top_k=2**63 - 1), dict(top_k=10**6), dict(seed=2**64 - 1),
+                                dict(seed=2**64 - 2, n=2), dict(seed=0), dict(temperature=100.0),
+                                dict(repetition_penalty=0.01), dict(repetition_penalty=100.0),
+                                dict(length_penalty=-10.0), dict(logprobs=20),
+                                dict(stop_token_ids=list(range(1024))), dict(temperature=0)])
+def test_boundary_values_are_accepted(ok):
+    SamplingParams(**ok)
+
+
+def test_minus_one_disables_top_k_and_seed_as_in_vllm():
+    p = SamplingParams(top_k=-1, seed=-1)
+    assert p.top_k == 0 and p.seed is None
+
+
+def test_seed_message_states_the_rule():
+    with pytest.raises(ValueError) as e:
+        SamplingParams(seed=2**64 - 1, n=3)
+    assert "[0, 2**64 - n]" in str(e.value) and str(2**64 - 3) in str(e.value)
+
+
+def test_verify_for_model_checks_ids_against_the_vocabulary():
+    SamplingParams(stop_token_ids=[0, 511], top_k=10**6).verify_for_model(512)   # top_k > vocab is fine
+    with pytest.raises(ValueError, match=r"stop_token_ids \[512\].*vocabulary \[0, 512\)"):
+        SamplingParams(stop_token_ids=[3, 512], min_tokens=1).verify_for_model(512)
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=20).verify_for_model(16)
+    with pytest.raises(ValueError, match="vocab_size"):
+        SamplingParams().verify_for_model(0)
+
+
+# The sampler holds on its own, for parameters that skipped validation.
+
+def _sampler_step(params_list, V=64, eos=None, seeds=None, out_tokens=()):
+    import torch
+    from kvserve.engine.request import Request
+    from kvserve.sample.sampler import Sampler
+    reqs = []
+    for i, p in enumerate(params_list):
+        r = Request(f"r{i}", [1, 2, 3], p, eos_token_id=eos, seed=(seeds or [None] * len(params_list))[i])
+        r.token_ids.extend(out_tokens)
+        reqs.append(r)
+    row = torch.randn(V, generator=torch.Generator().manual_seed(0))
+    logits = row.expand(len(reqs), V).contiguous()          # the same logits in every row
+    return Sampler(V, torch.device("cpu"), seed=0)(logits, reqs), logits, reqs
+
+
+def test_sampler_clamps_top_k_to_the_vocabulary():
+    import torch
+    from kvserve.sample.sampler import processed_logprobs
+    huge = SamplingParams(temperature=1.0, seed=3)
+    huge.top_k = 2**64                       # past validation: must still not reach an int64 tensor
+    above = SamplingParams(temperature=1.0, top_k=10**6, seed=3)
+    off = SamplingParams(temperature=1.0, seed=3)
+    got, logits, reqs = _sampler_step([huge, above, off], seeds=[3, 3, 3])
+    assert got[0].token_id == got[1].token_id == got[2].token_id
+    lp = processed_logprobs(logits, reqs)
+    assert torch.isfinite(lp).all() and torch.allclose(lp[0], lp[2]) and torch.allclose(lp[1], lp[2])
+
+
+def test_min_tokens_mask_ignores_ids_outside_the_vocabulary():
+    import torch
+    from kvserve.sample.sampler import process_logits
+    p = SamplingParams(temperature=0.0, min_tokens=5, stop_token_ids=[64, 10**6, 7])   # V = 64
+    got, logits, reqs = _sampler_step([p], eos=99)
+    x = process_logits(logits, reqs)[0]
+    assert torch.isinf(x[7]) and int(torch.isinf(x).sum()) == 1
+    assert got[0].token_id != 7
+
+
+def test_sampler_survives_out_of_range_seeds_and_logprobs():
+    p = SamplingParams(temperature=1.0, logprobs=5)
+    p.logprobs = 1000                       # more than the vocabulary (64)
+    got, _, _ = _sampler_step([p, SamplingParams(temperature=1.0), SamplingParams(temperature=1.0)],
+                              seeds=[2**64, -5, 2**64 - 1])
+    assert len(got[0].top) == 64
+
+
+def test_engine_step_never_raises_on_vocab_dependent_params(llm):
+    """stop_token_ids beyond the vocabulary with min_tokens used to raise inside the step. Now
+    the request is either rejected when added (ValueError naming the vocabulary, once the engine
+    calls verify_for_model) or runs, ignoring the unreachable id; the engine keeps serving."""
+    try:
+        out = gen(llm, "Once upon a time", temperature=0.0, max_tokens=6, min_tokens=3, stop_token_ids=[99999],
+                  top_k=2**63 - 1)
+    except ValueError as e:
+        assert "vocabulary" in str(e)
+    else:
+        assert len(out.token_ids) == 6
+    assert len(gen(llm, "Tom", temperature=1.0, top_k=2**63 - 1, seed=2**64 - 2, n=1, max_tokens=4).token_ids) == 4
+    both = llm.generate(["Tom"], SamplingParams(n=2, seed=2**64 - 2, temperature=1.0, max_tokens=4))[0]
+    assert [len(c.token_ids) for c in both.outputs] == [4, 4]
