@@ -142,7 +142,17 @@ def test_cached_matmul_never_less_intense_than_naive(A, B, C):
 def test_attainable_is_the_roof(I, P, Bw):
     a = roofline.attainable(I, P, Bw)
     assert a <= P * (1 + 1e-12) and a <= Bw * I * (1 + 1e-12)
-    assert a == pytest.approx(P if I >= P / Bw else Bw * I)
+    assert roofline.attainable(I * 1.5, P, Bw) >= a * (1 - 1e-12)      # the roof never slopes down
+
+
+def test_attainable_literal_points_a100_fp32():
+    # seed 000's A100 40 GB PCIe, FP32: P = 19,500 GFLOP/s, B = 1,555 GB/s, ridge 12.54 FLOP/byte.
+    # Vector add (1 FLOP per 12 bytes): 1,555 / 12 = 129.58 GFLOP/s, on the slanted roof.
+    # 4096^3 fp32 matmul, cached: 2 x 4096 / 12 = 682.7 FLOP/byte, on the flat roof: 19,500 GFLOP/s.
+    P, Bw = 19.5e12, 1555e9
+    assert close(roofline.attainable(1 / 12, P, Bw), 129.58e9, 1e-4)
+    assert close(roofline.attainable(682.7, P, Bw), 19.5e12, 1e-9)
+    assert close(roofline.attainable(6.0, P, Bw), 9.33e12, 1e-3)         # 1,555 x 6 = 9,330
 
 
 def test_decode_memory_bound_prefill_compute_bound():
@@ -154,31 +164,88 @@ def test_decode_memory_bound_prefill_compute_bound():
 
 
 # -- step-time model (seed 003) ---------------------------------------------------------------------
+# Hand arithmetic for Llama 3.1 8B (N = 8,030,261,248 parameters, bf16: M_W = 16,060,522,496 bytes,
+# m_KV = 131,072 bytes) on one H100 (beta = 3.35e12 bytes/s, pi = 989e12 FLOP/s), seed 003's symbols:
+#   t_W = 16,060,522,496 / 3.35e12                      = 4.79418 ms
+#   t_N = 2 x 8,030,261,248 / 989e12                      = 16.2392 us
+#   t_K(2000) = 2000 x 131,072 / 3.35e12                  = 78.2519 us
+#   t_F(2000) = (2N + 4 x 32 x 4096 x 2000) / 989e12      = 17.2994 us
+#   B* = t_W / t_N = s_W pi / (2 beta) = 2 x 989 / 6.70   = 295.224  (N cancels)
+# These literals are computed here, not by kvserve: a wrong t_W, t_N, t_K, t_F or a wrong
+# combination of them in StepModel changes at least one of the numbers below.
+T_W, T_N, B_STAR = 4.79418e-3, 16.2392e-6, 295.224
+
+
 def test_knee_batch_is_sw_pi_over_2beta():
-    # seed 003: with t_K = 0, B* = t_W / t_N = s_W pi / (2 beta); H100 bf16: 2 x 989e12 / (2 x 3.35e12)
     sm = StepModel(L8, H100)
-    assert close(sm.t_W / sm.t_N, 2 * 989e12 / (2 * 3.35e12), 1e-9)
-    assert close(sm.chunk_budget(0), sm.t_W / sm.t_N, 1e-9)
-    assert 200 < sm.knee_batch(0) < 300  # attention term lowers it a little from 295
+    assert close(sm.t_W, T_W, 1e-5) and close(sm.t_N, T_N, 1e-5)
+    # with no context the step turns compute-bound at B* = 295.2 sequences
+    assert close(sm.knee_batch(0), B_STAR, 1e-5)
+    # at 2,000 tokens of context one sequence's cache read (78.3 us) outlasts its arithmetic
+    # (17.3 us): a decode step never turns compute-bound, whatever the batch
+    assert sm.knee_batch(2000) == math.inf
 
 
-@given(st.integers(1, 512), st.floats(0, 32768))
+def test_chunk_budget_literal_values():
+    # seed 003: C* = (t_W + B t_K) / t_N - B; "a few hundred on an H100", more at long contexts
+    sm = StepModel(L8, H100)
+    assert close(sm.chunk_budget(0), B_STAR, 1e-5)                    # 295.2: B* with no decodes
+    assert close(sm.chunk_budget(32), B_STAR - 32, 1e-5)              # 263.2
+    # B = 32 at 2,000 tokens: (16,060,522,496 + 32 x 2000 x 131,072) bytes / 3.35e12 = 7.29825 ms of
+    # memory; / 16.2392 us = 449.42 token-times, less the 32 decode tokens = 417.42
+    assert close(sm.chunk_budget(32, 2000), 417.42, 1e-4)
+
+
+@given(st.integers(1, 256), st.floats(0, 16384), st.floats(1, 16384))
 @settings(max_examples=60, deadline=None, derandomize=True)
-def test_chunk_budget_makes_step_exactly_balanced(B, ctx):
-    # seed 003 proof: (B + C*) t_N = t_W + B t_K
+def test_chunk_budget_grows_with_context_and_shrinks_one_per_decode(B, ctx, extra):
+    # seed 003: "Long contexts make that room bigger, because the cache reads lengthen the step
+    # without adding arithmetic"; with t_K = 0, C* = B* - B (each decode token takes one slot)
     sm = StepModel(L8, H100)
+    assert sm.chunk_budget(B, ctx + extra) > sm.chunk_budget(B, ctx)
+    assert sm.chunk_budget(B + 1, 0) == pytest.approx(sm.chunk_budget(B, 0) - 1, abs=1e-9)
+
+
+@pytest.mark.parametrize("ctx", [0, 2000])
+def test_chunk_budget_is_where_the_packed_step_stops_being_free(ctx):
+    # Two code paths: chunk_budget's closed form against step_time's token-by-token packed step
+    # (prefill at peak, as seed 003's proof assumes). A chunk of 90% of C* rides along with 32
+    # decodes for free (the step still costs its memory read); 110% of C* makes the step longer.
+    sm = StepModel(L8, H100, mfu=1.0)
+    B = 32
     C = sm.chunk_budget(B, ctx)
-    assert (B + C) * sm.t_N == pytest.approx(sm.t_W + B * sm.t_K(ctx), rel=1e-9)
+    decode_only = sm.step_time([ctx] * B)
+    assert sm.step_time([ctx] * B, chunks=[(int(0.9 * C), 0)]) == pytest.approx(decode_only, rel=1e-12)
+    assert sm.step_time([ctx] * B, chunks=[(int(1.1 * C), 0)]) > decode_only * 1.05
 
 
-def test_step_time_is_max_plus_overhead():
+def test_step_time_literal_values_both_regimes():
+    # seed 003's widget: 0.3 ms of overhead per step. t(B) = max(t_W + B t_K, B t_F) + t_0, by hand:
     sm = StepModel(L8, H100, t0=3e-4)
-    for B in (1, 64, 1024):
-        ctx = 2000
-        assert sm.decode_step_time(B, ctx) == pytest.approx(
-            max(sm.t_W + B * sm.t_K(ctx), B * sm.t_F(ctx)) + 3e-4)
+    cases = [
+        # B=1, 2,000 ctx: memory 4.79418 + 0.07825 = 4.87243 ms  > compute 0.0173 ms
+        (1, 2000, 5.17243e-3),
+        # B=1024, 2,000 ctx: memory 4.79418 + 1024 x 0.0782519 = 84.9242 ms > compute 17.7146 ms
+        (1024, 2000, 85.2242e-3),
+        # B=64, no ctx: memory 4.79418 ms > compute 64 x 16.2392 us = 1.0393 ms
+        (64, 0, 5.09418e-3),
+        # B=1024, no ctx: compute-bound, 1024 x 16.2392 us = 16.6289 ms > memory 4.79418 ms
+        (1024, 0, 16.9289e-3),
+    ]
+    for B, ctx, want in cases:
+        assert close(sm.decode_step_time(B, ctx), want, 1e-5), (B, ctx)
         # the general packed step agrees with the closed form for a pure decode batch
-        assert sm.step_time([ctx] * B) == pytest.approx(sm.decode_step_time(B, ctx), rel=1e-9)
+        assert sm.step_time([ctx] * B) == pytest.approx(want, rel=1e-5)
+
+
+@given(st.integers(1, 2048), st.floats(0, 32768), st.integers(1, 64), st.floats(1, 4096))
+@settings(max_examples=60, deadline=None, derandomize=True)
+def test_step_time_grows_with_batch_and_context(B, ctx, dB, dctx):
+    sm = StepModel(L8, H100, t0=3e-4)
+    t = sm.decode_step_time(B, ctx)
+    assert sm.decode_step_time(B + dB, ctx) >= t and sm.decode_step_time(B, ctx + dctx) > t
+    # never below the weight read plus overhead (4.79418 ms + 0.3 ms)
+    assert t >= 5.09418e-3 * (1 - 1e-5)
 
 
 # -- planners (seed 003) -----------------------------------------------------------------------------

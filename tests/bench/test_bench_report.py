@@ -29,8 +29,22 @@ def test_latency_stats_are_numpy_percentiles_in_ms():
     assert s["mean"] == pytest.approx(xs.mean() * 1000)
     assert s["median"] == pytest.approx(np.median(xs) * 1000)
     assert s["p99"] == pytest.approx(np.percentile(xs, 99) * 1000)
-    assert s["p50"] <= s["p90"] <= s["p99"]
     assert math.isnan(latency_stats([], [99])["p99"])
+
+
+def test_latency_stats_literal_values():
+    # Five latencies, 10/20/40/80/1000 ms. By hand (linear interpolation at rank (n-1) p / 100):
+    # p50 = x[2] = 40; p90: rank 3.6 -> 80 + 0.6 x 920 = 632; p99: rank 3.96 -> 80 + 0.96 x 920 = 963.2;
+    # p99.9: rank 3.996 -> 996.32. mean 1150 / 5 = 230; population std sqrt(744,000 / 5) = 385.746.
+    s = latency_stats([0.010, 0.020, 0.040, 0.080, 1.0], [50, 90, 99, 99.9])
+    assert set(s) == {"mean", "median", "std", "p50", "p90", "p99", "p99.9"}
+    assert s["p50"] == pytest.approx(40) and s["median"] == pytest.approx(40)
+    assert s["p90"] == pytest.approx(632) and s["p99"] == pytest.approx(963.2)
+    assert s["p99.9"] == pytest.approx(996.32)
+    assert s["mean"] == pytest.approx(230) and s["std"] == pytest.approx(385.746, abs=1e-3)
+    # 1..100 ms: p50 = 50.5, p90 = 90.1 (rank 89.1), p99 = 99.01 (rank 98.01); order of input irrelevant
+    s = latency_stats([i / 1000 for i in range(100, 0, -1)], [50, 90, 99])
+    assert (s["p50"], s["p90"], s["p99"]) == (pytest.approx(50.5), pytest.approx(90.1), pytest.approx(99.01))
 
 
 def _result(ttft, n_out, itl, start=0.0, ok=True):

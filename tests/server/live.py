@@ -82,6 +82,26 @@ class LiveServer:
                 out[name] = out.get(name, 0.0) + float(value)
         return out
 
+    def wait_for(self, what: str, pred, timeout: float = 10.0, interval: float = 0.01) -> dict[str, float]:
+        """Poll /metrics until `pred(metrics)` holds; AssertionError naming `what` after `timeout` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if pred(m):
+                return m
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what}: not seen within {timeout} s; metrics: "
+                                     f"{ {k: v for k, v in m.items() if '{' not in k} }")
+            time.sleep(interval)
+
+    def wait_idle(self, timeout: float = 20.0) -> dict[str, float]:
+        """Metrics once nothing runs or waits and every KV block is back in the pool (the engine
+        loop publishes its stats after a step, so a client can read its last chunk first)."""
+        return self.wait_for("an idle server (no request running or waiting, every KV block free)",
+                             lambda m: m["kvserve:num_requests_running"] == 0 and
+                             m["kvserve:num_requests_waiting"] == 0 and
+                             m["kvserve:num_kv_blocks_free"] == m["kvserve:num_kv_blocks_total"], timeout)
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
