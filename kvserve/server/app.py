@@ -8,8 +8,11 @@
 
 Every HTTP request turns into one engine request per prompt (`n` samples of a prompt are one
 engine request with `n` sequences), all fed to the single engine loop of server/async_engine.py,
-so requests of every client are batched into the same steps. Outputs come back cumulative; the
-handlers send the difference since the last chunk.
+so requests of every client are batched into the same steps. Outputs come back cumulative and
+coalesced (a handler's `RequestOutputCollector` holds only the latest output of each request, so a
+slow reader costs no memory backlog); a streaming handler sends the difference since the last
+chunk, one chunk per engine step that the output stands for, so a slow reader gets the same
+chunks as a fast one.
 
 Errors a client can cause are HTTP 4xx in OpenAI's shape `{"error": {message, type, param,
 code}}`, and never reach other clients: the body is read and validated here (UTF-8, JSON, the
@@ -35,7 +38,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.sample.params import SamplingParams
-from kvserve.server.async_engine import AsyncEngine, RequestFailed
+from kvserve.server.async_engine import AsyncEngine, RequestFailed, RequestOutputCollector
 from kvserve.server.chat import ChatRenderer
 from kvserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kvserve.server.protocol import (
@@ -202,19 +205,20 @@ def _sampling_params(req, max_tokens: int, logprobs: int | None) -> SamplingPara
 
 
 class _Submission:
-    """The engine requests behind one HTTP request, all feeding one queue."""
+    """The engine requests behind one HTTP request, all feeding one collector."""
 
     def __init__(self, state: ServerState, prefix: str):
         self.state = state
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.collector = RequestOutputCollector()
         self.prefix = prefix
         self.request_ids: list[str] = []
         self.unfinished: set[str] = set()
 
     async def outputs(self) -> AsyncIterator:
-        """Cumulative RequestOutputs of every engine request, as they come."""
+        """(latest cumulative RequestOutput, the steps it stands for) of every engine request,
+        as they come; see `RequestOutputCollector.get_nowait` for the steps."""
         while self.unfinished:
-            item = await self.queue.get()
+            item, steps = await self.collector.get_with_steps()
             if isinstance(item, RequestFailed):
                 self.unfinished.discard(item.request_id)
                 err = item.error
@@ -223,7 +227,7 @@ class _Submission:
                 raise APIError(f"the engine failed: {err!r}", 500, type="server_error")
             if item.finished:
                 self.unfinished.discard(item.request_id)
-            yield item
+            yield item, steps
 
     def abort_unfinished(self) -> None:
         for rid in list(self.unfinished):
@@ -242,7 +246,7 @@ async def _collect_or_disconnect(sub: _Submission, request: Request) -> dict[str
     """Final output of every engine request, or None when the client went away first."""
     async def collect():
         final = {}
-        async for out in sub.outputs():
+        async for out, _ in sub.outputs():
             if out.finished:
                 final[out.request_id] = out
         return final
@@ -260,6 +264,25 @@ async def _collect_or_disconnect(sub: _Submission, request: Request) -> dict[str
         if not collector.done():
             collector.cancel()
         sub.abort_unfinished()
+
+
+def _step_views(out, steps):
+    """(completion, num tokens, text length, finished) for each chunk to send for `out`.
+
+    `steps` (from the collector) says how far each sequence had got at every engine step since
+    the last read, so a reader that fell behind sends the same chunks -- one per step, each the
+    difference from the previous one -- as a reader that kept up. Without steps, the output's
+    current state is the only step.
+    """
+    if not steps:
+        for c in out.outputs:
+            yield c, len(c.token_ids), len(c.text), c.finish_reason is not None
+        return
+    by_index = {c.index: c for c in out.outputs}
+    for index, num_tokens, text_len, finished in steps:
+        c = by_index.get(index)
+        if c is not None:
+            yield c, num_tokens, text_len, bool(finished)
 
 
 def _sse(obj) -> str:
@@ -398,7 +421,7 @@ async def _add_one(sub: _Submission, i: int, item, params: SamplingParams) -> No
     rid = f"{sub.prefix}-{i}"
     sub.request_ids.append(rid)
     sub.unfinished.add(rid)
-    await sub.state.async_engine.add_request(rid, item, params, sub.queue,
+    await sub.state.async_engine.add_request(rid, item, params, sub.collector,
                                              prompt_text=item.get("prompt"))
 
 
@@ -426,31 +449,33 @@ async def _stream_completions(state, req: CompletionRequest, sub: _Submission, r
                 for j in range(req.n):
                     yield chunk([CompletionChoice(index=pi * req.n + j, text=text)])
         done: set[tuple[str, int]] = set()
-        async for out in sub.outputs():
+        async for out, steps in sub.outputs():
             pi = index_of[out.request_id]
             if out.finished:
                 finals[out.request_id] = out
-            for c in out.outputs:
+            for c, n1, t1, fin in _step_views(out, steps):
                 key = (out.request_id, c.index)
                 if key in done:
                     continue
                 t0, n0 = sent_text.get(key, 0), sent_tokens.get(key, 0)
-                delta, new_ids = c.text[t0:], c.token_ids[n0:]
+                delta, new_ids = c.text[t0:t1], c.token_ids[n0:n1]
+                finish_reason = c.finish_reason if fin else None
                 # A chunk for every step that produced tokens, even when their text is held
                 # back (partial UTF-8, a possible stop string): chunk times are token times.
-                if not delta and not new_ids and c.finish_reason is None:
+                if not delta and not new_ids and finish_reason is None:
                     continue
                 lp = None
                 if req.logprobs is not None and c.logprobs is not None and new_ids:
                     lp = _completion_logprobs(state, out.prompt_token_ids + c.token_ids[:n0], new_ids,
-                                              c.logprobs[n0:len(c.token_ids)], offsets.get(key, 0),
+                                              c.logprobs[n0:n1], offsets.get(key, 0),
                                               req.logprobs, req.skip_special_tokens)
                     offsets[key] = offsets.get(key, 0) + sum(len(t) for t in lp.tokens)
-                sent_text[key], sent_tokens[key] = len(c.text), len(c.token_ids)
-                if c.finish_reason is not None:
+                sent_text[key], sent_tokens[key] = t1, n1
+                if finish_reason is not None:
                     done.add(key)
                 yield chunk([CompletionChoice(index=pi * req.n + c.index, text=delta, logprobs=lp,
-                                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+                                              finish_reason=finish_reason,
+                                              stop_reason=c.stop_reason if fin else None)])
         if include_usage:
             yield chunk([], usage=_usage([finals[r] for r in sub.request_ids]))
         yield "data: [DONE]\n\n"
@@ -541,33 +566,34 @@ async def _stream_chat(state, req: ChatCompletionRequest, sub: _Submission, rid:
     started: set[int] = set()
     done: set[int] = set()
     try:
-        async for out in sub.outputs():
+        async for out, steps in sub.outputs():
             if out.finished:
                 final = out
-            for c in out.outputs:
+            for c, n1, t1, fin in _step_views(out, steps):
                 if c.index in done:
                     continue
                 t0, n0 = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
-                delta, new_ids = c.text[t0:], c.token_ids[n0:]
-                if not delta and not new_ids and c.finish_reason is None:
+                delta, new_ids = c.text[t0:t1], c.token_ids[n0:n1]
+                finish_reason = c.finish_reason if fin else None
+                if not delta and not new_ids and finish_reason is None:
                     continue
                 lp = None
                 if req.logprobs and c.logprobs is not None and new_ids:
                     lp = ChatChoiceLogprobs(content=_chat_logprobs(
                         state, out.prompt_token_ids + c.token_ids[:n0], new_ids,
-                        c.logprobs[n0:len(c.token_ids)], k, req.skip_special_tokens))
-                sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                        c.logprobs[n0:n1], k, req.skip_special_tokens))
+                sent_text[c.index], sent_tokens[c.index] = t1, n1
                 # One chunk per engine step that produced tokens (text may be empty while a
                 # multi-byte character or a possible stop string is held back), the role on the
                 # first one and the finish reason on the last, so that chunk timestamps are token
                 # timestamps for a benchmark client.
                 role = None if c.index in started else "assistant"
                 started.add(c.index)
-                if c.finish_reason is not None:
+                if finish_reason is not None:
                     done.add(c.index)
                 yield chunk([ChatCompletionStreamChoice(
                     index=c.index, delta=DeltaMessage(role=role, content=delta), logprobs=lp,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+                    finish_reason=finish_reason, stop_reason=c.stop_reason if fin else None)])
         if include_usage and final is not None:
             yield chunk([], usage=_usage([final]))
         yield "data: [DONE]\n\n"
