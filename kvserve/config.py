@@ -18,7 +18,9 @@ class EngineConfig:
     block_size: int = 16
     max_num_batched_tokens: int = 2048     # the token budget of one step
     max_num_seqs: int = 256
-    kv_cache_memory: int | None = None     # bytes for the KV pool (default: 1 GiB, or 90% of free GPU memory)
+    kv_cache_memory: int | None = None     # bytes for the KV pool (default: 1 GiB on CPU; on CUDA
+                                           # what gpu_memory_utilization leaves after weights and activations)
+    gpu_memory_utilization: float = 0.9    # CUDA: fraction of device memory for weights + KV + activations
     num_kv_blocks: int | None = None       # overrides kv_cache_memory
     max_model_len: int | None = None       # default: the model's max_position_embeddings
     seed: int | None = 0
@@ -42,6 +44,12 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}), so that every running sequence decodes every step "
+                             "(no stream pauses): raise max_num_batched_tokens or lower max_num_seqs.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
@@ -83,6 +91,8 @@ class EngineConfig:
         parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
         parser.add_argument("--max-num-seqs", type=int, default=256)
         parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV pool")
+        parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                            help="CUDA: fraction of device memory for weights, KV cache and activations")
         parser.add_argument("--num-kv-blocks", type=int, default=None)
         parser.add_argument("--max-model-len", type=int, default=None)
         parser.add_argument("--seed", type=int, default=0)

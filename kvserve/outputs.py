@@ -20,8 +20,9 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None      # "stop" | "length" | "abort"
+    finish_reason: str | None = None      # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    error: str | None = None              # why, when finish_reason is "error"
 
     def finished(self) -> bool:
         return self.finish_reason is not None

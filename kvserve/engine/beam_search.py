@@ -18,6 +18,7 @@ stopping. Ties keep candidate order (beam order, then token rank).
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from kvserve.engine.request import Request, RequestStatus
@@ -51,15 +52,53 @@ class BeamGroup:
     live: list[Request] = field(default_factory=list)       # also the engine's groups[request_id]
     completed: list[BeamHyp] = field(default_factory=list)
     beam_logprobs: dict[str, list[float]] = field(default_factory=dict)  # request id -> token logprobs
+    _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+    def new_beam_id(self) -> str:
+        return f"{self.request_id}#beam{next(self._ids)}"
 
     @property
     def finished(self) -> bool:
         return not self.live
 
     def ready(self) -> bool:
-        """Every live beam is running and has proposed its candidates."""
-        return bool(self.live) and all(
-            r.status == RequestStatus.RUNNING and r.beam_candidates is not None for r in self.live)
+        """Every live beam has proposed its candidates (and holds its blocks)."""
+        return bool(self.live) and all(r.status == RequestStatus.WAITING_FOR_BEAMS for r in self.live)
+
+    def select(self, eos_token_id: int | None, max_model_len: int) -> list[tuple[int, int, float, float]]:
+        """One beam step's decision (no state but `completed` changes): candidates ending in a
+        stop token, or reaching max_tokens / max_model_len, become finished hypotheses; returns
+        the continuing ones, best first, as (live beam index, token, logprob, cumulative)."""
+        live = self.live
+        p = live[0].params
+        stops = set(p.stop_token_ids)
+        if not p.ignore_eos and eos_token_id is not None:
+            stops.add(eos_token_id)
+        cands = []
+        for bi, beam in enumerate(live):
+            ids, lps = beam.beam_candidates
+            hist = self.beam_logprobs.get(beam.request_id, [])
+            for tid, lp in zip(ids, lps):
+                cum = beam.cumulative_logprob + lp
+                seq_len = beam.num_tokens + 1
+                if tid in stops:
+                    self.completed.append(BeamHyp(
+                        beam.output_token_ids + [tid], hist + [lp], cum,
+                        beam_score(seq_len, cum, tid == eos_token_id, self.length_penalty), "stop",
+                        None if tid == eos_token_id else tid))
+                else:
+                    cands.append((beam_score(seq_len, cum, False, self.length_penalty), bi, tid, lp, cum))
+        cands.sort(key=lambda c: -c[0])          # stable: beam order, then token rank
+        cont = []
+        for score, bi, tid, lp, cum in cands[:self.width]:
+            beam = live[bi]
+            n_out = beam.num_output_tokens + 1
+            if (p.max_tokens is not None and n_out >= p.max_tokens) or beam.num_tokens + 1 >= max_model_len:
+                hist = self.beam_logprobs.get(beam.request_id, [])
+                self.completed.append(BeamHyp(beam.output_token_ids + [tid], hist + [lp], cum, score, "length"))
+            else:
+                cont.append((bi, tid, lp, cum))
+        return cont
 
     def best(self, n: int) -> list[BeamHyp]:
         return sorted(self.completed, key=lambda h: -h.score)[:n]

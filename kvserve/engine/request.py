@@ -1,7 +1,12 @@
-"""A request's state: its tokens, its progress (`num_computed_tokens`) and its status.
+"""A request's state: its tokens, its progress (`num_computed_tokens`) and its named status.
 
 Progress lives here so that a prefill chunk, a decode step and a recompute after preemption
 are the same arithmetic: the scheduler runs tokens `[num_computed_tokens, num_tokens)`.
+
+The status is a name, never a flag: every change goes through `Request.transition`, which
+checks it against `TRANSITIONS` (vLLM v1's `RequestStatus`, with the states that sharing,
+beams and swapping add). Only the scheduler calls it. KV state (block tables, prefix-cache
+progress) belongs to `kv/` and is keyed by `request_id`; none of it is stored here.
 """
 from __future__ import annotations
 
@@ -15,17 +20,40 @@ from kvserve.sample.params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    PREEMPTED = "preempted"
+    WAITING = "waiting"                      # in the waiting queue, no blocks, never ran
+    WAITING_FOR_FORK = "waiting_for_fork"    # sample i > 0 of n: forks sample 0 after its prefill
+    RUNNING = "running"                      # holds a seat and blocks; has tokens to compute
+    WAITING_FOR_BEAMS = "waiting_for_beams"  # a beam whose candidates are in; holds its blocks
+    PREEMPTED = "preempted"                  # blocks freed: back in the queue, to be recomputed
+    SWAPPED = "swapped"                      # blocks in the CPU swap space
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"                 # failed alone (a bug or a stall); see Request.error
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+        return self in FINISHED
+
+    @property
+    def holds_blocks(self) -> bool:
+        return self in (RequestStatus.RUNNING, RequestStatus.WAITING_FOR_BEAMS)
+
+
+S = RequestStatus
+FINISHED = frozenset({S.FINISHED_STOPPED, S.FINISHED_LENGTH, S.FINISHED_ABORTED, S.FINISHED_ERROR})
+TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
+    S.WAITING: frozenset({S.RUNNING, S.WAITING_FOR_FORK}) | FINISHED,
+    S.WAITING_FOR_FORK: frozenset({S.RUNNING}) | FINISHED,
+    S.RUNNING: frozenset({S.WAITING_FOR_BEAMS, S.PREEMPTED, S.SWAPPED}) | FINISHED,
+    S.WAITING_FOR_BEAMS: frozenset({S.RUNNING, S.PREEMPTED, S.SWAPPED}) | FINISHED,
+    S.PREEMPTED: frozenset({S.RUNNING}) | FINISHED,
+    S.SWAPPED: frozenset({S.RUNNING, S.WAITING_FOR_BEAMS}) | FINISHED,
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
 
 
 @dataclass
@@ -67,12 +95,13 @@ class RequestMetrics:
 
 
 class Request:
-    """One sequence being generated. `n > 1` sampling makes one Request per sample."""
+    """One sequence being generated. `n > 1` sampling makes one Request per sample, a beam
+    search one per live beam; `parent_id` is the user's request id, shared by the group."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float | None = None, *, eos_token_id: int | None = None,
                  parent_id: str | None = None, index: int = 0, seed: int | None = None,
-                 cache_salt: str | None = None):
+                 cache_salt: str | None = None, arrival_seq: int = 0):
         self.request_id = request_id
         self.parent_id = parent_id or request_id
         self.index = index
@@ -81,33 +110,35 @@ class Request:
         self.token_ids = list(prompt_token_ids)  # prompt + output, grows by one per decode
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
-        self.num_cached_tokens = 0
+        self.num_cached_tokens: int | None = None   # prefix-cache hit at first admission
         self.status = RequestStatus.WAITING
         self.eos_token_id = eos_token_id
         self.stop_reason: int | str | None = None
+        self.error: str | None = None
         self.num_preemptions = 0
         self.metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
+        self.arrival_seq = arrival_seq             # breaks arrival-time ties: later = larger
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.seed = seed
         self.generator: torch.Generator | None = None  # made by the sampler on its device
-        # Prefix cache (kv/prefix_cache.py): the salt that scopes sharing, and this sequence's
-        # labelling progress (chained hashes, radix keys and node), kept across steps.
         self.cache_salt = cache_salt
-        self.block_hashes: list[bytes] = []
-        self.block_keys: list[tuple] = []
-        self.num_labelled_blocks = 0
-        self.radix_node = None
-        self._num_cached_set = False
-        # Sharing (n > 1): samples wait for the first one's prefill, then fork its blocks.
-        self.pending_forks: list[Request] = []
-        self.fork_parent: Request | None = None
-        self.extra_seats = 0      # seats its forks will take (n - 1 samples, beam_width - 1 beams)
-        # Preemption by swap: the blocks are in the CPU swap space.
-        self.swapped = False
+        self.extra_seats = 0      # seats reserved for forks to come (n - 1 samples, beam_width - 1)
         self.enqueue_step = 0
         # Beam search: this beam's top candidates (token ids, logprobs) once its logits are in.
         self.beam_candidates: tuple[list[int], list[float]] | None = None
+
+    def transition(self, new: RequestStatus) -> None:
+        """The one way a status changes; an illegal change is a bug, raised at once."""
+        if new not in TRANSITIONS.get(self.status, ()):
+            raise IllegalTransition(f"request {self.request_id}: {self.status.name} -> {new.name} "
+                                    "is not a legal transition")
+        self.status = new
+
+    @property
+    def arrival_key(self) -> tuple[float, int]:
+        """Arrival order: the preemption victim is the running request with the largest key."""
+        return self.metrics.arrival_time, self.arrival_seq
 
     @property
     def arrival_time(self) -> float:
@@ -124,10 +155,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def fork_pending(self) -> bool:
-        return self.fork_parent is not None
 
     @property
     def is_finished(self) -> bool:

@@ -1,25 +1,32 @@
 """Continuous batching with chunked prefill under a token budget (seed 003, "Scheduling one step
 at a time", "Mixing prefill and decode in one step", "When memory runs out", "Radix trees").
 
-Each step: one decode token for every running sequence whose prompt is done, then prefill
-chunks of partially prefilled prompts, then swapped-out groups come back (swap mode), then
-waiting prompts are admitted until `max_num_batched_tokens` is spent, with at most
-`max_num_seqs` running. An admitted prompt starts at its prefix-cache hit, so only its uncached
-tokens cost budget. A new request is admitted only if `watermark_blocks` stay free afterwards,
-so that admissions do not cause immediate thrash.
+The scheduler decides who runs and owns every change of a request's status; it never touches
+tensors. One step is `schedule()` (who runs, how many tokens) and, after the forward pass,
+`update_from_output()` (the one place where states change after a step, on every path).
 
-When blocks run out, the most recently arrived running request is preempted, together with every
+`schedule()`: one decode token for every running sequence whose prompt is done, then prefill
+chunks of partially prefilled prompts; then, only in a step that preempted nobody, swapped-out
+groups come back (swap mode) and waiting prompts are admitted until `max_num_batched_tokens`
+is spent, with at most `max_num_seqs` seats taken. An admitted prompt starts at its prefix-cache
+hit, so only its uncached tokens cost budget. A new request is admitted only if
+`watermark_blocks` stay free afterwards, so that admissions do not cause immediate thrash.
+
+When blocks run out, the running request that arrived last is preempted, together with every
 running sequence of its group (the samples of one request, the beams of one beam search share
-blocks): by recompute (default: its blocks are freed, still labelled in the prefix cache, and it
-goes back to the front of the queue to be prefilled again over its prompt and the tokens it has
-generated, mostly as cache hits) or by swap (its blocks are copied to the CPU swap space and
-back when there is room; shared blocks once). Preemptions are counted, and requests preempted
-`preemption_warn_threshold` times are counted apart: thrash shows in the metrics.
+blocks; freeing some of them frees almost nothing): by recompute (its blocks are freed, still
+labelled in the prefix cache, and it goes back to the front of the queue) or by swap (its blocks
+go to the CPU swap space and come back as a group). When the latest group is the asking
+sequence's own, its siblings are shed one at a time, then itself: preempting the asker's whole
+group would make no progress. A sequence that alone outgrows the whole pool finishes with
+"length". Preemptions are counted, and requests preempted `preemption_warn_threshold` times
+are counted apart: thrash shows in the metrics.
 
 Cache-aware ordering (SGLang): the waiting queue is served longest cached prefix first; a
-request that has waited `max_wait_steps` steps, or was preempted, goes first in arrival order,
-which bounds starvation. The scheduler decides who runs and how many tokens; it never touches
-tensors.
+request that has waited `max_wait_steps` steps, or was preempted, goes first, which bounds
+starvation. A step in which nothing can run while requests wait (every seat is a beam waiting
+for siblings that do not fit) preempts the latest such group; `stall_steps` steps without any
+progress fail the stuck requests with a clear error instead of spinning.
 """
 from __future__ import annotations
 
@@ -27,33 +34,51 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
+from kvserve.engine.beam_search import BeamGroup
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.kv.manager import KVCacheManager
 
 logger = logging.getLogger(__name__)
+S = RequestStatus
 
 CACHE_AWARE_WINDOW = 256   # at most this many waiting requests are ranked by cached prefix
 
 
 @dataclass
 class SchedulerOutput:
-    """This step's work: (request, number of new tokens), decodes first."""
+    """This step's work: (request, number of new tokens), and what changed while choosing it."""
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     num_batched_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
+    swapped_in: list[Request] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)      # outgrew the pool
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
 
+@dataclass
+class SchedulerCounters:
+    num_preemptions: int = 0                 # sequences preempted, either way
+    num_swap_preemptions: int = 0            # of which by swap
+    num_repeatedly_preempted: int = 0        # sequences that reached the warn threshold
+    max_preemptions_per_request: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_failed: int = 0                      # sequences finished with an error
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
                  watermark_blocks: int = 0, *, preemption_mode: str = "recompute",
                  cache_aware: bool = False, max_wait_steps: int = 64,
-                 preemption_warn_threshold: int = 3):
+                 preemption_warn_threshold: int = 3, stall_steps: int = 8,
+                 stop_checker: Callable[[Request, int], RequestStatus | None] | None = None,
+                 eos_token_id: int | None = None, max_model_len: int = 1 << 30):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}.")
         self.kv = kv
@@ -64,19 +89,37 @@ class Scheduler:
         self.cache_aware = cache_aware
         self.max_wait_steps = max_wait_steps
         self.preemption_warn_threshold = preemption_warn_threshold
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.swapped: deque[list[Request]] = deque()   # groups in the CPU swap space, oldest first
+        self.stall_steps = stall_steps
+        self.stop_checker = stop_checker or _length_only
+        self.eos_token_id = eos_token_id
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()          # WAITING, PREEMPTED
+        self.running: list[Request] = []                # RUNNING, WAITING_FOR_BEAMS: seated
+        self.swapped: deque[list[Request]] = deque()    # SWAPPED groups, oldest first
+        self.fork_waiters: dict[str, list[Request]] = {}  # sample 0's id -> WAITING_FOR_FORK
+        self.beam_groups: dict[str, BeamGroup] = {}
         self.step_count = 0
-        self.num_preemptions = 0                 # sequences preempted, either way
-        self.num_swap_preemptions = 0            # of which by swap
-        self.num_repeatedly_preempted = 0        # sequences that reached the warn threshold
-        self.max_preemptions_per_request = 0
+        self.counters = SchedulerCounters()
+        self._stalled = 0
+        self._budget = 0
 
     # -- queue -------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         req.enqueue_step = self.step_count
         self.waiting.append(req)
+
+    def add_samples(self, seqs: list[Request]) -> None:
+        """n > 1 sharing: sample 0 is queued; the others fork it when its prefill is done."""
+        self.add(seqs[0])
+        if len(seqs) > 1:
+            for r in seqs[1:]:
+                r.transition(S.WAITING_FOR_FORK)
+            self.fork_waiters[seqs[0].request_id] = list(seqs[1:])
+
+    def add_beam_group(self, group: BeamGroup) -> None:
+        group.head.extra_seats = group.width - 1
+        self.beam_groups[group.request_id] = group
+        self.add(group.head)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -85,83 +128,114 @@ class Scheduler:
     def num_swapped(self) -> int:
         return sum(len(g) for g in self.swapped)
 
-    def finish(self, req: Request, status: RequestStatus) -> None:
-        """Retire a request (stopped, out of length, aborted or a pruned beam); free its blocks."""
-        if req.status == RequestStatus.RUNNING:
-            self.running.remove(req)
-        elif req.fork_pending:
-            req.fork_parent.pending_forks.remove(req)
-            req.fork_parent = None
-        elif req.swapped:
-            for g in self.swapped:
-                if req in g:
-                    g.remove(req)
-                    if not g:
-                        self.swapped.remove(g)
-                    break
-            req.swapped = False
-        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-            self.waiting.remove(req)
-        req.status = status
-        self.kv.free(req.request_id, req)
+    def _seats(self, req: Request) -> int:
+        """Seats a sequence takes: its own and those reserved for the forks it will make."""
+        return 1 + req.extra_seats + len(self.fork_waiters.get(req.request_id, ()))
 
-    def fork(self, parent: Request, child: Request) -> None:
+    @property
+    def num_seats_taken(self) -> int:
+        return sum(self._seats(r) for r in self.running)
+
+    def finish(self, req: Request, status: RequestStatus, error: str | None = None) -> None:
+        """Retire a sequence (stopped, out of length, aborted, pruned, failed); free its KV."""
+        s = req.status
+        if s.holds_blocks:
+            self.running.remove(req)
+        elif s in (S.WAITING, S.PREEMPTED):
+            self.waiting.remove(req)
+        elif s == S.SWAPPED:
+            group = next(g for g in self.swapped if req in g)
+            group.remove(req)
+            if not group:
+                self.swapped.remove(group)
+        elif s == S.WAITING_FOR_FORK:
+            for head, kids in list(self.fork_waiters.items()):
+                if req in kids:
+                    kids.remove(req)
+                    if not kids:
+                        del self.fork_waiters[head]
+        req.transition(status)
+        req.error = error
+        self.counters.num_failed += status == S.FINISHED_ERROR
+        req.metrics.finished_time = time.monotonic()
+        self.kv.free(req.request_id, req)
+        group = self.beam_groups.get(req.parent_id)
+        if group is not None and req in group.live:
+            group.live.remove(req)
+        for kid in self.fork_waiters.pop(req.request_id, ()):   # sample 0 ended before forking
+            kid.transition(status)
+            kid.error = error
+            kid.metrics.finished_time = req.metrics.finished_time
+
+    def _fork(self, parent: Request, child: Request) -> None:
         """`child` joins the batch sharing every block of `parent` (copy on write later)."""
         self.kv.fork(parent.request_id, child.request_id)
-        if self.kv.cache is not None:
-            self.kv.cache.fork_request(parent, child)
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
-        child._num_cached_set = True
-        child.fork_parent = None
-        child.status = parent.status
-        if child.metrics.first_scheduled_time is None:
-            child.metrics.first_scheduled_time = time.monotonic()
-        if parent.status == RequestStatus.RUNNING:
-            self.running.append(child)
-        else:   # forked from a preempted parent: recompute like it
-            child.num_computed_tokens = 0
-            self.waiting.appendleft(child)
+        child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
+        child.transition(S.RUNNING)
+        self.running.append(child)
 
     # -- preemption --------------------------------------------------------------------------
-    def _count_preemption(self, req: Request) -> None:
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        if req.num_preemptions == self.preemption_warn_threshold:
-            self.num_repeatedly_preempted += 1
-            logger.warning("request %s preempted %d times: the KV pool is too small for the load "
-                           "(raise kv_cache_memory, lower max_num_seqs)", req.request_id, req.num_preemptions)
-        self.max_preemptions_per_request = max(self.max_preemptions_per_request, req.num_preemptions)
-
-    def preempt(self, req: Request, to_back: bool = False, only: bool = False) -> list[Request]:
-        """Preempt `req` and every running sequence of its group (`only`: just `req`); returns
-        them. Recomputed sequences rejoin the front of the queue (`to_back`: its back)."""
-        if only:
-            group = [req] if req.status == RequestStatus.RUNNING else []
-        else:
-            group = [r for r in self.running if r.parent_id == req.parent_id]
-        if not group:
-            return []
+    def _preempt(self, req: Request, only: bool = False, to_back: bool = False,
+                 recompute: bool = False) -> list[Request]:
+        """Preempt `req`'s running group (`only`: just `req`); returns the preempted sequences.
+        Recomputed sequences rejoin the queue's front (`to_back`: its back)."""
+        group = [req] if only else [r for r in self.running if r.parent_id == req.parent_id]
+        c = self.counters
         for r in group:
-            self._count_preemption(r)
-        if self.preemption_mode == "swap" and self.kv.swap_out(group):
+            r.num_preemptions += 1
+            c.num_preemptions += 1
+            if r.num_preemptions == self.preemption_warn_threshold:
+                c.num_repeatedly_preempted += 1
+                logger.warning("request %s preempted %d times: the KV pool is too small for the load "
+                               "(raise kv_cache_memory, lower max_num_seqs)", r.request_id, r.num_preemptions)
+            c.max_preemptions_per_request = max(c.max_preemptions_per_request, r.num_preemptions)
+        for r in group:
+            self.running.remove(r)
+        if self.preemption_mode == "swap" and not recompute and self.kv.swap_out(group):
             for r in group:
-                self.running.remove(r)
-                r.status = RequestStatus.PREEMPTED
-                r.swapped = True
-            self.num_swap_preemptions += len(group)
+                r.transition(S.SWAPPED)
+            c.num_swap_preemptions += len(group)
             self.swapped.append(group)
             return group
-        for r in group:                    # recompute (or no swap space left)
-            self.running.remove(r)
+        for r in group:                     # recompute (or no swap space left)
             self.kv.free(r.request_id, r)
-            r.status = RequestStatus.PREEMPTED
-            r.num_computed_tokens = 0      # beam_candidates stay: a function of the tokens only
+            r.transition(S.PREEMPTED)
+            r.num_computed_tokens = 0
+            r.beam_candidates = None        # recomputed with the prefill
         if to_back:
             self.waiting.extend(group)
         else:
             self.waiting.extendleft(reversed(group))
         return group
+
+    def _latest(self, candidates) -> Request | None:
+        return max(candidates, key=lambda r: r.arrival_key, default=None)
+
+    def _make_room(self, req: Request, num_tokens: int, out: SchedulerOutput, done: set[str]) -> bool:
+        """Give `req` slots for `num_tokens` tokens in all (copying a shared block first),
+        preempting the latest-arrived group with nothing scheduled yet while short."""
+        if not self.kv.fits_alone(num_tokens):
+            self.finish(req, S.FINISHED_LENGTH)
+            out.finished.append(req)
+            return False
+        while not self.kv.allocate_slots(req.request_id, num_tokens, num_computed=req.num_computed_tokens):
+            victim = self._latest(r for r in self.running if r.parent_id not in done)
+            if victim is None:
+                return False
+            if victim.parent_id != req.parent_id:
+                out.preempted += self._preempt(victim)
+                continue
+            if req.parent_id in self.beam_groups:     # beams advance together: never split them
+                out.preempted += self._preempt(req)
+                return False
+            sibling = next((r for r in reversed(self.running)
+                            if r.parent_id == req.parent_id and r is not req), None)
+            out.preempted += self._preempt(sibling or req, only=True)
+            if sibling is None:
+                return False
+        return True
 
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -169,94 +243,56 @@ class Scheduler:
         out = SchedulerOutput()
         self._budget = self.max_num_batched_tokens
         done: set[str] = set()     # groups with a sequence scheduled this step: never victims
-        scheduled: set[str] = set()
+        self._schedule_running(out, done)
+        if not out.preempted:      # vLLM's rule: no swap-in, no admission in a step that preempted
+            if self.swapped:
+                self._swap_in(out)
+            self._admit(out, done)
+        if out.is_empty and not out.preempted and self.running and (self.waiting or self.swapped):
+            self._break_idle_deadlock(out)
+        out.num_batched_tokens = self.max_num_batched_tokens - self._budget
+        return out
 
-        def make_room(req: Request, num_tokens: int) -> bool:
-            """Allocate (copying a shared block first), preempting the latest-arrived group with
-            nothing scheduled yet while short."""
-            while not self.kv.allocate_slots(req.request_id, num_tokens,
-                                             num_computed=req.num_computed_tokens):
-                victim = next((r for r in reversed(self.running) if r.parent_id not in done), None)
-                if victim is None:
-                    return False
-                if victim.parent_id != req.parent_id:
-                    out.preempted += self.preempt(victim)
-                    continue
-                # Its own group is the latest: shed the group's other sequences one at a time
-                # (a group too big to grow together would otherwise thrash forever).
-                sibling = next((r for r in reversed(self.running)
-                                if r.parent_id == req.parent_id and r is not req), None)
-                if sibling is None:
-                    out.preempted += self.preempt(req)
-                    return False
-                out.preempted += self.preempt(sibling, only=True)
-            return True
+    def _schedule(self, out: SchedulerOutput, done: set[str], req: Request, n: int) -> None:
+        out.scheduled.append((req, n))
+        done.add(req.parent_id)
+        self._budget -= n
 
+    def _schedule_running(self, out: SchedulerOutput, done: set[str]) -> None:
         # 1. One decode token for every running sequence whose prefill is complete.
         for req in list(self.running):
             if self._budget == 0:
                 break
-            if req.status != RequestStatus.RUNNING or req.num_tokens - req.num_computed_tokens != 1:
-                continue
-            if make_room(req, req.num_computed_tokens + 1):
-                out.scheduled.append((req, 1))
-                done.add(req.parent_id)
-                scheduled.add(req.request_id)
-                self._budget -= 1
-
+            if req.status == S.RUNNING and req.num_tokens - req.num_computed_tokens == 1:
+                if self._make_room(req, req.num_computed_tokens + 1, out, done):
+                    self._schedule(out, done, req, 1)
         # 2. Prefill chunks of running requests whose prompt is not done yet.
         for req in list(self.running):
             if self._budget == 0:
                 break
-            if req.status != RequestStatus.RUNNING or req.request_id in scheduled:
-                continue
             remaining = req.num_tokens - req.num_computed_tokens
-            if remaining <= 0:
-                continue      # a beam waiting for its siblings' logits
+            if req.status != S.RUNNING or remaining <= 1:
+                continue
             n = min(remaining, self._budget)
             n = min(n, self._tokens_that_fit(req, n)) or n
-            if make_room(req, req.num_computed_tokens + n):
-                out.scheduled.append((req, n))
-                done.add(req.parent_id)
-                self._budget -= n
+            if self._make_room(req, req.num_computed_tokens + n, out, done):
+                self._schedule(out, done, req, n)
 
-        # 3. Swapped-out groups come back when there is room (not in a step that preempted).
-        if self.swapped and not out.preempted:
-            self._swap_in()
-
-        # 4. Admit waiting requests.
-        self._admit(out, done)
-
-        # 5. Nothing could run: the running sequences are all idle beams waiting for siblings
-        #    that do not fit. Preempt other idle groups, latest first, to the back of the
-        #    queue, until the queue head fits (a group alone always fits: add_request checks).
-        while out.is_empty and self.waiting and self.running:
-            head = self.waiting[0].parent_id
-            victim = next((r for r in reversed(self.running) if r.parent_id != head
-                           and r.num_computed_tokens >= r.num_tokens), None)
-            if victim is None:
-                break
-            out.preempted += self.preempt(victim, to_back=True)
-            self._admit(out, done)
-
-        out.num_batched_tokens = self.max_num_batched_tokens - self._budget
-        return out
-
-    def _swap_in(self) -> None:
+    def _swap_in(self, out: SchedulerOutput) -> None:
         while self.swapped:
             group = self.swapped[0]
-            if self.running and len(self.running) + len(group) > self.max_num_seqs:
+            if self.num_seats_taken + sum(self._seats(r) for r in group) > self.max_num_seqs:
                 break
-            if self.waiting and self.waiting[0].arrival_time < group[0].arrival_time:
+            if self.waiting and self.waiting[0].arrival_key < group[0].arrival_key:
                 break                      # arrival order between the two queues
             reserve = self.watermark_blocks if self.running else 0
             if not self.kv.swap_in(group, reserve=reserve):
                 break
             self.swapped.popleft()
             for r in group:
-                r.status = RequestStatus.RUNNING
-                r.swapped = False
+                r.transition(S.WAITING_FOR_BEAMS if r.beam_candidates is not None else S.RUNNING)
                 self.running.append(r)
+            out.swapped_in += group
 
     def _order_waiting(self) -> None:
         """Cache-aware order: longest cached prefix first; starving or preempted requests first."""
@@ -275,33 +311,198 @@ class Scheduler:
             self._order_waiting()
         while self.waiting and self._budget > 0:
             req = self.waiting[0]
-            seats = 1 + req.extra_seats
-            if self.running and len(self.running) + seats > self.max_num_seqs:
+            if not self.kv.fits_alone(req.num_tokens):       # recomputed past the pool's size
+                self.finish(req, S.FINISHED_LENGTH)
+                out.finished.append(req)
+                continue
+            if self.num_seats_taken + self._seats(req) > self.max_num_seqs:
                 break
             hit = self.kv.lookup(req)
-            n = min(req.num_tokens - hit.num_tokens, self._budget)
+            end = hit.num_tokens + min(req.num_tokens - hit.num_tokens, self._budget)
             reserve = self.watermark_blocks if self.running else 0
-            if not self.kv.allocate_prefill(req, hit, hit.num_tokens + n, reserve=reserve):
+            used = self.kv.allocate_prefill(req, hit, end, reserve=reserve)
+            if used is None:
                 break
             self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = used.num_tokens
+            if req.num_cached_tokens is None:         # vLLM reports the first admission's hit
+                req.num_cached_tokens = used.num_tokens
+            req.transition(S.RUNNING)
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.monotonic()
             self.running.append(req)
-            out.scheduled.append((req, n))
-            done.add(req.parent_id)
-            self._budget -= n
+            self._schedule(out, done, req, min(end - used.num_tokens, self._budget))
+
+    def _break_idle_deadlock(self, out: SchedulerOutput) -> None:
+        """Nothing could run: every seat is a beam waiting for siblings that do not fit. Preempt
+        the latest group other than the next in line (by recompute, to the queue's back, so it
+        cannot come straight back); the next in line comes in next step (a beam group alone
+        fits: add_request checks it)."""
+        if self.waiting and not (self.swapped and self.swapped[0][0].arrival_key < self.waiting[0].arrival_key):
+            head = self.waiting[0].parent_id
+        else:
+            head = self.swapped[0][0].parent_id
+        victim = self._latest(r for r in self.running if r.parent_id != head)
+        if victim is not None:
+            out.preempted += self._preempt(victim, to_back=True, recompute=True)
 
     def _tokens_that_fit(self, req: Request, n: int) -> int:
         """How many of the next `n` tokens fit in held plus free blocks, without preempting."""
         bs = self.kv.block_size
-        held = len(self.kv.block_tables.get(req.request_id, ()))
-        capacity = (held + self.kv.num_free_blocks) * bs - req.num_computed_tokens
-        return max(0, min(n, capacity))
+        capacity = (self.kv.num_held_blocks(req.request_id) + self.kv.num_free_blocks) * bs
+        return max(0, min(n, capacity - req.num_computed_tokens))
 
-    def update_after_step(self, out: SchedulerOutput) -> None:
-        """The forward pass ran: the scheduled tokens now have K/V in the cache, and the newly
-        full blocks are labelled for the prefix cache."""
+    # -- after the forward pass: the one owner of post-step transitions -----------------------
+    def update_from_output(self, out: SchedulerOutput, samples: dict, candidates: dict) -> list[str]:
+        """Apply one step: the scheduled tokens now have K/V (label the full blocks); forks of
+        n > 1 happen; each sampled token is appended and checked for stops (`samples`: request
+        id -> token id or an exception, which fails that request alone); beams with candidates
+        wait for their group, and every ready beam group advances, whether or not this step
+        ran a forward pass. Returns the user request ids whose output changed."""
+        touched: dict[str, None] = {r.parent_id: None for r in out.finished}
+        by_id = {}
         for req, n in out.scheduled:
             req.num_computed_tokens += n
             self.kv.cache_blocks(req)
+            by_id[req.request_id] = req
+            if req.num_computed_tokens == req.num_prompt_tokens and req.num_output_tokens == 0:
+                self.counters.prompt_tokens += req.num_prompt_tokens
+        for rid, cands in candidates.items():
+            req = by_id[rid]
+            req.beam_candidates = cands
+            req.transition(S.WAITING_FOR_BEAMS)
+        for rid in list(samples):
+            parent = by_id.get(rid)
+            for kid in self.fork_waiters.pop(rid, ()) if parent is not None else ():
+                self._fork(parent, kid)
+                by_id[kid.request_id] = kid
+        for rid, result in samples.items():
+            req = by_id[rid]
+            if req.is_finished:
+                continue
+            if isinstance(result, BaseException):
+                self.finish(req, S.FINISHED_ERROR, f"{type(result).__name__}: {result}")
+            else:
+                self._append_token(req, result)
+            touched[req.parent_id] = None
+        advanced = False
+        for rid, group in list(self.beam_groups.items()):
+            if group.ready():
+                self._advance_beams(group)
+                advanced = True
+                if group.finished:
+                    touched[rid] = None
+        progress = bool(out.scheduled or out.preempted or out.swapped_in or out.finished or advanced)
+        self._stalled = 0 if progress or not self.has_unfinished() else self._stalled + 1
+        if self._stalled >= self.stall_steps:
+            touched.update(dict.fromkeys(self._fail_stalled()))
+        return list(touched)
+
+    def _append_token(self, req: Request, token_id: int) -> None:
+        req.token_ids.append(token_id)
+        self.counters.generation_tokens += 1
+        m, now = req.metrics, time.monotonic()
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.last_token_time = now
+        m.token_times.append(now)
+        try:
+            status = self.stop_checker(req, token_id)
+        except Exception as e:  # noqa: BLE001 -- one request's detokenizer bug fails it alone
+            logger.exception("output processing failed for request %s", req.request_id)
+            self.finish(req, S.FINISHED_ERROR, f"output processing failed: {type(e).__name__}: {e}")
+            return
+        if status is not None:
+            self.finish(req, status)
+
+    def _advance_beams(self, group: BeamGroup) -> None:
+        """Every live beam proposed its candidates: keep the best `width`; a candidate takes over
+        its beam if it is the beam's first survivor, else forks it; beams with none are pruned."""
+        live = list(group.live)
+        cont = group.select(self.eos_token_id, self.max_model_len)
+        mine = sum(self._seats(r) for r in live)      # every live beam is seated when ready
+        cont = cont[:self.max_num_seqs - self.num_seats_taken + mine]   # never past the seat cap
+        claimed: set[int] = set()
+        targets = []
+        for bi, tid, lp, cum in cont:
+            parent = live[bi]
+            if bi not in claimed:
+                claimed.add(bi)
+                targets.append((parent, tid, lp, cum))
+                continue
+            child = Request(group.new_beam_id(), parent.prompt_token_ids, parent.params,
+                            parent.arrival_time, eos_token_id=parent.eos_token_id,
+                            parent_id=group.request_id, cache_salt=parent.cache_salt,
+                            arrival_seq=parent.arrival_seq)
+            child.token_ids = list(parent.token_ids)
+            child.cumulative_logprob = parent.cumulative_logprob
+            child.metrics.first_token_time = parent.metrics.first_token_time
+            group.beam_logprobs[child.request_id] = list(group.beam_logprobs.get(parent.request_id, []))
+            self._fork(parent, child)
+            targets.append((child, tid, lp, cum))
+        for bi, beam in enumerate(live):
+            if bi not in claimed:                 # pruned: no survivor
+                self.finish(beam, S.FINISHED_ABORTED)
+                group.beam_logprobs.pop(beam.request_id, None)
+        group.live[:] = []
+        for req, tid, lp, cum in targets:
+            if req.status == S.WAITING_FOR_BEAMS:
+                req.transition(S.RUNNING)
+            req.beam_candidates = None
+            req.extra_seats = 0
+            req.cumulative_logprob = cum
+            group.beam_logprobs.setdefault(req.request_id, []).append(lp)
+            req.token_ids.append(tid)
+            self.counters.generation_tokens += 1
+            m, now = req.metrics, time.monotonic()
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+            m.token_times.append(now)
+            group.live.append(req)
+        if group.finished:
+            group.head.metrics.finished_time = time.monotonic()
+
+    def _fail_stalled(self) -> list[str]:
+        """The watchdog: no progress for `stall_steps` steps. Fail every unfinished request with
+        a clear error instead of spinning; returns their user request ids."""
+        stuck = list(self.waiting) + list(self.running) + [r for g in self.swapped for r in g]
+        msg = (f"the scheduler made no progress for {self.stall_steps} steps with {len(stuck)} "
+               "sequences unfinished (a kvserve bug): failing them")
+        logger.error("%s: %s", msg, stuck)
+        for r in stuck:
+            if not r.is_finished:
+                self.finish(r, S.FINISHED_ERROR, msg)
+        for group in self.beam_groups.values():
+            group.live.clear()
+        self._stalled = 0
+        return sorted({r.parent_id for r in stuck})
+
+    def check_integrity(self) -> None:
+        """Every unfinished sequence is in exactly the place its status says, holds exactly
+        the KV its status says, and the seat cap holds."""
+        kv = self.kv
+        assert self.num_seats_taken <= self.max_num_seqs, f"{self.num_seats_taken} seats > {self.max_num_seqs}"
+        for r in self.running:
+            assert r.status.holds_blocks, f"{r} is seated but {r.status.name}"
+            assert (r.status == S.WAITING_FOR_BEAMS) == (r.beam_candidates is not None), r
+        for r in self.waiting:
+            assert r.status in (S.WAITING, S.PREEMPTED) and not kv.num_held_blocks(r.request_id), r
+        swapped = [r for g in self.swapped for r in g]
+        assert all(r.status == S.SWAPPED for r in swapped)
+        for kids in self.fork_waiters.values():
+            assert kids and all(r.status == S.WAITING_FOR_FORK for r in kids)
+        seated = {r.request_id for r in self.running}
+        assert set(kv.block_tables) == seated, "block tables != seated sequences"
+        assert set(kv.swapped_tables) == {r.request_id for r in swapped}, "swap space != swapped"
+        live = seated | {r.request_id for r in self.waiting}
+        assert set(kv.cache_state) <= live, "prefix-cache state kept for a finished sequence"
+        ids = [r.request_id for r in list(self.running) + list(self.waiting) + swapped]
+        assert len(ids) == len(set(ids)), "a sequence is in two queues"
+
+
+def _length_only(req: Request, token_id: int) -> RequestStatus | None:
+    p = req.params
+    if p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:
+        return S.FINISHED_LENGTH
+    return None

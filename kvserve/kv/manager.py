@@ -1,6 +1,11 @@
 """KV cache manager: per-request block tables over the shared pool (seed 003, paging, "Sharing
 blocks, and copying on write", "Reusing the cache across requests", "When memory runs out").
 
+It owns every piece of KV state, keyed by request id: block tables, prefix-cache progress
+(`SeqCacheState`), swapped-out CPU block ids. It reads a request (token ids, salt, progress)
+and never writes it: the scheduler asks it questions (`num_held_blocks`, `lookup`) and applies
+what it answers (`allocate_prefill` returns the hit it used).
+
 `allocate_slots` grows a request's block table so that its next tokens have slots; `free`
 returns the request's blocks, tail first. The slot of token position `p` of a request is
 `block_table[p // block_size] * block_size + p % block_size`.
@@ -8,10 +13,10 @@ returns the request's blocks, tail first. The slot of token position `p` of a re
 Sharing: `fork` gives a new sequence (a sample of n > 1, a beam) the parent's block table with
 one more reference on every block. A sequence about to write into a block that another table
 also holds gets a private copy first (copy on write: `allocate_slots(..., num_computed=...)`),
-so at most one block is copied per sequence per step. `allocate_prefill` admits a request over
-its prefix-cache hit. The manager never touches tensors: copies and swaps are queued as block-id
-pairs and the engine hands them to the model runner (`take_pending`) before the forward pass.
-A copy's source keeps an extra reference until then, so no other request can reuse it first.
+so at most one block is copied per sequence per step. The manager never touches tensors:
+copies and swaps are queued as block-id pairs (`PendingKVOps`) and the engine hands them to
+the model runner (`take_pending`) before the forward pass. A copy's source keeps an extra
+reference until then, so no other request can reuse it first.
 """
 from __future__ import annotations
 
@@ -19,16 +24,28 @@ from dataclasses import dataclass, field
 
 from kvserve.kv.block_pool import BlockPool, KVBlock
 from kvserve.kv.offload import CpuSwapSpace
-from kvserve.kv.prefix_cache import NO_HIT, PrefixHit, make_prefix_cache
+from kvserve.kv.prefix_cache import NO_HIT, HashPrefixCache, PrefixCache, PrefixHit, SeqCacheState
+from kvserve.kv.radix_cache import RadixPrefixCache
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def make_prefix_cache(kind: str | None, pool: BlockPool, block_size: int,
+                      namespace: str = "") -> PrefixCache | None:
+    if kind in (None, "none", False):
+        return None
+    caches = {"hash": HashPrefixCache, "radix": RadixPrefixCache}
+    if kind not in caches:
+        raise ValueError(f"prefix_cache must be 'hash' or 'radix', got {kind!r}.")
+    return caches[kind](pool, block_size, namespace)
+
+
 @dataclass
 class PendingKVOps:
-    """Block moves to run before the next forward pass, in this order."""
+    """Block moves to run before the next forward pass, in this order: swap out, swap in,
+    copies. Every read must see the block as it was before the batch (`check`)."""
 
     swap_out: list[tuple[int, int]] = field(default_factory=list)   # (gpu block, cpu block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)    # (cpu block, gpu block)
@@ -36,6 +53,21 @@ class PendingKVOps:
 
     def __bool__(self) -> bool:
         return bool(self.swap_out or self.swap_in or self.copies)
+
+    def check(self) -> None:
+        """No block is written twice, and none is read after the batch wrote it (a swap-in
+        reading a CPU block a swap-out of the same batch reused would read the wrong K/V)."""
+        written: dict[str, set[int]] = {"gpu": set(), "cpu": set()}
+        phases = [("swap out", self.swap_out, "gpu", "cpu"), ("swap in", self.swap_in, "cpu", "gpu"),
+                  ("copy", self.copies, "gpu", "gpu")]
+        for name, pairs, src_dev, dst_dev in phases:
+            for src, _ in pairs:
+                if src in written[src_dev]:
+                    raise AssertionError(f"{name} reads {src_dev} block {src} after this batch wrote it")
+            for _, dst in pairs:
+                if dst in written[dst_dev]:
+                    raise AssertionError(f"{name} writes {dst_dev} block {dst} twice in one batch")
+                written[dst_dev].add(dst)
 
 
 @dataclass
@@ -56,12 +88,14 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[KVBlock]] = {}
         self.cache = make_prefix_cache(prefix_cache, self.pool, block_size, cache_namespace)
+        self.cache_state: dict[str, SeqCacheState] = {}  # request id -> prefix-cache progress
         self.swap_space = CpuSwapSpace(num_cpu_blocks)
         self.swapped_tables: dict[str, list[int]] = {}   # request id -> CPU block ids
         self._pending = PendingKVOps()
         self._copy_sources: list[KVBlock] = []           # held until the copies have run
         self.stats = KVStats()
 
+    # -- questions ---------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
@@ -70,10 +104,24 @@ class KVCacheManager:
     def num_cached_blocks(self) -> int:
         return self.cache.num_cached_blocks if self.cache is not None else 0
 
-    def blocks_needed(self, request_id: str, num_tokens: int) -> int:
-        """New blocks required for the request to hold `num_tokens` tokens in all."""
-        held = len(self.block_tables.get(request_id, ()))
-        return max(0, cdiv(num_tokens, self.block_size) - held)
+    def num_held_blocks(self, request_id: str) -> int:
+        return len(self.block_tables.get(request_id, ()))
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def fits_alone(self, num_tokens: int) -> bool:
+        """Could one sequence of `num_tokens` tokens ever have all its slots (empty pool)?"""
+        return self.blocks_for(num_tokens) <= self.pool.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.block_tables.get(request_id, ())]
+
+    def _state(self, req) -> SeqCacheState:
+        st = self.cache_state.get(req.request_id)
+        if st is None:
+            st = self.cache_state[req.request_id] = SeqCacheState()
+        return st
 
     # -- growth and copy on write ------------------------------------------------------------
     def allocate_slots(self, request_id: str, num_tokens: int, reserve: int = 0,
@@ -105,52 +153,54 @@ class KVCacheManager:
 
     # -- prefix cache ------------------------------------------------------------------------
     def lookup(self, req) -> PrefixHit:
-        """The cached prefix a request without blocks could start from (no side effects)."""
+        """The cached prefix a request without blocks could start from (changes no block)."""
         if self.cache is None or req.num_computed_tokens or self.block_tables.get(req.request_id):
             return NO_HIT
-        return self.cache.match(req)
+        return self.cache.match(req, self._state(req))
 
-    def allocate_prefill(self, req, hit: PrefixHit, num_tokens: int, reserve: int = 0) -> bool:
+    def allocate_prefill(self, req, hit: PrefixHit, num_tokens: int, reserve: int = 0) -> PrefixHit | None:
         """Admit a request without blocks: share the hit's blocks, copy its partial block,
-        allocate the rest up to `num_tokens`, and start it at the hit. False: no change."""
-        bs = self.block_size
-        fresh = cdiv(num_tokens, bs) - len(hit.blocks)
-        taken = sum(1 for b in hit.blocks if b.ref_cnt == 0)
-        if hit.copy_src is not None and hit.copy_src.ref_cnt == 0:
-            taken += 1
-        if fresh + taken + reserve > self.pool.num_free_blocks:
-            return False
+        allocate the rest up to `num_tokens` tokens. Returns the hit used (the caller starts
+        the request there): the partial copy is dropped when its source would be the one block
+        too many. None, changing nothing, if the pool is short."""
+        if hit.copy_src is not None and not self._fits(hit, num_tokens, reserve):
+            hit = PrefixHit(hit.blocks, None, 0, len(hit.blocks) * self.block_size)
+        if not self._fits(hit, num_tokens, reserve):
+            return None
         for b in hit.blocks:
             self.pool.touch(b)
         table = list(hit.blocks)
         if hit.copy_src is not None:
             self.pool.touch(hit.copy_src)
             self._copy_sources.append(hit.copy_src)
-        new = self.pool.allocate(fresh)
+        new = self.pool.allocate(cdiv(num_tokens, self.block_size) - len(hit.blocks))
         if hit.copy_src is not None:
             self._pending.copies.append((hit.copy_src.block_id, new[0].block_id))
             self.stats.partial_copies += 1
         table += new
         self.block_tables[req.request_id] = table
-        req.num_computed_tokens = hit.num_tokens
-        if not req._num_cached_set:          # vLLM reports the first admission's hit
-            req.num_cached_tokens = hit.num_tokens
-            req._num_cached_set = True
         if self.cache is not None:
-            self.cache.reset_request(req)
-            self.cache.cache_full_blocks(req, table)     # walks the shared path (labels nothing new)
+            st = self._state(req)
+            st.reset()
             s = self.stats
             s.prefix_cache_queries += req.num_tokens
             s.prefix_cache_hits += hit.num_tokens
             s.prefix_cache_eligible += self.cache.eligible_tokens(req)
-        return True
+        return hit
+
+    def _fits(self, hit: PrefixHit, num_tokens: int, reserve: int) -> bool:
+        fresh = cdiv(num_tokens, self.block_size) - len(hit.blocks)
+        taken = sum(1 for b in hit.blocks if b.ref_cnt == 0)       # leave the free queue
+        if hit.copy_src is not None and hit.copy_src.ref_cnt == 0:
+            taken += 1                                              # held until copied
+        return fresh + taken + reserve <= self.pool.num_free_blocks
 
     def cache_blocks(self, req) -> None:
         """After a forward pass: label the request's newly computed full blocks."""
         if self.cache is not None:
             table = self.block_tables.get(req.request_id)
             if table:
-                self.cache.cache_full_blocks(req, table)
+                self.cache.cache_full_blocks(req, self._state(req), table)
 
     # -- sharing -----------------------------------------------------------------------------
     def fork(self, parent_id: str, child_id: str) -> None:
@@ -159,20 +209,19 @@ class KVCacheManager:
         for b in blocks:
             self.pool.touch(b)
         self.block_tables[child_id] = list(blocks)
-
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.block_tables.get(request_id, ())]
+        st = self.cache_state.get(parent_id)
+        if st is not None:
+            self.cache_state[child_id] = st.fork()
 
     def free(self, request_id: str, req=None) -> None:
-        """Return every block of the request, tail first, so that shared heads live longest.
-        With `req`, a radix cache first keeps the request's partial last block."""
+        """Return every block of the request, tail first, so that shared heads live longest,
+        and forget its KV state. With `req`, a radix cache first keeps its partial last block."""
         blocks = self.block_tables.pop(request_id, None)
+        st = self.cache_state.pop(request_id, None)
         if blocks:
             if self.cache is not None and req is not None:
-                self.cache.cache_partial_block(req, blocks)
+                self.cache.cache_partial_block(req, st or SeqCacheState(), blocks)
             self.pool.free(reversed(blocks))
-        if req is not None and self.cache is not None:
-            self.cache.reset_request(req)
         cpu = self.swapped_tables.pop(request_id, None)
         if cpu:
             for i in cpu:
@@ -230,14 +279,13 @@ class KVCacheManager:
                 table.append(b)
                 self.swap_space.decref(i)
             self.block_tables[r.request_id] = table
-            if self.cache is not None:
-                self.cache.reset_request(r)
         return True
 
     def take_pending(self) -> PendingKVOps:
-        """The block moves queued since the last call; the caller runs them before the next
-        forward pass (and before the next schedule). Releases the copy sources."""
+        """The block moves queued since the last call, checked; the caller runs them before the
+        next forward pass (and before the next schedule). Releases the copy sources."""
         ops, self._pending = self._pending, PendingKVOps()
+        ops.check()
         if self._copy_sources:
             self.pool.free(self._copy_sources)
             self._copy_sources = []

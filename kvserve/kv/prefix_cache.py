@@ -14,7 +14,9 @@ one out in O(1) (`BlockPool.touch`), and reuse for new contents evicts the label
 (`BlockPool.on_evict`), least recently freed first. Requests release their blocks tail first, so
 the shared heads of prefixes are evicted last.
 
-`PrefixCache` is the interface shared with the radix tree (`radix_cache.RadixPrefixCache`).
+`PrefixCache` is the interface shared with the radix tree (`radix_cache.RadixPrefixCache`);
+`kv/manager.py` chooses between them. A sequence's labelling progress (`SeqCacheState`) is
+owned by the KV manager, keyed by request id; the caches read a request's tokens, never write it.
 """
 from __future__ import annotations
 
@@ -39,6 +41,26 @@ class PrefixHit:
 NO_HIT = PrefixHit()
 
 
+@dataclass
+class SeqCacheState:
+    """One sequence's prefix-cache progress: chained hashes (hash cache) or block keys and the
+    deepest labelled node (radix tree), computed once per block and kept across steps."""
+
+    block_hashes: list[bytes] = field(default_factory=list)
+    block_keys: list[tuple] = field(default_factory=list)
+    num_labelled_blocks: int = 0
+    radix_node: object = None
+
+    def reset(self) -> None:
+        """The sequence's blocks were dropped or replaced (preemption, swap in): relabel from 0."""
+        self.num_labelled_blocks = 0
+        self.radix_node = None
+
+    def fork(self) -> "SeqCacheState":
+        return SeqCacheState(list(self.block_hashes), list(self.block_keys),
+                             self.num_labelled_blocks, self.radix_node)
+
+
 def first_block_extra(namespace: str, cache_salt: str | None) -> bytes:
     """Extra keys mixed into the first block's hash: the model namespace and the cache salt."""
     return b"\x00ns:" + namespace.encode() + b"\x00salt:" + (cache_salt or "").encode()
@@ -50,8 +72,8 @@ def hash_block(parent: bytes, tokens, extra: bytes = b"") -> bytes:
 
 
 class PrefixCache:
-    """The interface of both prefix caches. Per-request progress lives on the Request
-    (`block_hashes`, `num_labelled_blocks`, `radix_node`)."""
+    """The interface of both prefix caches. `req` is read (token ids, salt, progress), `st` is
+    the sequence's `SeqCacheState`."""
 
     kind = "none"
 
@@ -61,33 +83,21 @@ class PrefixCache:
         self.namespace = namespace
         pool.on_evict = self._evict
 
-    def match(self, req) -> PrefixHit:
-        """Longest cached prefix of req.token_ids, capped at num_tokens - 1. No side effects."""
+    def match(self, req, st: SeqCacheState) -> PrefixHit:
+        """Longest cached prefix of req.token_ids, capped at num_tokens - 1. Changes no block
+        and no tree node (it may memoize hashes in `st`)."""
         raise NotImplementedError
 
     def eligible_tokens(self, req) -> int:
         """The most this cache could ever hit for req (the block-size floor, the last-token cap)."""
         raise NotImplementedError
 
-    def cache_full_blocks(self, req, blocks: list[KVBlock]) -> None:
+    def cache_full_blocks(self, req, st: SeqCacheState, blocks: list[KVBlock]) -> None:
         """Label the request's newly computed full blocks."""
         raise NotImplementedError
 
-    def cache_partial_block(self, req, blocks: list[KVBlock]) -> None:
+    def cache_partial_block(self, req, st: SeqCacheState, blocks: list[KVBlock]) -> None:
         """Called before a request's blocks are released (the radix tree keeps the partial tail)."""
-
-    @staticmethod
-    def reset_request(req) -> None:
-        """The request's blocks were dropped or replaced (preemption, swap in): relabel from 0."""
-        req.num_labelled_blocks = 0
-        req.radix_node = None
-
-    @staticmethod
-    def fork_request(parent, child) -> None:
-        child.block_hashes = list(parent.block_hashes)
-        child.num_labelled_blocks = parent.num_labelled_blocks
-        child.radix_node = parent.radix_node
-        child.block_keys = list(parent.block_keys)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -109,9 +119,9 @@ class HashPrefixCache(PrefixCache):
         super().__init__(pool, block_size, namespace)
         self.cached: dict[bytes, KVBlock] = {}
 
-    def hashes(self, req, n_blocks: int) -> list[bytes]:
+    def hashes(self, req, st: SeqCacheState, n_blocks: int) -> list[bytes]:
         """The first `n_blocks` chained hashes of req.token_ids, computed once per block."""
-        hs, bs, toks = req.block_hashes, self.block_size, req.token_ids
+        hs, bs, toks = st.block_hashes, self.block_size, req.token_ids
         while len(hs) < n_blocks:
             i = len(hs)
             if i == 0:
@@ -123,12 +133,12 @@ class HashPrefixCache(PrefixCache):
     def eligible_tokens(self, req) -> int:
         return (req.num_tokens - 1) // self.block_size * self.block_size
 
-    def match(self, req) -> PrefixHit:
+    def match(self, req, st: SeqCacheState) -> PrefixHit:
         n = (req.num_tokens - 1) // self.block_size
         if n <= 0 or not self.cached:
             return NO_HIT
         blocks = []
-        for h in self.hashes(req, n)[:n]:
+        for h in self.hashes(req, st, n)[:n]:
             b = self.cached.get(h)
             if b is None:
                 break
@@ -137,18 +147,18 @@ class HashPrefixCache(PrefixCache):
             return NO_HIT
         return PrefixHit(blocks, None, 0, len(blocks) * self.block_size)
 
-    def cache_full_blocks(self, req, blocks: list[KVBlock]) -> None:
+    def cache_full_blocks(self, req, st: SeqCacheState, blocks: list[KVBlock]) -> None:
         n_full = min(req.num_computed_tokens // self.block_size, len(blocks))
-        start = req.num_labelled_blocks
+        start = st.num_labelled_blocks
         if n_full <= start:
             return
-        hs = self.hashes(req, n_full)
+        hs = self.hashes(req, st, n_full)
         for i in range(start, n_full):
             b, h = blocks[i], hs[i]
             if b.block_hash is None and h not in self.cached:
                 b.block_hash = h
                 self.cached[h] = b
-        req.num_labelled_blocks = n_full
+        st.num_labelled_blocks = n_full
 
     @property
     def num_cached_blocks(self) -> int:
@@ -162,13 +172,3 @@ class HashPrefixCache(PrefixCache):
         for h, b in self.cached.items():
             assert b.block_hash == h, f"block {b.block_id} is cached under a hash it does not carry"
 
-
-def make_prefix_cache(kind: str | None, pool: BlockPool, block_size: int, namespace: str = ""):
-    if kind in (None, "none", False):
-        return None
-    if kind == "hash":
-        return HashPrefixCache(pool, block_size, namespace)
-    if kind == "radix":
-        from kvserve.kv.radix_cache import RadixPrefixCache
-        return RadixPrefixCache(pool, block_size, namespace)
-    raise ValueError(f"prefix_cache must be 'hash' or 'radix', got {kind!r}.")

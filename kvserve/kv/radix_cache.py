@@ -15,12 +15,14 @@ the node's ancestors, a node always joins the free queue before its parent does,
 (least recently freed first) takes leaves first. Should a node with descendants be evicted
 anyway, its whole subtree is unlabelled so the tree never points at reused blocks.
 
-Requests with different `cache_salt` (or model namespace) live under different roots.
+Requests with different `cache_salt` (or model namespace) live under different roots; a root
+is made only when a block is labelled under it and dropped when its last child goes, so lookups
+with many salts leave nothing behind.
 """
 from __future__ import annotations
 
 from kvserve.kv.block_pool import BlockPool, KVBlock
-from kvserve.kv.prefix_cache import NO_HIT, PrefixCache, PrefixHit, first_block_extra
+from kvserve.kv.prefix_cache import NO_HIT, PrefixCache, PrefixHit, SeqCacheState, first_block_extra
 
 RADIX_LABEL = b"radix"
 
@@ -66,15 +68,24 @@ class RadixPrefixCache(PrefixCache):
         self.num_subtree_evictions = 0
 
     # -- helpers ---------------------------------------------------------------------------
-    def _root(self, req) -> RadixNode:
+    def _root(self, req, create: bool = True) -> RadixNode | None:
         extra = first_block_extra(self.namespace, req.cache_salt)
         root = self.roots.get(extra)
-        if root is None:
-            root = self.roots[extra] = RadixNode()
+        if root is None and create:
+            root = self.roots[extra] = RadixNode(extra)     # a root's key is its salt key
         return root
 
-    def _key(self, req, i: int) -> tuple:
-        keys, bs = req.block_keys, self.block_size
+    def _detach(self, node: RadixNode) -> None:
+        """Take `node` out of its parent; a root left without children is dropped."""
+        parent = node.parent
+        parent.remove(node)
+        node.alive = False
+        if parent.parent is None and not parent.children and self.roots.get(parent.key) is parent:
+            del self.roots[parent.key]
+            parent.alive = False
+
+    def _key(self, req, st: SeqCacheState, i: int) -> tuple:
+        keys, bs = st.block_keys, self.block_size
         while len(keys) <= i:
             j = len(keys)
             keys.append(tuple(req.token_ids[j * bs:(j + 1) * bs]))
@@ -84,15 +95,15 @@ class RadixPrefixCache(PrefixCache):
         return req.num_tokens - 1
 
     # -- lookup ----------------------------------------------------------------------------
-    def match(self, req) -> PrefixHit:
-        if not self.nodes:
+    def match(self, req, st: SeqCacheState) -> PrefixHit:
+        node = self._root(req, create=False) if self.nodes else None
+        if node is None:
             return NO_HIT
         bs, limit = self.block_size, req.num_tokens - 1
-        node = self._root(req)
         blocks = []
         i = 0
         while (i + 1) * bs <= limit:
-            child = node.children.get(self._key(req, i))
+            child = node.children.get(self._key(req, st, i))
             if child is None:
                 break
             blocks.append(child.block)
@@ -117,21 +128,20 @@ class RadixPrefixCache(PrefixCache):
 
     def _unlabel_partial(self, block: KVBlock) -> None:
         node = self.nodes.pop(block.block_id)
-        node.parent.remove(node)
-        node.alive = False
+        self._detach(node)
         block.block_hash = None
 
-    def cache_full_blocks(self, req, blocks: list[KVBlock]) -> None:
+    def cache_full_blocks(self, req, st: SeqCacheState, blocks: list[KVBlock]) -> None:
         bs = self.block_size
         n_full = min(req.num_computed_tokens // bs, len(blocks))
-        start = req.num_labelled_blocks
+        start = st.num_labelled_blocks
         if n_full <= start:
             return
-        node = req.radix_node
+        node = st.radix_node
         if node is None or not node.alive or start == 0:
             node, start = self._root(req), 0
         for i in range(start, n_full):
-            key = self._key(req, i)
+            key = self._key(req, st, i)
             child = node.children.get(key)
             if child is None:
                 b = blocks[i]
@@ -141,33 +151,42 @@ class RadixPrefixCache(PrefixCache):
                         self._unlabel_partial(b)     # a partial leaf its holder has now filled
                     else:
                         # Labelled elsewhere (cannot happen by the prefix property); stay unlabelled.
-                        req.num_labelled_blocks, req.radix_node = i, node
+                        st.num_labelled_blocks, st.radix_node = i, node
+                        if node.parent is None and not node.children:
+                            del self.roots[node.key]
+                            node.alive = False
                         return
                 child = RadixNode(key, b, node)
                 node.add(child)
                 self._label(child)
             node = child
-        req.num_labelled_blocks, req.radix_node = n_full, node
+        st.num_labelled_blocks, st.radix_node = n_full, node
 
-    def cache_partial_block(self, req, blocks: list[KVBlock]) -> None:
+    def cache_partial_block(self, req, st: SeqCacheState, blocks: list[KVBlock]) -> None:
         bs = self.block_size
         n = req.num_computed_tokens
         k, r = divmod(n, bs)
         if r == 0 or k >= len(blocks):
             return
-        self.cache_full_blocks(req, blocks)
-        if req.num_labelled_blocks != k:
+        self.cache_full_blocks(req, st, blocks)
+        if st.num_labelled_blocks != k:
             return
-        node = req.radix_node if k else self._root(req)
-        if node is None or not node.alive:
-            return
+        if k:
+            node = st.radix_node
+            if node is None or not node.alive:
+                return
+        else:
+            node = self._root(req, create=False)
         b = blocks[k]
         if b.block_hash is not None:
             return
         key = tuple(req.token_ids[k * bs:n])
-        for child in node.by_first.get(key[0], ()):
-            if child.key[:r] == key:
-                return       # already covered by a cached block
+        if node is not None:
+            for child in node.by_first.get(key[0], ()):
+                if child.key[:r] == key:
+                    return       # already covered by a cached block
+        else:
+            node = self._root(req)
         child = RadixNode(key, b, node)
         node.add(child)
         self._label(child)
@@ -177,8 +196,7 @@ class RadixPrefixCache(PrefixCache):
         node = self.nodes.pop(block.block_id, None)
         if node is None:
             return
-        node.parent.remove(node)
-        node.alive = False
+        self._detach(node)
         if node.children:
             self.num_subtree_evictions += 1
             stack = list(node.children.values())
@@ -194,6 +212,9 @@ class RadixPrefixCache(PrefixCache):
         return len(self.nodes)
 
     def check_integrity(self) -> None:
+        for key, root in self.roots.items():
+            assert root.alive and root.key == key and root.parent is None
+            assert root.children, "a radix root without children is kept"
         for bid, node in self.nodes.items():
             assert node.alive and node.block.block_id == bid and node.block.block_hash == RADIX_LABEL
             assert node.parent.children.get(node.key) is node, "radix node detached from its parent"

@@ -19,7 +19,7 @@ def req(rid, tokens, salt=None):
 def run_prefill(kv, r):
     """Admit r at its hit, 'compute' the whole prompt, label its blocks. Returns the hit tokens."""
     hit = kv.lookup(r)
-    assert kv.allocate_prefill(r, hit, r.num_tokens)
+    assert kv.allocate_prefill(r, hit, r.num_tokens) == hit
     r.num_computed_tokens = r.num_tokens
     kv.cache_blocks(r)
     kv.take_pending()
@@ -88,12 +88,44 @@ def test_radix_partial_block_is_copied_not_shared():
     b = req("b", [1, 2, 3, 4, 5, 6, 7, 8, 9])
     hit = kv.lookup(b)
     assert hit.num_tokens == 6 and hit.copy_len == 2 and hit.copy_src is not None
-    assert kv.allocate_prefill(b, hit, b.num_tokens)
+    assert kv.allocate_prefill(b, hit, b.num_tokens) == hit       # the scheduler starts b at 6
     ops = kv.take_pending()
     assert ops.copies == [(hit.copy_src.block_id, kv.block_tables["b"][1].block_id)]
     assert kv.block_tables["b"][0] is hit.blocks[0]
-    assert b.num_computed_tokens == 6
+    assert b.num_computed_tokens == 0, "the KV manager never writes a request's fields"
     kv.check_integrity()
+
+
+def test_radix_exact_fit_drops_the_partial_copy_instead_of_refusing():
+    """Defect 5: a prompt needing the whole pool, with a partial-block hit whose source is free,
+    was never admitted (the copy's source counted as one block too many)."""
+    kv = KVCacheManager(3, BS, prefix_cache="radix")
+    a = req("a", [1, 2, 3, 4, 5, 6])                 # block 0 full, partial leaf [5, 6]
+    run_prefill(kv, a)
+    kv.free("a", a)
+    b = req("b", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])   # needs all 3 blocks
+    hit = kv.lookup(b)
+    assert hit.copy_src is not None and hit.num_tokens == 6
+    used = kv.allocate_prefill(b, hit, b.num_tokens)
+    assert used is not None, "an exact-fit prompt must be admitted into an empty pool"
+    assert used.copy_src is None and used.num_tokens == 4 and used.blocks == hit.blocks
+    assert not kv.take_pending().copies and kv.num_free_blocks == 0
+    kv.check_integrity()
+
+
+def test_radix_salt_roots_are_made_by_labelling_and_pruned_with_their_last_block():
+    """Defect 7: a lookup made a root per cache_salt, and roots were never dropped."""
+    kv = KVCacheManager(4, BS, prefix_cache="radix")
+    for i in range(50):
+        assert kv.lookup(req(f"q{i}", range(10, 19), salt=f"s{i}")).num_tokens == 0
+    assert not kv.cache.roots, "a pure lookup must not create a root"
+    for i in range(6):                               # 6 salts through a 4-block pool
+        r = req(f"r{i}", range(10, 15), salt=f"t{i}")    # one full block + a partial tail
+        run_prefill(kv, r)
+        kv.free(r.request_id, r)
+        kv.check_integrity()                         # includes: no root without children
+    assert len(kv.cache.roots) <= 4 < 6, "roots of evicted salts must be dropped"
+    assert all(root.children for root in kv.cache.roots.values())
 
 
 def test_copy_on_write_copies_a_shared_partial_block_once():
@@ -134,11 +166,23 @@ def test_swap_keeps_sharing_and_frees_the_gpu():
     assert [b.block_id for b in kv.block_tables["p"]] == [b.block_id for b in kv.block_tables["c"]]
     assert all(b.ref_cnt == 2 for b in kv.block_tables["p"])
     kv.check_integrity()
-    assert not kv.swap_out([p, c]) or True
     kv.free("p"), kv.free("c")
     kv.take_pending()
     kv.check_integrity()
     assert kv.num_free_blocks == 16 and kv.swap_space.num_free_blocks == 8
+
+
+def test_pending_moves_never_read_a_block_the_same_batch_wrote():
+    """Defect 1's invariant: a swap-in that reads a CPU block a swap-out of the same batch
+    reused would read the wrong K/V; such a batch is refused with a message, not run."""
+    from kvserve.kv.manager import PendingKVOps
+    PendingKVOps(swap_out=[(3, 0)], swap_in=[(1, 5)], copies=[(2, 6)]).check()
+    with pytest.raises(AssertionError, match="swap in reads cpu block 0"):
+        PendingKVOps(swap_out=[(3, 0)], swap_in=[(0, 5)]).check()
+    with pytest.raises(AssertionError, match="copy reads gpu block 5"):
+        PendingKVOps(swap_in=[(1, 5)], copies=[(5, 6)]).check()
+    with pytest.raises(AssertionError, match="writes gpu block 6 twice"):
+        PendingKVOps(swap_in=[(1, 6)], copies=[(2, 6)]).check()
 
 
 def test_swap_out_refuses_without_space_and_changes_nothing():
@@ -151,10 +195,22 @@ def test_swap_out_refuses_without_space_and_changes_nothing():
 
 
 def test_lookup_and_labelling_are_incremental():
-    """No pool scans: a request's hashes are computed once per block and kept on the request."""
+    """No pool scans: a request's hashes are computed once per block and kept by the manager."""
     kv = KVCacheManager(64, BS, prefix_cache="hash")
     a = req("a", range(200, 240))
     run_prefill(kv, a)
-    assert len(a.block_hashes) == 10
-    kv.lookup(a)
-    assert len(a.block_hashes) == 10
+    assert len(kv.cache_state["a"].block_hashes) == 10
+    calls = []
+    import kvserve.kv.prefix_cache as pc
+    orig = pc.hash_block
+    pc.hash_block = lambda *args: calls.append(1) or orig(*args)
+    try:
+        kv.cache_blocks(a)
+        b = req("b", range(200, 240))
+        kv.lookup(b)
+        kv.lookup(b)
+    finally:
+        pc.hash_block = orig
+    assert len(calls) == 9, "a's hashes are not recomputed; b's 9 are computed once"
+    kv.free("a", a)
+    assert "a" not in kv.cache_state

@@ -22,9 +22,9 @@ def prompts_for(seed: int = 0, n: int = 5) -> list[list[int]]:
 ENGINE_SETTINGS = {
     "default": dict(),
     "block1": dict(block_size=1),
-    "block4_budget7": dict(block_size=4, max_num_batched_tokens=7),
+    "block4_budget7": dict(block_size=4, max_num_batched_tokens=7, max_num_seqs=4),
     "one_seq": dict(max_num_seqs=1, max_num_batched_tokens=16),
-    "preempt": dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=32),
+    "preempt": dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=32, max_num_seqs=8),
 }
 
 

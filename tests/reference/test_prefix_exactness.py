@@ -19,9 +19,9 @@ CACHES = {"off": dict(enable_prefix_caching=False), "hash": dict(prefix_cache="h
           "radix": dict(prefix_cache="radix")}
 SCENARIOS = {
     "shared": dict(block_size=4, num_kv_blocks=256),
-    "chunked": dict(block_size=4, max_num_batched_tokens=7, num_kv_blocks=256),
-    "pressure": dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=32),
-    "swap": dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=32, preemption_mode="swap"),
+    "chunked": dict(block_size=4, max_num_batched_tokens=7, max_num_seqs=4, num_kv_blocks=256),
+    "pressure": dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=32, max_num_seqs=8),
+    "swap": dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=32, max_num_seqs=8, preemption_mode="swap"),
 }
 
 
@@ -99,7 +99,7 @@ def test_hits_after_preemption_are_exact(random_model_dir):
     """A tiny pool: requests are preempted mid-decode and resume as cache hits on their own
     still-labelled blocks (recompute mostly from the cache)."""
     model_dir = random_model_dir("llama")
-    llm = LLM(str(model_dir), block_size=4, num_kv_blocks=12, max_num_batched_tokens=64,
+    llm = LLM(str(model_dir), block_size=4, num_kv_blocks=12, max_num_batched_tokens=64, max_num_seqs=8,
               watermark=0.0, prefix_cache="hash")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     rng = random.Random(11)
