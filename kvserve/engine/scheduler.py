@@ -248,7 +248,8 @@ class Scheduler:
             if self.swapped:
                 self._swap_in(out)
             self._admit(out, done)
-        if out.is_empty and not out.preempted and self.running and (self.waiting or self.swapped):
+        stuck = out.is_empty and not out.preempted and not out.swapped_in
+        if stuck and self.running and (self.waiting or self.swapped):
             self._break_idle_deadlock(out)
         out.num_batched_tokens = self.max_num_batched_tokens - self._budget
         return out

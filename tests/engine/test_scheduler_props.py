@@ -62,10 +62,15 @@ def fake_candidates(r: Request, width: int):
 
 def run_step(sched: Scheduler, shadow: ShadowKV, budget: int, max_seqs: int) -> None:
     kv = sched.kv
+    queued = {r.request_id for r in sched.waiting} | {r.request_id for g in sched.swapped for r in g}
     out = sched.schedule()
     shadow.apply(kv.take_pending())          # take_pending checks: no read after a write
     assert out.num_batched_tokens <= budget
-    assert len({r.request_id for r, _ in out.scheduled}) == len(out.scheduled)
+    ids = {r.request_id for r, _ in out.scheduled}
+    assert len(ids) == len(out.scheduled)
+    assert not ids & {r.request_id for r in out.preempted}, "a preempted sequence was scheduled"
+    if out.preempted:                        # no admission and no swap-in in a step that preempted
+        assert not out.swapped_in and not ids & queued, "admitted in a step that preempted"
     samples, candidates = {}, {}
     for req, n in out.scheduled:
         assert n > 0 and req.status == RequestStatus.RUNNING
