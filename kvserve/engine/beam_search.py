@@ -19,6 +19,7 @@ stopping. Ties keep candidate order (beam order, then token rank).
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 
 from kvserve.engine.request import Request, RequestStatus
@@ -102,3 +103,48 @@ class BeamGroup:
 
     def best(self, n: int) -> list[BeamHyp]:
         return sorted(self.completed, key=lambda h: -h.score)[:n]
+
+
+def advance_beams(sched, group: BeamGroup) -> None:
+    """One beam step, applied through the scheduler (which owns every status change): keep the
+    best `width` candidates; a candidate takes over its beam if it is the beam's first
+    survivor, else forks it (shared blocks); beams with no survivor are pruned. Never takes
+    more seats than `max_num_seqs` allows."""
+    live = list(group.live)
+    cont = group.select(sched.eos_token_id, sched.max_model_len)
+    mine = sum(sched.seats(r) for r in live)            # every live beam is seated when ready
+    cont = cont[:sched.max_num_seqs - sched.num_seats_taken + mine]
+    claimed: set[int] = set()
+    targets = []
+    for bi, tid, lp, cum in cont:
+        parent = live[bi]
+        if bi not in claimed:
+            claimed.add(bi)
+            targets.append((parent, tid, lp, cum))
+            continue
+        child = Request(group.new_beam_id(), parent.prompt_token_ids, parent.params,
+                        parent.arrival_time, eos_token_id=parent.eos_token_id,
+                        parent_id=group.request_id, cache_salt=parent.cache_salt,
+                        arrival_seq=parent.arrival_seq)
+        child.token_ids = list(parent.token_ids)
+        child.cumulative_logprob = parent.cumulative_logprob
+        child.metrics.first_token_time = parent.metrics.first_token_time
+        group.beam_logprobs[child.request_id] = list(group.beam_logprobs.get(parent.request_id, []))
+        sched.fork(parent, child)
+        targets.append((child, tid, lp, cum))
+    for bi, beam in enumerate(live):
+        if bi not in claimed:                     # pruned: no survivor
+            sched.finish(beam, RequestStatus.FINISHED_ABORTED)
+            group.beam_logprobs.pop(beam.request_id, None)
+    group.live[:] = []
+    for req, tid, lp, cum in targets:
+        if req.status == RequestStatus.WAITING_FOR_BEAMS:
+            req.transition(RequestStatus.RUNNING)
+        req.beam_candidates = None
+        req.extra_seats = 0
+        req.cumulative_logprob = cum
+        group.beam_logprobs.setdefault(req.request_id, []).append(lp)
+        sched.append_token(req, tid)
+        group.live.append(req)
+    if group.finished:
+        group.head.metrics.finished_time = time.monotonic()

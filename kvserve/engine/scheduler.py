@@ -1,32 +1,22 @@
 """Continuous batching with chunked prefill under a token budget (seed 003, "Scheduling one step
 at a time", "Mixing prefill and decode in one step", "When memory runs out", "Radix trees").
 
-The scheduler decides who runs and owns every change of a request's status; it never touches
-tensors. One step is `schedule()` (who runs, how many tokens) and, after the forward pass,
-`update_from_output()` (the one place where states change after a step, on every path).
+The scheduler decides who runs and owns every status change; it never touches tensors. A step
+is `schedule()` then, after the forward pass, `update_from_output()`: the one place where
+states change after a step, on every path, the empty step included.
 
-`schedule()`: one decode token for every running sequence whose prompt is done, then prefill
-chunks of partially prefilled prompts; then, only in a step that preempted nobody, swapped-out
-groups come back (swap mode) and waiting prompts are admitted until `max_num_batched_tokens`
-is spent, with at most `max_num_seqs` seats taken. An admitted prompt starts at its prefix-cache
-hit, so only its uncached tokens cost budget. A new request is admitted only if
-`watermark_blocks` stay free afterwards, so that admissions do not cause immediate thrash.
-
-When blocks run out, the running request that arrived last is preempted, together with every
-running sequence of its group (the samples of one request, the beams of one beam search share
-blocks; freeing some of them frees almost nothing): by recompute (its blocks are freed, still
-labelled in the prefix cache, and it goes back to the front of the queue) or by swap (its blocks
-go to the CPU swap space and come back as a group). When the latest group is the asking
-sequence's own, its siblings are shed one at a time, then itself: preempting the asker's whole
-group would make no progress. A sequence that alone outgrows the whole pool finishes with
-"length". Preemptions are counted, and requests preempted `preemption_warn_threshold` times
-are counted apart: thrash shows in the metrics.
-
-Cache-aware ordering (SGLang): the waiting queue is served longest cached prefix first; a
-request that has waited `max_wait_steps` steps, or was preempted, goes first, which bounds
-starvation. A step in which nothing can run while requests wait (every seat is a beam waiting
-for siblings that do not fit) preempts the latest such group; `stall_steps` steps without any
-progress fail the stuck requests with a clear error instead of spinning.
+`schedule()`: one decode token per running sequence, then prefill chunks; then, only in a step
+that preempted nobody (vLLM's rule), swapped groups come back and waiting prompts are admitted
+(from their prefix-cache hit, keeping `watermark_blocks` free) until `max_num_batched_tokens`
+is spent, with at most `max_num_seqs` seats. Out of blocks, the running request that arrived
+last is preempted with its whole group (samples and beams share blocks: freeing some frees
+almost nothing), by recompute (back to the queue's front) or swap; when that group is the
+asker's own, its other samples are shed one by one (a beam group goes whole). A sequence that
+alone outgrows the pool finishes with "length". Cache-aware ordering (SGLang) serves the
+longest cached prefix first, preempted or `max_wait_steps`-old requests before it. When no
+seat can run while requests wait (beams waiting for siblings that do not fit), the latest
+other group is recomputed; `stall_steps` steps with no progress fail the stuck requests with
+a clear error instead of spinning.
 """
 from __future__ import annotations
 
@@ -36,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kvserve.engine.beam_search import BeamGroup
+from kvserve.engine.beam_search import BeamGroup, advance_beams
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.kv.manager import KVCacheManager
 
@@ -128,13 +118,13 @@ class Scheduler:
     def num_swapped(self) -> int:
         return sum(len(g) for g in self.swapped)
 
-    def _seats(self, req: Request) -> int:
+    def seats(self, req: Request) -> int:
         """Seats a sequence takes: its own and those reserved for the forks it will make."""
         return 1 + req.extra_seats + len(self.fork_waiters.get(req.request_id, ()))
 
     @property
     def num_seats_taken(self) -> int:
-        return sum(self._seats(r) for r in self.running)
+        return sum(self.seats(r) for r in self.running)
 
     def finish(self, req: Request, status: RequestStatus, error: str | None = None) -> None:
         """Retire a sequence (stopped, out of length, aborted, pruned, failed); free its KV."""
@@ -167,7 +157,7 @@ class Scheduler:
             kid.error = error
             kid.metrics.finished_time = req.metrics.finished_time
 
-    def _fork(self, parent: Request, child: Request) -> None:
+    def fork(self, parent: Request, child: Request) -> None:
         """`child` joins the batch sharing every block of `parent` (copy on write later)."""
         self.kv.fork(parent.request_id, child.request_id)
         child.num_computed_tokens = parent.num_computed_tokens
@@ -282,7 +272,7 @@ class Scheduler:
     def _swap_in(self, out: SchedulerOutput) -> None:
         while self.swapped:
             group = self.swapped[0]
-            if self.num_seats_taken + sum(self._seats(r) for r in group) > self.max_num_seqs:
+            if self.num_seats_taken + sum(self.seats(r) for r in group) > self.max_num_seqs:
                 break
             if self.waiting and self.waiting[0].arrival_key < group[0].arrival_key:
                 break                      # arrival order between the two queues
@@ -316,7 +306,7 @@ class Scheduler:
                 self.finish(req, S.FINISHED_LENGTH)
                 out.finished.append(req)
                 continue
-            if self.num_seats_taken + self._seats(req) > self.max_num_seqs:
+            if self.num_seats_taken + self.seats(req) > self.max_num_seqs:
                 break
             hit = self.kv.lookup(req)
             end = hit.num_tokens + min(req.num_tokens - hit.num_tokens, self._budget)
@@ -375,7 +365,7 @@ class Scheduler:
         for rid in list(samples):
             parent = by_id.get(rid)
             for kid in self.fork_waiters.pop(rid, ()) if parent is not None else ():
-                self._fork(parent, kid)
+                self.fork(parent, kid)
                 by_id[kid.request_id] = kid
         for rid, result in samples.items():
             req = by_id[rid]
@@ -389,7 +379,7 @@ class Scheduler:
         advanced = False
         for rid, group in list(self.beam_groups.items()):
             if group.ready():
-                self._advance_beams(group)
+                advance_beams(self, group)
                 advanced = True
                 if group.finished:
                     touched[rid] = None
@@ -399,7 +389,8 @@ class Scheduler:
             touched.update(dict.fromkeys(self._fail_stalled()))
         return list(touched)
 
-    def _append_token(self, req: Request, token_id: int) -> None:
+    def append_token(self, req: Request, token_id: int) -> None:
+        """Append a token the sequence produced and record when."""
         req.token_ids.append(token_id)
         self.counters.generation_tokens += 1
         m, now = req.metrics, time.monotonic()
@@ -407,6 +398,9 @@ class Scheduler:
             m.first_token_time = now
         m.last_token_time = now
         m.token_times.append(now)
+
+    def _append_token(self, req: Request, token_id: int) -> None:
+        self.append_token(req, token_id)
         try:
             status = self.stop_checker(req, token_id)
         except Exception as e:  # noqa: BLE001 -- one request's detokenizer bug fails it alone
@@ -415,54 +409,6 @@ class Scheduler:
             return
         if status is not None:
             self.finish(req, status)
-
-    def _advance_beams(self, group: BeamGroup) -> None:
-        """Every live beam proposed its candidates: keep the best `width`; a candidate takes over
-        its beam if it is the beam's first survivor, else forks it; beams with none are pruned."""
-        live = list(group.live)
-        cont = group.select(self.eos_token_id, self.max_model_len)
-        mine = sum(self._seats(r) for r in live)      # every live beam is seated when ready
-        cont = cont[:self.max_num_seqs - self.num_seats_taken + mine]   # never past the seat cap
-        claimed: set[int] = set()
-        targets = []
-        for bi, tid, lp, cum in cont:
-            parent = live[bi]
-            if bi not in claimed:
-                claimed.add(bi)
-                targets.append((parent, tid, lp, cum))
-                continue
-            child = Request(group.new_beam_id(), parent.prompt_token_ids, parent.params,
-                            parent.arrival_time, eos_token_id=parent.eos_token_id,
-                            parent_id=group.request_id, cache_salt=parent.cache_salt,
-                            arrival_seq=parent.arrival_seq)
-            child.token_ids = list(parent.token_ids)
-            child.cumulative_logprob = parent.cumulative_logprob
-            child.metrics.first_token_time = parent.metrics.first_token_time
-            group.beam_logprobs[child.request_id] = list(group.beam_logprobs.get(parent.request_id, []))
-            self._fork(parent, child)
-            targets.append((child, tid, lp, cum))
-        for bi, beam in enumerate(live):
-            if bi not in claimed:                 # pruned: no survivor
-                self.finish(beam, S.FINISHED_ABORTED)
-                group.beam_logprobs.pop(beam.request_id, None)
-        group.live[:] = []
-        for req, tid, lp, cum in targets:
-            if req.status == S.WAITING_FOR_BEAMS:
-                req.transition(S.RUNNING)
-            req.beam_candidates = None
-            req.extra_seats = 0
-            req.cumulative_logprob = cum
-            group.beam_logprobs.setdefault(req.request_id, []).append(lp)
-            req.token_ids.append(tid)
-            self.counters.generation_tokens += 1
-            m, now = req.metrics, time.monotonic()
-            if m.first_token_time is None:
-                m.first_token_time = now
-            m.last_token_time = now
-            m.token_times.append(now)
-            group.live.append(req)
-        if group.finished:
-            group.head.metrics.finished_time = time.monotonic()
 
     def _fail_stalled(self) -> list[str]:
         """The watchdog: no progress for `stall_steps` steps. Fail every unfinished request with
