@@ -227,6 +227,11 @@ class _Submission:
                 raise APIError(f"the engine failed: {err!r}", 500, type="server_error")
             if item.finished:
                 self.unfinished.discard(item.request_id)
+                failed = next((c for c in item.outputs if c.finish_reason == "error"), None)
+                if failed is not None:       # this request alone failed in the engine
+                    logger.error("request %s failed in the engine: %s", item.request_id, failed.error)
+                    raise APIError(f"request {item.request_id} failed in the engine; the server "
+                                   "keeps serving others", 500, type="server_error", code="request_failed")
             yield item, steps
 
     def abort_unfinished(self) -> None:

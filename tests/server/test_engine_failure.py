@@ -44,3 +44,31 @@ def test_engine_fault_fails_inflight_requests_and_health():
         assert h.status_code == 500 and "injected fault" in h.json()["error"]
         r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+
+
+def test_one_request_failing_in_the_engine_gets_500_and_others_go_on():
+    """A failure in one request's output processing fails that request alone: its client gets
+    a 500 naming it, a concurrent request returns its exact text, the server stays healthy."""
+    engine = LLMEngine(EngineConfig(model=str(STORIES_HF)))
+    real_check = engine.scheduler.stop_checker
+
+    def check(req, token_id):
+        if req.prompt_token_ids[-1] == engine.tokenizer.encode("Tom")[-1] and req.num_output_tokens == 3:
+            raise RuntimeError("injected detokenizer fault")
+        return real_check(req, token_id)
+
+    engine.scheduler.stop_checker = check
+    app = build_app(engine, "stories")
+    good = {"prompt": "Once upon a time", "max_tokens": 20, "temperature": 0}
+    with TestClient(app) as client:
+        want = client.post("/v1/completions", json=good).json()["choices"][0]["text"]
+        with client.stream("POST", "/v1/completions", json={**good, "stream": True}) as stream:
+            bad = client.post("/v1/completions", json={"prompt": "Tom", "max_tokens": 20})
+            text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in stream.iter_lines()
+                           if line.startswith("data: {"))
+        assert bad.status_code == 500
+        err = bad.json()["error"]
+        assert err["code"] == "request_failed" and "failed in the engine" in err["message"]
+        assert text == want
+        assert client.get("/health").status_code == 200
+        assert client.post("/v1/completions", json=good).json()["choices"][0]["text"] == want
