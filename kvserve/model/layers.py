@@ -16,7 +16,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse frequencies theta^(-2j/d), with Llama-3 or linear `rope_scaling` applied."""
+    """Inverse frequencies theta^(-2j/d), with Llama-3, linear or per-frequency (`freq_factors`,
+    from GGUF) `rope_scaling` applied."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling is None:
         return inv_freq.float()
@@ -24,6 +25,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     factor = float(scaling.get("factor", 1.0))
     if kind == "linear":
         return (inv_freq / factor).float()
+    if kind == "freq_factors":   # GGUF's rope_freqs tensor: one divisor per frequency
+        return (inv_freq / torch.tensor(scaling["factors"], dtype=torch.float64)).float()
     if kind == "llama3":
         low = float(scaling.get("low_freq_factor", 1.0))
         high = float(scaling.get("high_freq_factor", 4.0))
@@ -35,7 +38,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled).float()
-    raise ValueError(f"unsupported rope_scaling type {kind!r}; kvserve supports 'llama3' and 'linear'.")
+    raise ValueError(f"unsupported rope_scaling type {kind!r}; kvserve supports 'llama3', 'linear' "
+                     "and 'freq_factors'.")
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,5 +1,6 @@
-"""Find and load a model directory: HF layout (config.json + safetensors, memory-mapped) or
-Karpathy's llama2.c checkpoint (`*.bin` + `tok*.bin`, layout in stories260K/FORMAT.md)."""
+"""Find and load a model: an HF directory (config.json + safetensors, memory-mapped), Karpathy's
+llama2.c checkpoint (`*.bin` + `tok*.bin`, layout in stories260K/FORMAT.md), or a GGUF file
+(gguf.py), given directly or as the only `*.gguf` in a directory without config.json."""
 from __future__ import annotations
 
 import json
@@ -10,24 +11,34 @@ import numpy as np
 import torch
 
 from kvserve.model.config import ModelConfig
+from kvserve.model.gguf import load_gguf
 from kvserve.model.tokenizer import HFTokenizer, Llama2cTokenizer, Tokenizer
 
 
 def load_model_dir(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer | None]:
-    """(config, weights with HF names, tokenizer) for an HF or llama2.c model directory."""
+    """(config, weights with HF names, tokenizer) for an HF or llama2.c model directory, or a
+    GGUF file."""
     root = Path(path)
+    if root.is_file():
+        return load_gguf(root)
     if not root.is_dir():
-        raise ValueError(f"model directory {path!r} does not exist; pass a directory holding "
-                         "config.json and *.safetensors, or a llama2.c checkpoint and tok*.bin.")
+        raise ValueError(f"model path {path!r} does not exist; pass a .gguf file, or a directory "
+                         "holding config.json and *.safetensors, or a llama2.c checkpoint and tok*.bin.")
     if (root / "config.json").exists():
         return _load_hf(root)
+    ggufs = sorted(root.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return load_gguf(ggufs[0])
+    if ggufs:
+        raise ValueError(f"{path!r} holds several GGUF files ({[p.name for p in ggufs]}); pass "
+                         "the path of the one to load.")
     toks = sorted(root.glob("tok*.bin"))
     ckpts = sorted(p for p in root.glob("*.bin") if p not in toks)
     if len(ckpts) == 1 and len(toks) == 1:
         return _load_llama2c(ckpts[0], toks[0])
-    raise ValueError(f"{path!r} is neither an HF model directory (no config.json) nor a llama2.c "
-                     f"one (found checkpoints {[p.name for p in ckpts]}, tokenizers "
-                     f"{[p.name for p in toks]}; need exactly one of each).")
+    raise ValueError(f"{path!r} is neither an HF model directory (no config.json), nor holds a "
+                     f".gguf file, nor is a llama2.c one (found checkpoints {[p.name for p in ckpts]}, "
+                     f"tokenizers {[p.name for p in toks]}; need exactly one of each).")
 
 
 def _load_hf(root: Path):

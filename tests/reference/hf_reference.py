@@ -7,17 +7,20 @@ import torch
 
 
 @functools.lru_cache(maxsize=8)
-def load_hf(model_dir: str):
+def load_hf(model_dir: str, gguf_file: str | None = None):
+    """transformers' model for an HF directory, or for `gguf_file` inside it (dequantized)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    extra = {"gguf_file": gguf_file} if gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **extra)
     return model.eval()
 
 
 @torch.inference_mode()
-def hf_greedy(model_dir: str, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+def hf_greedy(model_dir: str, prompt_ids: list[int], max_tokens: int,
+              gguf_file: str | None = None) -> tuple[list[int], list[float]]:
     """(greedy tokens, their log-probabilities) from full forward passes (no cache tricks)."""
-    model = load_hf(str(model_dir))
+    model = load_hf(str(model_dir), gguf_file)
     ids = torch.tensor([prompt_ids])
     tokens, logprobs = [], []
     for _ in range(max_tokens):
