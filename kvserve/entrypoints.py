@@ -12,6 +12,9 @@ def register(sub) -> None:
     gen = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
     EngineConfig.add_cli_args(gen)
     gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true",
+                     help="send the prompt as a user message through the model's chat template")
+    gen.add_argument("--system", default=None, help="with --chat: a system message before the prompt")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -40,7 +43,20 @@ def generate(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineConfig.from_cli_args(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed, stop=args.stop)
-    engine.add_request("cli", args.prompt, params)
+    prompt = args.prompt
+    if args.chat:
+        from kvserve.chat_template import ChatRenderer
+
+        if engine.tokenizer is None:
+            raise ValueError("--chat needs a model with a tokenizer: drop --chat or pass another --model.")
+        renderer = ChatRenderer(engine.tokenizer)
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}]
+        text = renderer.render(messages, add_generation_prompt=True)
+        prompt = {"prompt": text, "prompt_token_ids": renderer.encode(text)}
+    elif args.system:
+        raise ValueError("--system only applies with --chat: add --chat or drop --system.")
+    engine.add_request("cli", prompt, params)
     shown, final = "", None
     while engine.has_unfinished_requests():
         for out in engine.step():

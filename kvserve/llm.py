@@ -1,6 +1,7 @@
 """LLM: offline batched generation, vLLM's entry point (`LLM(model=...).generate(prompts, params)`)."""
 from __future__ import annotations
 
+from kvserve.chat_template import ChatRenderer
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
@@ -11,6 +12,7 @@ class LLM:
     def __init__(self, model: str, **kwargs):
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._ids = 0
+        self._renderers: dict[str | None, ChatRenderer] = {}
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -52,6 +54,35 @@ class LLM:
         if bar is not None:
             bar.close()
         return [done[rid] for rid in ids]
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} dicts) or a list of
+        them, each rendered with the model's chat template (or `chat_template`, a file or the
+        template text; kvserve/chat_template.py) and generated like `generate`. One
+        RequestOutput per conversation, in input order."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts, "
+                             "or a list of such lists (one per conversation).")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        renderer = self._chat_renderer(chat_template)
+        prompts = []
+        for conv in conversations:
+            if not isinstance(conv, (list, tuple)) or not all(isinstance(m, dict) for m in conv):
+                raise ValueError("each conversation must be a list of {'role', 'content'} dicts.")
+            text = renderer.render(list(conv), add_generation_prompt)
+            prompts.append({"prompt": text, "prompt_token_ids": renderer.encode(text)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _chat_renderer(self, chat_template: str | None) -> ChatRenderer:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer, so chat is not available: use generate() "
+                             "with prompt_token_ids.")
+        if chat_template not in self._renderers:
+            self._renderers[chat_template] = ChatRenderer(tokenizer, chat_template)
+        return self._renderers[chat_template]
 
     def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
         """vLLM's offline beam search: `LLM.beam_search(prompts, BeamSearchParams(beam_width,

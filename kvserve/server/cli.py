@@ -1,6 +1,6 @@
 """`kvserve serve`: load a model and serve it over the OpenAI API (server/app.py).
 
-    kvserve serve --model /path/to/model [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+    kvserve serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
                   [--served-model-name NAME] [--max-waiting N] [--chat-template FILE]
                   [--shutdown-timeout S] [engine flags: --max-num-seqs, --block-size, ...]
 
@@ -27,7 +27,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KVSERVE_API_KEY)")
     g.add_argument("--served-model-name", default=None,
-                   help="model name in requests and /v1/models (default: the model directory's base name)")
+                   help="model name in requests and /v1/models (default: the model directory's base "
+                        "name; SmolLM2-135M-Instruct for the default model)")
     g.add_argument("--max-waiting", type=int, default=1024,
                    help="refuse new requests with 503 while this many are already waiting "
                         "(0 disables the limit)")
@@ -39,7 +40,13 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
 
 def served_name(args) -> str:
-    return args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    if args.served_model_name:
+        return args.served_model_name
+    from kvserve.model.default import DEFAULT_MODEL_NAME, is_default_model
+
+    if is_default_model(args.model):
+        return DEFAULT_MODEL_NAME
+    return os.path.basename(os.path.normpath(args.model))
 
 
 def cmd_serve(args) -> int:
@@ -56,7 +63,7 @@ def cmd_serve(args) -> int:
     app = build_app(engine, name, api_key=args.api_key or None,
                     max_waiting=args.max_waiting if args.max_waiting > 0 else None,
                     chat_template=args.chat_template)
-    log.info("serving %s as %r on http://%s:%d (max_model_len %d)", args.model, name, args.host,
+    log.info("serving %s as %r on http://%s:%d (max_model_len %d)", engine.config.model, name, args.host,
              args.port, engine.config.max_model_len)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
