@@ -7,39 +7,52 @@ attention backend keeps sequences apart, and logits are computed only at `logits
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kvserve.model.attention import AttentionBackend, AttentionMetadata
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
+from kvserve.model.quant import QuantizedWeight, linear, linear_weight, parse_quantization
 
 
 class LlamaLayer:
-    """One decoder layer's weights, fused: qkv [(H + 2 KV) * D, hidden], gate_up [2I, hidden]."""
+    """One decoder layer's weights, fused: qkv [(H + 2 KV) * D, hidden], gate_up [2I, hidden].
+    `w` holds the small tensors in the model dtype; `lin(name, parts)` builds a linear weight
+    (a tensor, or a QuantizedWeight) from the checkpoint's row blocks."""
 
-    def __init__(self, w: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig):
+    def __init__(self, w: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig, lin):
         a, m = prefix + "self_attn.", prefix + "mlp."
         self.input_norm = w[prefix + "input_layernorm.weight"]
         self.post_norm = w[prefix + "post_attention_layernorm.weight"]
-        self.qkv = torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]])
+        self.qkv = lin(a + "qkv_proj", [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"])
         self.qkv_bias = (torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
                          if cfg.attention_bias else None)
-        self.o = w[a + "o_proj.weight"]
+        self.o = lin(a + "o_proj", [a + "o_proj.weight"])
         self.q_norm = w.get(a + "q_norm.weight")
         self.k_norm = w.get(a + "k_norm.weight")
-        self.gate_up = torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]])
-        self.down = w[m + "down_proj.weight"]
+        self.gate_up = lin(m + "gate_up_proj", [m + "gate_proj.weight", m + "up_proj.weight"])
+        self.down = lin(m + "down_proj", [m + "down_proj.weight"])
 
 
 class LlamaModel:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], attn: AttentionBackend,
-                 device: torch.device, dtype: torch.dtype):
+    """`quantization` ("int8", "int4" or None) quantizes every linear weight and an untied
+    lm_head at load (kvserve/model/quant.py); the embedding and norms stay in `dtype`."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict, attn: AttentionBackend,
+                 device: torch.device, dtype: torch.dtype, quantization: str | None = None,
+                 quantization_group_size: int | None = None):
         self.cfg, self.attn, self.device, self.dtype = cfg, attn, device, dtype
-        w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
+        quantization, quantization_group_size = parse_quantization(quantization, quantization_group_size)
+        linear_names = {k for k in weights if k.endswith("proj.weight") or k == "lm_head.weight"}
+        w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items() if k not in linear_names}
+
+        def lin(name: str, parts: list[str]):
+            return linear_weight([weights[p] for p in parts], name, quantization,
+                                 quantization_group_size, device, dtype)
+
         self.embed = w["model.embed_tokens.weight"]                         # [V, hidden]
-        self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else lin("lm_head", ["lm_head.weight"])
         self.norm = w["model.norm.weight"]
-        self.layers = [LlamaLayer(w, f"model.layers.{i}.", cfg) for i in range(cfg.num_layers)]
+        self.layers = [LlamaLayer(w, f"model.layers.{i}.", cfg, lin) for i in range(cfg.num_layers)]
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         cos, sin = rope_cos_sin(inv_freq, cfg.max_position_embeddings)
         self.rope_cos = cos.to(device)                                       # [P, D] float32
@@ -48,14 +61,15 @@ class LlamaModel:
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
     def weight_bytes(self) -> int:
+        """Resident bytes of the weights; a quantized weight counts its packed bytes and scales."""
         seen, total = set(), 0
         tensors = [self.embed, self.lm_head, self.norm]
         for layer in self.layers:
-            tensors += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+            tensors += [t for t in vars(layer).values() if isinstance(t, (torch.Tensor, QuantizedWeight))]
         for t in tensors:
             if id(t) not in seen:
                 seen.add(id(t))
-                total += t.numel() * t.element_size()
+                total += t.nbytes
         return total
 
     @torch.inference_mode()
@@ -71,7 +85,7 @@ class LlamaModel:
         x = self.embed[input_ids]                                     # [T, hidden]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)              # [T, (H + 2KV) * D]
+            qkv = linear(h, layer.qkv, layer.qkv_bias)                # [T, (H + 2KV) * D]
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             qk, v = qk.view(T, H + KV, D), v.view(T, KV, D)
             if layer.q_norm is not None:   # Qwen3: per-head RMSNorm of q and k before RoPE
@@ -80,8 +94,8 @@ class LlamaModel:
             qk = apply_rope(qk, cos, sin)                             # q and k heads at once
             q, k = qk[:, :H], qk[:, H:]
             o = self.attn.forward(q, k, v, k_cache, v_cache, meta)    # [T, H, D]
-            x = x + F.linear(o.reshape(T, H * D), layer.o)
+            x = x + linear(o.reshape(T, H * D), layer.o)
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            x = x + F.linear(swiglu(F.linear(h, layer.gate_up)), layer.down)
+            x = x + linear(swiglu(linear(h, layer.gate_up)), layer.down)
         x = rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps)  # [S, hidden]
-        return F.linear(x, self.lm_head).float()                       # [S, V]
+        return linear(x, self.lm_head).float()                         # [S, V]

@@ -1,0 +1,274 @@
+"""Weight-only int8 / int4 quantization (kvserve/model/quant.py): round-trip error bounds, the
+quantized matmul against x @ dequant(W).T on both kernel paths, already-quantized weights
+(the GGUF hook), an engine run against the unquantized model, resident bytes, bad input."""
+from __future__ import annotations
+
+import argparse
+import random
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import EngineConfig
+from kvserve.model.attention import AttentionMetadata, PrefillChunk
+from kvserve.model.quant import (Int4Weight, Int8Weight, QuantizedWeight, linear_weight, quantize,
+                                 quantize_int4, quantize_int8)
+from tests.conftest import STORIES_HF
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def weights(n: int = 128, k: int = 256, seed: int = 0) -> torch.Tensor:
+    """Gaussian rows at mixed scales, one all-zero row and one outlier per row block."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-3, 1, n).unsqueeze(1)
+    w[3] = 0.0
+    w[5, 17] = 40.0
+    return w
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_round_trip_within_half_a_step(dtype):
+    w = weights()
+    q, scale = quantize_int8(w, dtype)
+    assert q.dtype == torch.int8 and scale.dtype == dtype and scale.shape == (128,)
+    s = scale.double().unsqueeze(1)
+    err = (q.double() * s - w.double()).abs()     # 1e-5: q is rounded from a float32 quotient
+    assert (err <= s / 2 * (1 + 1e-5)).all()
+    assert (err[3] == 0).all()                                  # zero row: exact, no NaN
+
+
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int4_round_trip_within_half_a_step_per_group(dtype, group):
+    w = weights()
+    q, scale = quantize_int4(w, group, dtype)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15 and scale.shape == (128, 256 // group)
+    s = scale.double().unsqueeze(-1)                             # [N, K/G, 1]
+    err = ((q.double().view(128, -1, group) - 8) * s - w.double().view(128, -1, group)).abs()
+    assert (err <= s / 2 * (1 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("group", [32, 64, 128, 256])
+def test_int4_packing_round_trip(group):
+    """Packed into the kernel's layout and unpacked by dequantize: the same numbers, exactly."""
+    q, scale = quantize_int4(weights(), group, torch.bfloat16)
+    expect = ((q.double().view(128, -1, group) - 8) * scale.double().unsqueeze(-1)).view(128, 256)
+    assert torch.equal(Int4Weight(q, scale).dequantize(), expect.to(torch.bfloat16))
+
+
+def force_path(w: QuantizedWeight, path: str) -> QuantizedWeight:
+    w.kernel_max_rows = 1 << 30 if path == "kernel" else -1
+    return w
+
+
+@pytest.mark.parametrize("path", ["kernel", "dequantize"])
+@pytest.mark.parametrize("rows", [1, 8, 32])
+@pytest.mark.parametrize("method", ["int8", "int4-g32", "int4-g128"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_linear_equals_x_times_dequantized(dtype, method, rows, path):
+    w = weights(192, 256, seed=1)
+    name, _, g = method.partition("-g")
+    wq = force_path(quantize(w, name, int(g) if g else None, dtype), path)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(2)).to(dtype)
+    bias = torch.randn(192).to(dtype)
+    ref = x.double() @ wq.dequantize().double().T + bias.double()
+    got = wq.linear(x, bias)
+    assert got.shape == (rows, 192) and got.dtype == dtype
+    # The matmul runs in bfloat16 for every model dtype (quant.py: the kernels' only fast
+    # dtype): the activations' and output's rounding (2^-9 relative each) and bfloat16 steps
+    # inside the kernels; measured <= 4.3e-3 of the largest output.
+    tol = 1e-2
+    assert (got.double() - ref).abs().max() <= tol * ref.abs().max()
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_dequantize_path_in_row_blocks(method, monkeypatch):
+    """Big matrices dequantize a block of rows at a time (quant.DEQUANT_CHUNK): same result."""
+    import kvserve.model.quant as quant
+    wq = force_path(quantize(weights(192, 256), method, None, torch.bfloat16), "dequantize")
+    x = torch.randn(40, 256).bfloat16()
+    whole = wq.linear(x)
+    monkeypatch.setattr(quant, "DEQUANT_CHUNK", 64 * 256)          # three blocks of 64 rows
+    assert torch.allclose(wq.linear(x).float(), whole.float(), rtol=1e-2, atol=1e-2 * whole.abs().max().item())
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_path_follows_the_row_threshold(method, monkeypatch):
+    wq = quantize(weights(), method, None, torch.float32)
+    wq.kernel_max_rows = 4
+    dense_calls = []
+    real_linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: dense_calls.append(1) or real_linear(*a))
+    wq.linear(torch.randn(4, 256))
+    assert dense_calls == []              # 4 rows: the quantized kernel, no dense GEMM
+    wq.linear(torch.randn(5, 256))
+    assert dense_calls == [1]             # 5 rows: dequantize, then one dense GEMM
+
+
+def test_already_quantized_parts_fuse_as_they_are():
+    """The GGUF hook: Int8Weight(q, scale) and Int4Weight(q, scale, zero) built from stored
+    values, fused row-wise like q, k, v, keep every value; zero points (Q4_1) are honoured."""
+    g = torch.Generator().manual_seed(3)
+    q8 = [torch.randint(-128, 128, (n, 64), dtype=torch.int8, generator=g) for n in (64, 32)]
+    s8 = [torch.rand(n, generator=g) + 0.1 for n in (64, 32)]
+    fused8 = linear_weight([Int8Weight(q, s) for q, s in zip(q8, s8)], "qkv", None, None, torch.device("cpu"),
+                           torch.bfloat16)
+    assert isinstance(fused8, Int8Weight) and fused8.dtype == torch.bfloat16
+    assert torch.equal(fused8.q, torch.cat(q8))
+    q4 = [torch.randint(0, 16, (64, 64), dtype=torch.uint8, generator=g) for _ in range(2)]
+    s4 = [(torch.rand(64, 2, generator=g) + 0.1).bfloat16().float() for _ in range(2)]   # as stored
+    z4 = [torch.randn(64, 2, generator=g).bfloat16().float() for _ in range(2)]
+    parts = [Int4Weight(q, s, z) for q, s, z in zip(q4, s4, z4)]
+    fused4 = linear_weight(parts, "gate_up", None, None, torch.device("cpu"), torch.float32)
+    expect = torch.cat([((q.float().view(64, 2, 32) - 8) * s[..., None] + z[..., None]).view(64, 64)
+                        for q, s, z in zip(q4, s4, z4)])
+    # Two bfloat16 roundings (times the scale, plus the zero): within 2^-7 of the largest weight.
+    assert (fused4.dequantize().float() - expect).abs().max() <= 2 ** -7 * expect.abs().max()
+    x = torch.randn(3, 64)
+    for path in ("kernel", "dequantize"):
+        got, ref = force_path(fused4, path).linear(x), x @ expect.T
+        assert got.dtype == torch.float32 and (got - ref).abs().max() <= 1e-2 * ref.abs().max()
+
+
+# ---- the engine on whole models ----
+
+def full_logits(model, ids: list[int]) -> torch.Tensor:
+    """Logits [T, V] at every position of `ids`: one prefill chunk through the model's own
+    forward pass into a private cache."""
+    T, bs = len(ids), model.attn.block_size
+    nb = -(-T // bs)
+    caches = [(torch.zeros(model.attn.cache_shape(nb), dtype=model.dtype),
+               torch.zeros(model.attn.cache_shape(nb), dtype=model.dtype)) for _ in model.layers]
+    meta = AttentionMetadata(slot_mapping=torch.arange(T), prefills=[PrefillChunk(0, T, T, torch.arange(nb))])
+    return model.forward(torch.tensor(ids), torch.arange(T), meta, caches, torch.arange(T))
+
+
+def teacher_forced(model, ref_model, prompts: list[list[int]], continuations: list[list[int]]):
+    """(top-1 agreement, mean KL(ref || model)) over the positions that predict each
+    continuation token, both models reading the unquantized run's tokens."""
+    agree, n, kls = 0, 0, []
+    for p, c in zip(prompts, continuations):
+        ids = p + c[:-1]
+        ref = full_logits(ref_model, ids)[len(p) - 1:].log_softmax(-1)
+        got = full_logits(model, ids)[len(p) - 1:].log_softmax(-1)
+        agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
+        n += len(c)
+        kls.append((ref.exp() * (ref - got)).sum(-1))
+    return agree / n, float(torch.cat(kls).mean())
+
+
+def greedy(llm, prompts, max_tokens=16):
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+# Measured on the seeded random Llama (conftest; float32 model, quantized matmuls in bfloat16),
+# 6 prompts x 16 tokens: int8 top-1 0.938, KL 0.0007; int4 top-1 0.427, KL 0.137 (for scale:
+# bfloat16 against float32, unquantized, gives 0.98 and KL 0.0002). Random weights give small top-1 margins
+#   (~0.3 nats among 512 tokens) and round-to-nearest int4 adds ~10% relative noise to every
+#   matmul, so int4 moves the argmax on about half the positions there; the trained model below
+#   is where int4 keeps most tokens. The bounds leave room for other CPUs' summation order.
+BOUNDS = {"int8": (0.85, 0.005), "int4": (0.3, 0.3)}
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_engine_quantized_run_tracks_the_unquantized_one(method, random_model_dir):
+    model_dir = str(random_model_dir("llama"))
+    rng = random.Random(7)
+    prompts = [[1] + [rng.randrange(3, 512) for _ in range(rng.randrange(4, 40))] for _ in range(6)]
+    base = LLM(model_dir)
+    ref = greedy(base, prompts)
+    # One sequence per step: decodes run the quantized kernel (prompts too, for int4: < 128 rows).
+    llm = LLM(model_dir, quantization=method, max_num_seqs=1, max_num_batched_tokens=64)
+    out = greedy(llm, prompts)
+    assert all(len(o) == 16 for o in out)
+    top1, kl = teacher_forced(llm.engine.model, base.engine.model, prompts, ref)
+    min_top1, max_kl = BOUNDS[method]
+    print(f"{method}: top-1 {top1:.3f}, KL {kl:.4f}")
+    assert top1 >= min_top1 and kl <= max_kl, (top1, kl)
+    # The kernel path and the dequantize path compute the same model (up to bfloat16 rounding).
+    qmodel = llm.engine.model
+    mats = [qmodel.lm_head] + [w for layer in qmodel.layers
+                               for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    ids = prompts[0] + ref[0]
+    logits = {}
+    for path in ("kernel", "dequantize"):
+        for w in mats:
+            force_path(w, path)
+        logits[path] = full_logits(qmodel, ids)
+    a, b = logits["kernel"].log_softmax(-1), logits["dequantize"].log_softmax(-1)
+    kl_paths = float((b.exp() * (b - a)).sum(-1).mean())
+    print(f"kernel vs dequantize path: KL {kl_paths:.1e}")
+    assert kl_paths <= 1e-3          # bfloat16 summation order only; measured <= 2e-4
+
+
+def test_int4_on_a_trained_model_keeps_most_greedy_tokens():
+    """stories260K (trained): greedy continuations of story openings. Its MLP shapes (344 x 64,
+    64 x 172) do not fit int4 groups, so those stay int8; attention runs int4 (g32).
+    Measured (6 openings x 24 tokens): int8 top-1 1.000, KL 0.0005; int4 top-1 0.917, KL 0.035."""
+    base = LLM(str(STORIES_HF))
+    tok = base.get_tokenizer()
+    prompts = [tok.encode(t) for t in ("Once upon a time", "The little dog", "Lily wanted to",
+                                       "One day, a boy named Tom", "The sun was", "Mom said")]
+    ref = greedy(base, prompts, 24)
+    for method, (min_top1, max_kl) in {"int8": (0.95, 0.01), "int4": (0.75, 0.1)}.items():
+        llm = LLM(str(STORIES_HF), quantization=method)
+        top1, kl = teacher_forced(llm.engine.model, base.engine.model, prompts, ref)
+        print(f"{method}: top-1 {top1:.3f}, KL {kl:.4f}")
+        assert top1 >= min_top1 and kl <= max_kl, (method, top1, kl)
+    layer = vars(llm.engine.model.layers[0]).values()
+    kinds = {type(w).__name__ for w in layer if isinstance(w, QuantizedWeight)}
+    assert kinds == {"Int4Weight", "Int8Weight"}
+
+
+def linear_bytes(shapes, method: str) -> int:
+    """Bytes of quantized linear weights [N, K] on the CPU, scales in bfloat16: int8 N*K + 2N;
+    int4 N*K/2 + a scale and a zero per group (128 where it divides K, else 32), 2 bytes each."""
+    if method == "int8":
+        return sum(n * k + 2 * n for n, k in shapes)
+    return sum(n * k // 2 + n * (k // (128 if k % 128 == 0 else 32)) * 4 for n, k in shapes)
+
+
+@pytest.mark.parametrize("dtype,dtype_bytes", [("float32", 4), ("bfloat16", 2)])
+def test_resident_weight_bytes(random_model_dir, dtype, dtype_bytes):
+    model_dir = str(random_model_dir("llama"))
+    dense = LLM(model_dir, dtype=dtype).engine.model
+    # hidden 64, intermediate 128, 4 heads of 16, 2 KV heads, vocab 512, 2 layers, untied lm_head
+    shapes = [(128, 64), (64, 64), (256, 64), (64, 128)] * 2 + [(512, 64)]
+    linear_dense = sum(n * k for n, k in shapes) * dtype_bytes
+    other = dense.weight_bytes() - linear_dense                   # embedding and norms
+    assert other == (512 * 64 + 5 * 64) * dtype_bytes
+    for method in ("int8", "int4"):
+        got = LLM(model_dir, dtype=dtype, quantization=method).engine.model.weight_bytes()
+        assert got == other + linear_bytes(shapes, method)
+    # Against float32, the linear weights shrink to 1/4 + 1/(2K) (int8) and 1/8 + 1/G (int4):
+    # 0.258 and 0.153 here (K = 64 mostly, int4 groups of 32 where K = 64).
+    if dtype == "float32":
+        assert linear_bytes(shapes, "int8") / linear_dense < 0.26
+        assert linear_bytes(shapes, "int4") / linear_dense < 0.16
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(quantization="int3"), "int8, int4"),
+    (dict(quantization="int4-g48"), "group size"),
+    (dict(quantization="int4", quantization_group_size=100), "group size"),
+    (dict(quantization="int4-g32", quantization_group_size=128), "disagree"),
+    (dict(quantization="int8", quantization_group_size=32), "no group size"),
+    (dict(quantization_group_size=32), "needs quantization"),
+])
+def test_bad_quantization_settings(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        EngineConfig(model=str(STORIES_HF), **kwargs)
+
+
+def test_cli_flags():
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    model = ["--model", str(STORIES_HF)]
+    cfg = EngineConfig.from_cli_args(parser.parse_args(model + ["--quantization", "int4-g32"]))
+    assert (cfg.quantization, cfg.quantization_group_size) == ("int4", 32)
+    cfg = EngineConfig.from_cli_args(parser.parse_args(model + ["--quantization", "int4",
+                                                                "--quantization-group-size", "128"]))
+    assert (cfg.quantization, cfg.quantization_group_size) == ("int4", 128)
