@@ -1,7 +1,8 @@
 """The model runner: packs one step's scheduled tokens into one flat (ragged) batch, runs one
 forward pass over the paged KV cache and returns logits for the sequences that sample
-(seed 000, "Chunked prefill": `pack(sequences)`; seed 003, block tables and slot mapping).
-It never decides who runs."""
+(seed 000, "Chunked prefill": `pack(sequences)`; seed 003, block tables and slot mapping),
+plus the rows of any other positions the caller names (prompt logprobs).
+It never decides who runs, nor which rows are wanted."""
 from __future__ import annotations
 
 import time
@@ -82,18 +83,29 @@ class ModelRunner:
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
-    def execute(self, scheduled: list[tuple[Request, int, list[int]]]) -> tuple[torch.Tensor, list[Request]]:
+    def execute(self, scheduled: list[tuple[Request, int, list[int]]],
+                extra_rows: dict[str, range] | None = None
+                ) -> tuple[torch.Tensor, list[Request], list[tuple[Request, int, torch.Tensor]]]:
         """scheduled: (request, num_new_tokens, block_ids). Returns logits [S, V] for the
-        requests whose every known token is now computed (they sample), and those requests."""
+        requests whose every known token is now computed (they sample), and those requests;
+        and, for each request id in `extra_rows` (positions inside its chunk whose logits are
+        wanted too), (request, first position, logits [r, V])."""
+        extra_rows = extra_rows or {}
         bs = self.block_size
         # Decodes (one new token) first, then prefill chunks: the backend's layout.
         order = sorted(range(len(scheduled)), key=lambda i: scheduled[i][1] != 1)
         ids, pos, slots, logits_idx, samplers = [], [], [], [], []
+        extra_idx, extras = [], []
         decode_tables, decode_lens, prefills = [], [], []
         offset = 0
         for i in order:
             req, n, block_ids = scheduled[i]
             start = req.num_computed_tokens
+            extra = extra_rows.get(req.request_id)
+            if extra:
+                assert start <= extra.start and extra.stop <= start + n, f"{req}: rows {extra} not in chunk"
+                extra_idx.extend(range(offset + extra.start - start, offset + extra.stop - start))
+                extras.append((req, extra.start, len(extra)))
             p = np.arange(start, start + n)
             table = np.asarray(block_ids, dtype=np.int64)
             ids.append(req.token_ids[start:start + n])
@@ -127,11 +139,15 @@ class ModelRunner:
         # Chunks that do not sample still run: their K/V must reach the cache.
         t0 = time.perf_counter()
         logits = self.model.forward(input_ids, positions, meta, self.kv_caches,
-                                    torch.tensor(logits_idx, dtype=torch.long, device=dev))
+                                    torch.tensor(logits_idx + extra_idx, dtype=torch.long, device=dev))
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         self.forward_time_total += time.perf_counter() - t0
-        return logits, samplers
+        rows, at = [], len(logits_idx)
+        for req, first, r in extras:
+            rows.append((req, first, logits[at:at + r]))
+            at += r
+        return logits[:len(logits_idx)], samplers, rows
 
 
 def make_attention_backend(cfg, block_size: int) -> TorchPagedAttention:

@@ -153,8 +153,10 @@ class KVCacheManager:
 
     # -- prefix cache ------------------------------------------------------------------------
     def lookup(self, req) -> PrefixHit:
-        """The cached prefix a request without blocks could start from (changes no block)."""
-        if self.cache is None or req.num_computed_tokens or self.block_tables.get(req.request_id):
+        """The cached prefix a request without blocks could start from (changes no block).
+        No hit for a request that must compute its whole prompt (prompt logprobs)."""
+        if (self.cache is None or req.num_computed_tokens or self.block_tables.get(req.request_id)
+                or req.must_compute_prompt):
             return NO_HIT
         return self.cache.match(req, self._state(req))
 
@@ -185,7 +187,7 @@ class KVCacheManager:
             s = self.stats
             s.prefix_cache_queries += req.num_tokens
             s.prefix_cache_hits += hit.num_tokens
-            s.prefix_cache_eligible += self.cache.eligible_tokens(req)
+            s.prefix_cache_eligible += 0 if req.must_compute_prompt else self.cache.eligible_tokens(req)
         return hit
 
     def _fits(self, hit: PrefixHit, num_tokens: int, reserve: int) -> bool:

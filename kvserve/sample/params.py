@@ -45,6 +45,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None   # top-k logprobs per generated token (0: the sampled token only)
+    prompt_logprobs: int | None = None  # top-k logprobs per prompt token (0: the prompt token only)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Beam search (vLLM v0's fields): keep the `beam_width` most likely partial answers, ranked by
@@ -107,8 +108,10 @@ class SamplingParams:
             self._fail(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             self._fail(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens}).")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            self._fail(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                self._fail(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}.")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= SEED_MAX - (self.n - 1)):
             self._fail(f"seed must be an integer in [0, 2**64 - n] = [0, {SEED_MAX - (self.n - 1)}] for n={self.n} "
                        f"(sample i is seeded with seed + i, an unsigned 64-bit value), or -1 or None for "
@@ -141,8 +144,10 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:
             self._fail(f"stop_token_ids {bad[:8]} are outside the vocabulary [0, {vocab_size}).")
-        if self.logprobs is not None and self.logprobs > vocab_size:
-            self._fail(f"logprobs ({self.logprobs}) must not exceed the vocabulary size ({vocab_size}).")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and v > vocab_size:
+                self._fail(f"{name} ({v}) must not exceed the vocabulary size ({vocab_size}).")
 
     @property
     def greedy(self) -> bool:

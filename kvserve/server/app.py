@@ -30,6 +30,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -192,10 +193,12 @@ def _max_tokens(state: ServerState, prompt_len: int, requested: int | None) -> i
     return requested
 
 
-def _sampling_params(req, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _sampling_params(req, max_tokens: int, logprobs: int | None,
+                     prompt_logprobs: int | None = None) -> SamplingParams:
     kw = req.sampling_kwargs()
     kw["max_tokens"] = max_tokens
     kw["logprobs"] = logprobs
+    kw["prompt_logprobs"] = prompt_logprobs
     if req.include_stop_str_in_output:
         kw["include_stop_str_in_output"] = True
     try:
@@ -299,7 +302,8 @@ _CONTEXT_TOKENS = 6
 
 def _logprob_entries(state: ServerState, context: list[int], token_ids: list[int], tables: list[dict],
                      k: int, skip_special: bool = True) -> list[tuple[str, float | None, list[tuple[str, float]]]]:
-    """(token text, its logprob, top-k [(text, logprob)]) for each generated token.
+    """(token text, its logprob, top-k [(text, logprob)]) for each token; a None table (the
+    first prompt token, which nothing predicts) gives (text, None, None).
 
     A token's text is what it adds to the decoded text *in context* -- decode(context + token)
     minus decode(context) -- because SentencePiece-style tokens decoded alone lose their leading
@@ -320,9 +324,9 @@ def _logprob_entries(state: ServerState, context: list[int], token_ids: list[int
     prev = tok.decode(seq, skip_special_tokens=skip_special) if tok is not None else ""
     out = []
     for tid, table in zip(token_ids, tables):
-        chosen = table.get(tid)
-        top = sorted(table.items(), key=lambda kv: -kv[1].logprob)[:k]
-        alts = [(piece(prev, seq + [t], t), lp.logprob) for t, lp in top]
+        chosen = table.get(tid) if table is not None else None
+        top = sorted(table.items(), key=lambda kv: -kv[1].logprob)[:k] if table is not None else None
+        alts = [(piece(prev, seq + [t], t), lp.logprob) for t, lp in top] if top is not None else None
         seq.append(tid)
         text = piece(prev, seq, tid)
         prev = prev + text
@@ -351,7 +355,11 @@ def _completion_logprobs(state: ServerState, context: list[int], token_ids: list
     for text, chosen, alts in _logprob_entries(state, context, token_ids, logprobs, k, skip_special):
         out.tokens.append(text)
         out.token_logprobs.append(chosen)
-        top = dict(alts)
+        top = None
+        if alts is not None:        # tokens that read the same keep the likelier one's logprob
+            top = {}
+            for t, v in alts:
+                top.setdefault(t, v)
         if chosen is not None:
             top.setdefault(text, chosen)
         out.top_logprobs.append(top)
@@ -365,9 +373,9 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
         raise APIError("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError("best_of is not supported (use n)", param="best_of")
-    if req.echo and req.logprobs is not None:
-        raise APIError("echo with logprobs needs prompt logprobs, which kvserve does not compute",
-                       param="echo")
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError("max_tokens=0 is only allowed with echo=true (score the prompt, generate "
+                       "nothing)", param="max_tokens")
     tok = state.tokenizer
     items, prompt_lens = [], []
     for p in req.prompts():
@@ -383,7 +391,9 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
             items[-1][0]["cache_salt"] = req.cache_salt
         prompt_lens.append(len(ids))
     max_tokens = [_max_tokens(state, n, req.max_tokens) for n in prompt_lens]
-    params = [_sampling_params(req, m, req.logprobs) for m in max_tokens]
+    # echo with max_tokens=0 (vLLM's rule): generate one token, return none of it.
+    params = [_sampling_params(req, max(m, 1), req.logprobs, req.logprobs if req.echo else None)
+              for m in max_tokens]
     rid_prefix = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     sub = _Submission(state, rid_prefix)
@@ -408,11 +418,14 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
         return Response(status_code=499)
     choices = []
     outs = [final[rid] for rid in sub.request_ids]
+    outs = [_echo_only(out) if req.max_tokens == 0 else out for out in outs]
     for pi, out in enumerate(outs):
         prefix_text = prompt_texts[pi] if req.echo else ""
         for c in out.outputs:
             lp = None
-            if req.logprobs is not None and c.logprobs is not None:
+            if req.logprobs is not None and req.echo:
+                lp = _echo_logprobs(state, out, c, req.logprobs, req.skip_special_tokens)
+            elif req.logprobs is not None and c.logprobs is not None:
                 lp = _completion_logprobs(state, out.prompt_token_ids, c.token_ids, c.logprobs,
                                           len(prefix_text), req.logprobs, req.skip_special_tokens)
             choices.append(CompletionChoice(index=pi * req.n + c.index, text=prefix_text + c.text,
@@ -420,6 +433,23 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
                                             stop_reason=c.stop_reason))
     return CompletionResponse(id=rid_prefix, created=created, model=state.model_name,
                               choices=choices, usage=_usage(outs)).model_dump()
+
+
+def _echo_only(out):
+    """echo with max_tokens=0: the output without the one token generated to get there."""
+    return replace(out, outputs=[replace(c, text="", token_ids=[], stop_reason=None, finish_reason="length",
+                                         logprobs=[] if c.logprobs is not None else None)
+                                 for c in out.outputs])
+
+
+def _echo_logprobs(state: ServerState, out, c, k: int, skip_special: bool) -> CompletionLogProbs:
+    """echo with logprobs: the prompt's tokens (a null logprob for the first, which nothing
+    predicts), then completion `c`'s (None: the prompt alone), with text offsets from the start
+    of the prompt's text."""
+    ids, tables = out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+    if c is not None:
+        ids, tables = ids + c.token_ids, tables + (c.logprobs or [])
+    return _completion_logprobs(state, [], ids, tables, 0, k, skip_special)
 
 
 async def _add_one(sub: _Submission, i: int, item, params: SamplingParams) -> None:
@@ -448,16 +478,27 @@ async def _stream_completions(state, req: CompletionRequest, sub: _Submission, r
             obj.pop("usage")
         return _sse(obj)
 
+    # echo: the prompt's text first; with logprobs, once its prompt logprobs are in.
+    echo_pending = set(index_of.values()) if req.echo else set()
     try:
-        if req.echo:
+        if req.echo and req.logprobs is None:
             for pi, text in enumerate(prompt_texts):
                 for j in range(req.n):
                     yield chunk([CompletionChoice(index=pi * req.n + j, text=text)])
+            echo_pending.clear()
         done: set[tuple[str, int]] = set()
         async for out, steps in sub.outputs():
             pi = index_of[out.request_id]
+            if req.max_tokens == 0:
+                out = _echo_only(out)
             if out.finished:
                 finals[out.request_id] = out
+            if pi in echo_pending:
+                echo_pending.discard(pi)
+                lp = _echo_logprobs(state, out, None, req.logprobs, req.skip_special_tokens)
+                for j in range(req.n):
+                    offsets[(out.request_id, j)] = sum(len(t) for t in lp.tokens)
+                    yield chunk([CompletionChoice(index=pi * req.n + j, text=prompt_texts[pi], logprobs=lp)])
             for c, n1, t1, fin in _step_views(out, steps):
                 key = (out.request_id, c.index)
                 if key in done:

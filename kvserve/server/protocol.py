@@ -144,9 +144,9 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     """`POST /v1/completions`."""
     prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
-    max_tokens: Optional[int] = Field(16, ge=1)
+    max_tokens: Optional[int] = Field(16, ge=0)        # 0 only with echo: score the prompt
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    echo: bool = False                                  # with logprobs: the prompt's too
     best_of: Optional[int] = None
     suffix: Optional[str] = None
 

@@ -47,7 +47,7 @@ BAD_REQUESTS = [
      "valid number", "temperature"),
     ("stream-wrong-type", "/v1/completions", _js({"prompt": "hi", "stream": {"a": 1}}), 400, "boolean", "stream"),
     ("negative-max-tokens", "/v1/completions", _js({"prompt": "hi", "max_tokens": -5}), 400,
-     "greater than or equal to 1", "max_tokens"),
+     "greater than or equal to 0", "max_tokens"),     # 0 is allowed with echo (prompt scoring)
     ("huge-max-tokens", "/v1/completions", _js({"prompt": "hi", "max_tokens": 10**12}), 400,
      "maximum context length is 512", "max_tokens"),
     ("prompt-too-long", "/v1/completions", _js({"prompt": LONG_PROMPT}), 400,
