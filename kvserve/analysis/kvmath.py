@@ -12,17 +12,24 @@ import math
 from .specs import ModelSpec, dtype_bytes
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
+KV_SCALE_BYTES = 4     # one float32 scale per token and KV head of a quantized cache (kvserve/model/kv_quant.py)
+
+
+def kv_scale_bytes(kv_dtype: str | float) -> float:
+    """Scale bytes per token-head row: KV_SCALE_BYTES for a named sub-2-byte (quantized) dtype, else 0."""
+    return KV_SCALE_BYTES if isinstance(kv_dtype, str) and dtype_bytes(kv_dtype) < 2 else 0.0
 
 
 def kv_bytes_per_token(model: ModelSpec | None = None, kv_dtype: str | float = "bf16", *,
                        n_layers: int | None = None, n_kv_heads: int | None = None,
                        head_dim: int | None = None) -> float:
     """Seed 003: m_KV = 2 * L * n_kv * d_k * s_KV bytes per token (one key and one value per KV head
-    per layer). Pass a ModelSpec, or the three shape numbers as keywords."""
+    per layer), plus 2 * L * n_kv scales for a quantized (int8 / fp8) cache, as the engine stores
+    them. Pass a ModelSpec, or the three shape numbers as keywords; a number of bytes has no scales."""
     L = n_layers if n_layers is not None else model.n_layers
     kv = n_kv_heads if n_kv_heads is not None else model.n_kv_heads
     hd = head_dim if head_dim is not None else model.head_dim
-    return 2 * L * kv * hd * dtype_bytes(kv_dtype)
+    return 2 * L * kv * (hd * dtype_bytes(kv_dtype) + kv_scale_bytes(kv_dtype))
 
 
 def kv_cache_bytes(model: ModelSpec, seq_len: float, batch: float = 1, kv_dtype: str | float = "bf16") -> float:

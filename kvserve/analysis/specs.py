@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 DTYPE_BYTES: dict[str, float] = {
     "fp32": 4.0, "float32": 4.0, "tf32": 4.0,
     "fp16": 2.0, "float16": 2.0, "bf16": 2.0, "bfloat16": 2.0,
-    "fp8": 1.0, "int8": 1.0,
+    "fp8": 1.0, "int8": 1.0, "fp8_e4m3": 1.0, "fp8_e5m2": 1.0,   # the last two: vLLM's kv_cache_dtype names
     "int4": 0.5, "fp4": 0.5,
 }
 

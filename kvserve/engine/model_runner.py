@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from kvserve.engine.request import Request
+from kvserve.model import kv_quant
 from kvserve.model.attention import (AttentionMetadata, PrefillChunk, TorchPagedAttention,
                                      build_decode_key_mask)
 from kvserve.model.llama import LlamaModel
@@ -23,24 +24,30 @@ class ModelRunner:
         self.block_size = block_size
         self.device = model.device
         # One preallocated pool per layer and K/V, in the attention backend's layout
-        # ([num_blocks, n_kv_heads, block_size, head_dim] for the portable backend).
+        # ([num_blocks, n_kv_heads, block_size, head_dim] for the portable backend); with a
+        # quantized kv_cache_dtype each pool is (values, scales [num_blocks, KV, block_size]).
         shape = model.attn.cache_shape(num_blocks)
+        self.kv_cache_dtype = model.attn.kv_cache_dtype
         self.forward_time_total = 0.0   # seconds inside the model's forward pass
-        self.kv_caches = [(torch.zeros(shape, dtype=model.dtype, device=self.device),
-                           torch.zeros(shape, dtype=model.dtype, device=self.device))
-                          for _ in range(cfg.num_layers)]
+        self.kv_caches = [tuple(kv_quant.allocate(shape, self.kv_cache_dtype, model.dtype, self.device)
+                                for _ in range(2)) for _ in range(cfg.num_layers)]
 
     # -- block moves for sharing and swapping (kv/manager.py queues them; run before execute) --
     def init_swap_space(self, num_cpu_blocks: int) -> None:
-        """CPU copies of the per-layer pools, [num_cpu_blocks, block_size, n_kv_heads, head_dim]."""
+        """CPU copies of the per-layer pools, in the device pools' layout and dtypes."""
         self.cpu_caches = []
         if num_cpu_blocks <= 0:
             return
-        shape = (num_cpu_blocks,) + tuple(self.kv_caches[0][0].shape[1:])
+        shape = self.model.attn.cache_shape(num_cpu_blocks)
         pin = self.device.type == "cuda"
-        self.cpu_caches = [(torch.empty(shape, dtype=self.model.dtype, pin_memory=pin),
-                            torch.empty(shape, dtype=self.model.dtype, pin_memory=pin))
+        self.cpu_caches = [tuple(kv_quant.allocate(shape, self.kv_cache_dtype, self.model.dtype, "cpu",
+                                                   pin_memory=pin, zeros=False) for _ in range(2))
                            for _ in self.kv_caches]
+
+    @staticmethod
+    def _pools(caches) -> list[torch.Tensor]:
+        """Every tensor of every layer's K and V pools (values and scales when quantized)."""
+        return [t for layer in caches for pool in layer for t in kv_quant.cache_tensors(pool)]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy on write: block src -> dst in every layer's K and V cache."""
@@ -48,9 +55,8 @@ class ModelRunner:
             return
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
-        for k, v in self.kv_caches:
-            k.index_copy_(0, dst, k.index_select(0, src))
-            v.index_copy_(0, dst, v.index_select(0, src))
+        for t in self._pools(self.kv_caches):
+            t.index_copy_(0, dst, t.index_select(0, src))
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(gpu block, cpu block): copy device blocks into the CPU swap space."""
@@ -58,9 +64,8 @@ class ModelRunner:
             return
         gpu = torch.tensor([g for g, _ in pairs], dtype=torch.long, device=self.device)
         cpu = torch.tensor([c for _, c in pairs], dtype=torch.long)
-        for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches):
-            ck.index_copy_(0, cpu, k.index_select(0, gpu).cpu())
-            cv.index_copy_(0, cpu, v.index_select(0, gpu).cpu())
+        for t, ct in zip(self._pools(self.kv_caches), self._pools(self.cpu_caches)):
+            ct.index_copy_(0, cpu, t.index_select(0, gpu).cpu())
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """(cpu block, gpu block): copy swapped blocks back onto the device."""
@@ -68,9 +73,8 @@ class ModelRunner:
             return
         cpu = torch.tensor([c for c, _ in pairs], dtype=torch.long)
         gpu = torch.tensor([g for _, g in pairs], dtype=torch.long, device=self.device)
-        for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches):
-            k.index_copy_(0, gpu, ck.index_select(0, cpu).to(self.device, non_blocking=True))
-            v.index_copy_(0, gpu, cv.index_select(0, cpu).to(self.device, non_blocking=True))
+        for t, ct in zip(self._pools(self.kv_caches), self._pools(self.cpu_caches)):
+            t.index_copy_(0, gpu, ct.index_select(0, cpu).to(self.device, non_blocking=True))
 
     def apply_kv_ops(self, ops) -> None:
         """Run the manager's queued block moves: swap out, swap in, then copies."""
@@ -79,9 +83,10 @@ class ModelRunner:
         self.copy_blocks(ops.copies)
 
     @staticmethod
-    def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+        """K and V of every layer for block_size tokens (scales included when quantized)."""
+        row = kv_quant.bytes_per_token_head(kv_cache_dtype, cfg.head_dim, dtype)
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * row
 
     def execute(self, scheduled: list[tuple[Request, int, list[int]]],
                 extra_rows: dict[str, range] | None = None
@@ -150,6 +155,6 @@ class ModelRunner:
         return logits[:len(logits_idx)], samplers, rows
 
 
-def make_attention_backend(cfg, block_size: int) -> TorchPagedAttention:
+def make_attention_backend(cfg, block_size: int, kv_cache_dtype: str = "auto") -> TorchPagedAttention:
     return TorchPagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size,
-                               cfg.sliding_window)
+                               cfg.sliding_window, kv_cache_dtype)

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvserve.model import kv_quant
+
 
 @dataclass
 class PrefillChunk:
@@ -37,14 +39,16 @@ class AttentionMetadata:
 
 class AttentionBackend:
     """Writes the new K/V into the cache and attends. Shapes: q [T, H, D]; k, v [T, KV, D];
-    returns [T, H, D]. The backend owns the layout of one layer's cache (`cache_shape`)."""
+    returns [T, H, D]. The backend owns the layout of one layer's cache (`cache_shape`); with a
+    quantized `kv_cache_dtype` each cache is (values, scales) (model/kv_quant.py)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, kv_cache_dtype: str = "auto"):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.scale = head_dim ** -0.5
+        self.kv_cache_dtype = kv_quant.check_kv_cache_dtype(kv_cache_dtype)
 
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         raise NotImplementedError
@@ -56,16 +60,16 @@ class AttentionBackend:
 class TorchPagedAttention(AttentionBackend):
     """Portable backend. Cache layout [num_blocks, KV, block_size, D]: a gathered block is
     `KV` contiguous [block_size, D] matrices, so decode attention runs as batched matmuls
-    block by block, straight on the gathered blocks, with no transposed copy of the context."""
+    block by block, straight on the gathered blocks, with no transposed copy of the context.
+    A quantized cache is quantized per token and KV head on write and dequantized (in the model
+    dtype) right after the gather; new tokens attend to their own quantized K/V too, so the
+    result does not depend on how a prompt was chunked."""
 
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        block = meta.slot_mapping // self.block_size
-        offset = meta.slot_mapping % self.block_size
-        k_cache[block, :, offset] = k                     # k [T, KV, D] -> its slots
-        v_cache[block, :, offset] = v
+        k, v = self._write(k, v, k_cache, v_cache, meta)
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:                      # a pure decode step: no copy into `out`
             return self._decode(q, k_cache, v_cache, meta)
@@ -77,6 +81,30 @@ class TorchPagedAttention(AttentionBackend):
             out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, chunk)
         return out
 
+    def _write(self, k, v, k_cache, v_cache, meta):
+        """k, v [T, KV, D] -> their slots; returns what the cache now holds for them."""
+        block = meta.slot_mapping // self.block_size
+        offset = meta.slot_mapping % self.block_size
+        if not kv_quant.is_quantized(self.kv_cache_dtype):
+            k_cache[block, :, offset] = k
+            v_cache[block, :, offset] = v
+            return k, v
+        out = []
+        for x, (values, scales) in ((k, k_cache), (v, v_cache)):
+            qx, sx = kv_quant.quantize(x, self.kv_cache_dtype)              # [T, KV, D], [T, KV]
+            values[block, :, offset] = qx
+            scales[block, :, offset] = sx
+            out.append(kv_quant.dequantize(qx, sx, x.dtype))
+        return out[0], out[1]
+
+    @staticmethod
+    def _gather(cache, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Blocks `index` of a pool as [n, KV, bs, D] in `dtype` (dequantized if need be)."""
+        if isinstance(cache, tuple):
+            return kv_quant.dequantize(cache[0].index_select(0, index),
+                                       cache[1].index_select(0, index), dtype)
+        return cache.index_select(0, index)
+
     def _decode(self, q, k_cache, v_cache, meta):
         """One-token queries of B sequences. q [B, H, D]; G = H / KV query heads per KV head.
         Scores and outputs are computed per gathered block with two batched matmuls."""
@@ -85,8 +113,8 @@ class TorchPagedAttention(AttentionBackend):
         tables = meta.decode_block_tables                                   # [B, nb]
         nb = tables.shape[1]
         G = H // KV
-        kb = k_cache.index_select(0, tables.reshape(-1))                    # [B*nb, KV, bs, D]
-        vb = v_cache.index_select(0, tables.reshape(-1))
+        kb = self._gather(k_cache, tables.reshape(-1), q.dtype)             # [B*nb, KV, bs, D]
+        vb = self._gather(v_cache, tables.reshape(-1), q.dtype)
         qb = q.view(B, 1, KV, G, D).expand(B, nb, KV, G, D).reshape(B * nb * KV, G, D)
         scores = torch.bmm(qb, kb.view(-1, bs, D).transpose(1, 2))          # [B*nb*KV, G, bs]
         scores = scores.view(B, nb, KV, G, bs).permute(0, 2, 3, 1, 4).reshape(B, KV, G, nb * bs)
@@ -107,8 +135,8 @@ class TorchPagedAttention(AttentionBackend):
                 q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                 is_causal=True, scale=self.scale, enable_gqa=True)
             return o.transpose(0, 1)
-        keys = self._context(k_cache, chunk.block_table, ctx)               # [KV, ctx, D]
-        values = self._context(v_cache, chunk.block_table, ctx)
+        keys = self._context(k_cache, chunk.block_table, ctx, q.dtype)      # [KV, ctx, D]
+        values = self._context(v_cache, chunk.block_table, ctx, q.dtype)
         q_pos = torch.arange(ctx - n_new, ctx, device=q.device).unsqueeze(1)   # [n_new, 1]
         k_pos = torch.arange(ctx, device=q.device).unsqueeze(0)                # [1, ctx]
         mask = k_pos <= q_pos
@@ -118,9 +146,9 @@ class TorchPagedAttention(AttentionBackend):
             q.transpose(0, 1), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
         return o.transpose(0, 1)                                   # [n_new, H, D]
 
-    def _context(self, cache: torch.Tensor, block_table: torch.Tensor, ctx: int) -> torch.Tensor:
+    def _context(self, cache, block_table: torch.Tensor, ctx: int, dtype: torch.dtype) -> torch.Tensor:
         """One sequence's first `ctx` cached tokens as [KV, ctx, D]."""
-        blocks = cache.index_select(0, block_table)                         # [nb, KV, bs, D]
+        blocks = self._gather(cache, block_table, dtype)                    # [nb, KV, bs, D]
         return blocks.transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_dim)[:, :ctx]
 
 

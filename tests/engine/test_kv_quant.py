@@ -1,0 +1,132 @@
+"""KV-cache quantization (kvserve/model/kv_quant.py): capacity against bf16 / float32 and the
+planner, the per token-head round-trip bound, chunking-independent outputs under the
+differential harness (prefix caching hash / radix, swap, recompute), and perplexity."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvserve import LLM
+from kvserve.analysis import kvmath
+from kvserve.config import EngineConfig
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.model import kv_quant
+from kvserve.perplexity import make_chunks, perplexity, tokenize
+from tests.conftest import STORIES_HF
+from tests.reference.test_differential import make_workload, run, tokens
+
+SAMPLE = Path(__file__).resolve().parents[2] / "docs" / "sample-story.txt"
+
+
+def test_unknown_kv_cache_dtype_is_refused_at_config_time():
+    with pytest.raises(ValueError, match="auto, int8, fp8_e4m3, fp8_e5m2"):
+        EngineConfig(model="x", kv_cache_dtype="int4")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_one_byte_cache_holds_about_twice_the_tokens_of_bf16(head_dim):
+    cfg = SimpleNamespace(num_layers=32, num_kv_heads=8, head_dim=head_dim)
+    bf16 = ModelRunner.kv_bytes_per_block(cfg, 16, torch.bfloat16)
+    fp32 = ModelRunner.kv_bytes_per_block(cfg, 16, torch.float32)
+    for name in ("int8", "fp8_e4m3", "fp8_e5m2"):
+        q = ModelRunner.kv_bytes_per_block(cfg, 16, torch.bfloat16, name)
+        assert q == 2 * 32 * 16 * 8 * (head_dim + 4)               # values + a float32 scale per row
+        assert 1.85 < bf16 / q < 2 and 3.7 < fp32 / q < 4
+        plan = kvmath.kv_bytes_per_token(kv_dtype=name, n_layers=32, n_kv_heads=8, head_dim=head_dim)
+        assert plan * 16 == q                                      # the planner counts the scales
+    assert kvmath.kv_bytes_per_token(kv_dtype="bf16", n_layers=32, n_kv_heads=8, head_dim=head_dim) * 16 == bf16
+
+
+def test_engine_blocks_tokens_and_stats_agree_with_the_planner():
+    budget = 1 << 22
+    got = {}
+    for name in ("auto", "int8", "fp8_e4m3"):
+        eng = LLM(str(STORIES_HF), kv_cache_dtype=name, kv_cache_memory=budget, max_num_seqs=4096,
+                  max_num_batched_tokens=4096, dtype="bfloat16").engine
+        s, m = eng.stats(), eng.model_config
+        plan = kvmath.kv_bytes_per_token(kv_dtype="bf16" if name == "auto" else name, n_layers=m.num_layers,
+                                         n_kv_heads=m.num_kv_heads, head_dim=m.head_dim)
+        assert s.kv_cache_dtype == name and s.kv_bytes_per_token == plan
+        assert s.num_total_blocks == budget // (plan * eng.config.block_size)
+        assert s.num_kv_tokens == s.num_total_blocks * eng.config.block_size
+        got[name] = s.num_kv_tokens
+    # stories260K has head_dim 8, so a 4-byte scale per row weighs: (8*2) / (8 + 4) = 1.33x bf16.
+    assert got["int8"] == got["fp8_e4m3"]
+    assert abs(got["int8"] / got["auto"] - 16 / 12) < 0.01
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_round_trip_error_per_token_head(name):
+    torch.manual_seed(0)
+    x = torch.randn(64, 4, 32) * torch.logspace(-3, 2, 64).view(64, 1, 1)    # [T, KV, D]
+    x[3] = 0.0                                                                # an all-zero row
+    q, s = kv_quant.quantize(x, name)
+    assert q.dtype == kv_quant.STORAGE[name] and s.shape == (64, 4)
+    err = (kv_quant.dequantize(q, s, torch.float32) - x).abs()                # [T, KV, D]
+    if name == "int8":
+        assert (err <= s.unsqueeze(-1) / 2 * (1 + 1e-5)).all()                # round to nearest
+    else:   # a relative bound: half an ulp of the format's mantissa (3 or 2 bits)
+        rel = 2.0 ** -(4 if name == "fp8_e4m3" else 3)
+        amax = x.abs().amax(-1, keepdim=True)
+        assert (err <= rel * x.abs() + 1e-6 * amax + 1e-30).all()
+    assert err[3].max() == 0
+
+
+@pytest.mark.parametrize("seed,name", [(0, "int8"), (1, "int8"), (2, "int8"), (3, "int8"), (5, "int8"),
+                                       (7, "int8"), (10, "int8"), (1, "fp8_e4m3"), (3, "fp8_e4m3")])
+def test_quantized_cache_outputs_do_not_depend_on_chunking(seed, name):
+    """The differential harness with a quantized cache on both sides: constrained (tiny pool,
+    chunking budgets, hash / radix prefix caching, swap / recompute, copy on write) equals
+    the big-pool engine token for token."""
+    settings = [
+        dict(block_size=1, num_kv_blocks=96, max_num_batched_tokens=8, max_num_seqs=6),
+        dict(block_size=2, num_kv_blocks=40, max_num_batched_tokens=12, max_num_seqs=6, preemption_mode="swap"),
+        dict(block_size=4, num_kv_blocks=15, max_num_batched_tokens=6, max_num_seqs=6, prefix_cache="radix"),
+        dict(block_size=4, num_kv_blocks=12, max_num_batched_tokens=64, max_num_seqs=8,
+             preemption_mode="swap", prefix_cache="radix", swap_space=1 << 16),
+        dict(block_size=2, num_kv_blocks=30, max_num_batched_tokens=5, max_num_seqs=4),
+        dict(block_size=4, num_kv_blocks=14, max_num_batched_tokens=16, max_num_seqs=8, preemption_mode="swap"),
+    ][seed % 6]
+    rng = random.Random(seed)
+    workload = make_workload(rng, rng.randrange(6, 12))
+    small = LLM(str(STORIES_HF), kv_cache_dtype=name, watermark=0.0, **settings)
+    big = LLM(str(STORIES_HF), kv_cache_dtype=name, block_size=16, num_kv_blocks=2048,
+              max_num_batched_tokens=4096, max_num_seqs=256, enable_prefix_caching=False, watermark=0.0)
+    got, refused = run(small, workload, check=True)
+    want, _ = run(big, [dict(w, abort=None) for w in workload if w["id"] not in refused], check=False)
+    compared = 0
+    for w in workload:
+        rid = w["id"]
+        if rid not in got or w["abort"] is not None:
+            continue
+        for i, (x, y) in enumerate(zip(tokens(got[rid]), tokens(want[rid]))):
+            if got[rid].outputs[i].finish_reason == "length" and len(x) < len(y):
+                assert x == y[:len(x)], (rid, w["kind"], settings)
+            else:
+                assert x == y, (rid, w["kind"], settings)
+        compared += 1
+    assert compared > 0
+    s = small.engine.stats()
+    print(seed, settings, "compared", compared, "preemptions", s.num_preemptions_total,
+          "swapped", s.num_swap_preemptions_total, "prefix hits", s.prefix_cache_hits_total,
+          "cow", s.num_cow_copies_total)
+
+
+def _ppl(kv_cache_dtype: str) -> float:
+    eng = LLM(str(STORIES_HF), kv_cache_dtype=kv_cache_dtype, kv_cache_memory=1 << 24).engine
+    toks, bos = tokenize(eng.tokenizer, SAMPLE.read_text())
+    return perplexity(eng, make_chunks(toks, 128, -1, bos)).ppl
+
+
+def test_quantized_cache_perplexity_within_one_percent():
+    """Measured on docs/sample-story.txt (15 chunks of 128): float32 cache 5.0160, int8 5.0254
+    (+0.19%), fp8_e4m3 5.0511 (+0.70%), fp8_e5m2 5.1832 (+3.3%: 2 mantissa bits)."""
+    base = _ppl("auto")
+    for name, bound in (("int8", 0.01), ("fp8_e4m3", 0.01), ("fp8_e5m2", 0.05)):
+        ppl = _ppl(name)
+        print(name, base, ppl, ppl / base - 1)
+        assert abs(ppl / base - 1) < bound, (name, base, ppl)
