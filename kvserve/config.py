@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from kvserve.model.kv_quant import KV_CACHE_DTYPES, check_kv_cache_dtype
 from kvserve.model.quant import parse_quantization
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -37,8 +38,11 @@ class EngineConfig:
     share_blocks: bool = True              # n > 1 samples and beams share blocks (copy on write)
     preemption_warn_threshold: int = 3     # preemptions of one request that count as thrash
     # Weight-only quantization at load (kvserve/model/quant.py)
-    quantization: str | None = None        # None | "int8" (per channel) | "int4" (groups; "int4-g32")
+    quantization: str | None = None        # None | "int8" (per channel) | "int4" (groups; "int4-g32") |
+                                           # "dequant"; None runs a GGUF file's tensors in their own types
     quantization_group_size: int | None = None   # int4: 32, 64, 128 or 256 (default 128 where it divides)
+    # KV-cache quantization (kvserve/model/kv_quant.py): one byte per element + a scale per token-head
+    kv_cache_dtype: str = "auto"           # "auto" (the model dtype) | "int8" | "fp8_e4m3" | "fp8_e5m2"
 
     def __post_init__(self):
         if self.dtype not in DTYPES and self.dtype != "auto":
@@ -69,6 +73,7 @@ class EngineConfig:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}.")
         if self.max_wait_steps < 0:
             raise ValueError(f"max_wait_steps must be >= 0, got {self.max_wait_steps}.")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         self.quantization, self.quantization_group_size = parse_quantization(
             self.quantization, self.quantization_group_size)
         if self.device == "auto":
@@ -119,9 +124,14 @@ class EngineConfig:
         parser.add_argument("--swap-space", type=int, default=1 << 30, help="bytes of CPU swap space")
         parser.add_argument("--quantization", default=None,
                             help="quantize linear weights at load: int8 (per channel) or int4 "
-                                 "(groups of 128 where they divide, else 32; int4-g32 picks 32)")
+                                 "(groups of 128 where they divide, else 32; int4-g32 picks 32); "
+                                 "a GGUF file runs in its own types unless given one, or dequant "
+                                 "(every tensor in --dtype)")
         parser.add_argument("--quantization-group-size", type=int, default=None,
                             help="int4 group size: 32, 64, 128 or 256")
+        parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                            help="KV cache storage: auto (the model dtype) or one byte per element "
+                                 "with a scale per token and KV head (about 2x the tokens of bf16)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":

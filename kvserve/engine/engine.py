@@ -77,13 +77,20 @@ class EngineStats:
     num_steps: int = 0
     forward_time_total: float = 0.0        # seconds inside the model's forward pass
     step_time_total: float = 0.0
+    kv_cache_dtype: str = "auto"           # "auto" (the model dtype) | "int8" | "fp8_e4m3" | "fp8_e5m2"
+    kv_bytes_per_token: int = 0            # K and V of every layer, scales included
+    num_kv_tokens: int = 0                 # tokens the device pool holds: blocks * block_size
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = torch.device(config.device)
-        model_cfg, weights, self.tokenizer = load_model_dir(config.model)
+        # A GGUF file's tensors load in their own types unless quantization="dequant" asks for
+        # the model dtype (int8 / int4 then requantize, matrix by matrix: fusion.linear_weight).
+        model_cfg, weights, self.tokenizer = load_model_dir(
+            config.model, native=config.quantization != "dequant", dtype=config.torch_dtype,
+            device=self.device)
         self.model_config = model_cfg
         if config.dtype == "auto":
             config.dtype = "float32"
@@ -92,17 +99,21 @@ class LLMEngine:
             raise ValueError(f"max_model_len {max_len} exceeds the model's "
                              f"max_position_embeddings {model_cfg.max_position_embeddings}.")
         config.max_model_len = max_len
-        attn = make_attention_backend(model_cfg, config.block_size)
+        attn = make_attention_backend(model_cfg, config.block_size, config.kv_cache_dtype)
         self.model = LlamaModel(model_cfg, weights, attn, self.device, config.torch_dtype,
                                 config.quantization, config.quantization_group_size)
         del weights
         num_blocks = self._num_kv_blocks()
+        per_block = ModelRunner.kv_bytes_per_block(model_cfg, config.block_size, config.torch_dtype,
+                                                   config.kv_cache_dtype)
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %s, %d bytes/token",
+                    num_blocks, config.block_size, num_blocks * config.block_size,
+                    config.kv_cache_dtype, per_block // config.block_size)
         num_cpu_blocks = 0
         if config.preemption_mode == "swap":
-            per_block = ModelRunner.kv_bytes_per_block(model_cfg, config.block_size, config.torch_dtype)
             num_cpu_blocks = min(config.swap_space // per_block, 4 * num_blocks)
         self.kv = KVCacheManager(num_blocks, config.block_size, prefix_cache=config.prefix_cache_kind,
-                                 cache_namespace=f"{config.model}|{config.dtype}",
+                                 cache_namespace=f"{config.model}|{config.dtype}|{config.kv_cache_dtype}",
                                  num_cpu_blocks=num_cpu_blocks)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size)
         self.runner.init_swap_space(num_cpu_blocks)
@@ -123,7 +134,10 @@ class LLMEngine:
         self.groups: dict[str, list[Request]] = {}      # user request id -> its sequences
         self.prompts: dict[str, str | None] = {}
         self._arrivals = itertools.count()
-        self._stats = EngineStats(0, 0, 0.0, num_blocks, num_blocks, 0, 0, 0)
+        self._stats = EngineStats(0, 0, 0.0, num_blocks, num_blocks, 0, 0, 0,
+                                  kv_cache_dtype=config.kv_cache_dtype,
+                                  kv_bytes_per_token=per_block // config.block_size,
+                                  num_kv_tokens=num_blocks * config.block_size)
         # For tools that need whole distributions (`kvserve perplexity --kl-divergence`): called
         # as hook(request, first position, raw logits [r, V]) for every prompt-logprob chunk.
         self.prompt_logprobs_hook = None
@@ -132,7 +146,8 @@ class LLMEngine:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
-        per_block = ModelRunner.kv_bytes_per_block(self.model_config, cfg.block_size, cfg.torch_dtype)
+        per_block = ModelRunner.kv_bytes_per_block(self.model_config, cfg.block_size, cfg.torch_dtype,
+                                                   cfg.kv_cache_dtype)
         budget = cfg.kv_cache_memory
         if budget is None:
             budget = self._cuda_kv_budget() if self.device.type == "cuda" else DEFAULT_CPU_KV_BYTES

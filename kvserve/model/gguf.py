@@ -1,11 +1,12 @@
 """GGUF files (llama.cpp's one-file format), read with gguf-py's `GGUFReader` (memory-mapped):
-metadata -> ModelConfig, tensors -> float32 weights under HF names (dequantized with
-`gguf.quants.dequantize`), vocabulary -> tokenizer (gguf_tokenizer.py).
+metadata -> ModelConfig, tensors -> weights under HF names, vocabulary -> tokenizer
+(gguf_tokenizer.py). Tensors come either in their own types (`native`: int4 / int8 / the model
+dtype, gguf_quant.py) or dequantized to float32 with `gguf.quants.dequantize`.
 
 Everything is checked (architecture, tensor names, types, shapes, file length) before the first
 tensor is dequantized, so a bad file costs no memory. GGUF lists dimensions fastest-first
 (ne0 = columns), the reverse of torch; llama.cpp's converter permutes the q/k rows of `llama`
-models for its interleaved RoPE, which `_unpermute_rope_rows` undoes.
+models for its interleaved RoPE, which `unpermute_rope_rows` undoes.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from kvserve.model.config import ModelConfig
+from kvserve.model.gguf_quant import native_weight, unpermute_rope_rows
 from kvserve.model.gguf_tokenizer import GGUFTokenizer, build_gguf_tokenizer
 
 # general.architecture -> (kvserve architecture, q/k rows permuted by llama.cpp's converter)
@@ -50,10 +52,14 @@ LAYER_TENSORS = {   # blk.N.<gguf> -> model.layers.N.<hf>
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 ROPE_FREQS = "rope_freqs.weight"   # llama.cpp's per-frequency divisors (Llama 3.1 rope scaling)
+LOGITS_SIDE = ("model.embed_tokens.weight", "lm_head.weight")   # kept exact where they are Q8_0
 
 
-def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], GGUFTokenizer | None]:
-    """(config, float32 weights with HF names, tokenizer or None) from one .gguf file."""
+def load_gguf(path: str | Path, native: bool = False, dtype: torch.dtype = torch.float32,
+              device: torch.device | str = "cpu") -> tuple[ModelConfig, dict, GGUFTokenizer | None]:
+    """(config, weights with HF names, tokenizer or None) from one .gguf file. Weights are
+    float32 tensors, or with `native` each in its own type for a model of `dtype` on `device`
+    (gguf_quant.native_weight: Int4Values, Int8Weight, or a tensor in `dtype`)."""
     reader = open_gguf(path)
     meta = read_metadata(reader)
     cfg, permuted = config_from_metadata(meta, path)
@@ -65,10 +71,16 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], G
         cfg.rope_scaling = {"rope_type": "freq_factors", "factors": factors.tolist()}
     weights = {}
     for gguf_name, hf_name in plan.items():
-        w = _dequantize(tensors[gguf_name], _expected_shape(hf_name, cfg))
+        heads = None
         if permuted and (".q_proj." in hf_name or ".k_proj." in hf_name):
-            w = _unpermute_rope_rows(w, cfg.num_heads if ".q_proj." in hf_name else cfg.num_kv_heads)
-        weights[hf_name] = torch.from_numpy(w)
+            heads = cfg.num_heads if ".q_proj." in hf_name else cfg.num_kv_heads
+        shape = _expected_shape(hf_name, cfg)
+        if native:
+            weights[hf_name] = native_weight(tensors[gguf_name], shape, heads, dtype, device,
+                                             logits_side=hf_name in LOGITS_SIDE)
+            continue
+        w = _dequantize(tensors[gguf_name], shape)
+        weights[hf_name] = torch.from_numpy(w if heads is None else unpermute_rope_rows(w, heads))
     return cfg, weights, tokenizer
 
 
@@ -239,11 +251,3 @@ def _dequantize(t, shape: tuple[int, ...]) -> np.ndarray:
         w = np.array(w, dtype=np.float32)   # F32 comes back as a view of the file mapping
     assert w.size == math.prod(shape), (t.name, w.shape, shape)
     return w.reshape(shape)
-
-
-def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo convert_hf_to_gguf's q/k row permutation: per head, GGUF row 2j + h holds HF row
-    h * d/2 + j (interleaved RoPE pairs -> HF's rotate_half halves). w [n_heads * d, ...]."""
-    d = w.shape[0] // n_heads
-    return np.ascontiguousarray(
-        w.reshape(n_heads, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))

@@ -10,8 +10,12 @@ import torch
 
 from kvserve.model.attention import AttentionBackend, AttentionMetadata
 from kvserve.model.config import ModelConfig
+from kvserve.model.fusion import embedding_rows, embedding_weight, linear_weight
 from kvserve.model.layers import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
-from kvserve.model.quant import QuantizedWeight, linear, linear_weight, parse_quantization
+from kvserve.model.quant import QuantizedWeight, linear, parse_quantization
+
+
+EMBED = "model.embed_tokens.weight"
 
 
 class LlamaLayer:
@@ -35,21 +39,23 @@ class LlamaLayer:
 
 class LlamaModel:
     """`quantization` ("int8", "int4" or None) quantizes every linear weight and an untied
-    lm_head at load (kvserve/model/quant.py); the embedding and norms stay in `dtype`."""
+    lm_head at load (kvserve/model/quant.py); the embedding and norms stay in `dtype`. With None,
+    weights that arrive quantized (a GGUF file, gguf_quant.py) keep their format, the embedding
+    too (it is then also the tied lm_head); "dequant" turns them into `dtype`."""
 
     def __init__(self, cfg: ModelConfig, weights: dict, attn: AttentionBackend,
                  device: torch.device, dtype: torch.dtype, quantization: str | None = None,
                  quantization_group_size: int | None = None):
         self.cfg, self.attn, self.device, self.dtype = cfg, attn, device, dtype
         quantization, quantization_group_size = parse_quantization(quantization, quantization_group_size)
-        linear_names = {k for k in weights if k.endswith("proj.weight") or k == "lm_head.weight"}
-        w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items() if k not in linear_names}
+        own = {k for k in weights if k.endswith("proj.weight") or k in ("lm_head.weight", EMBED)}
+        w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items() if k not in own}
 
         def lin(name: str, parts: list[str]):
             return linear_weight([weights[p] for p in parts], name, quantization,
                                  quantization_group_size, device, dtype)
 
-        self.embed = w["model.embed_tokens.weight"]                         # [V, hidden]
+        self.embed = embedding_weight(weights[EMBED], quantization, device, dtype)   # [V, hidden]
         self.lm_head = self.embed if cfg.tie_word_embeddings else lin("lm_head", ["lm_head.weight"])
         self.norm = w["model.norm.weight"]
         self.layers = [LlamaLayer(w, f"model.layers.{i}.", cfg, lin) for i in range(cfg.num_layers)]
@@ -82,7 +88,7 @@ class LlamaModel:
         T = input_ids.shape[0]
         cos = self.rope_cos[positions].to(self.dtype).unsqueeze(1)   # [T, 1, D]
         sin = self.rope_sin[positions].to(self.dtype).unsqueeze(1)
-        x = self.embed[input_ids]                                     # [T, hidden]
+        x = embedding_rows(self.embed, input_ids)                     # [T, hidden]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = linear(h, layer.qkv, layer.qkv_bias)                # [T, (H + 2KV) * D]

@@ -15,12 +15,12 @@ from kvserve.model.gguf import load_gguf
 from kvserve.model.tokenizer import HFTokenizer, Llama2cTokenizer, Tokenizer
 
 
-def load_model_dir(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer | None]:
+def load_model_dir(path: str, **gguf_options) -> tuple[ModelConfig, dict, Tokenizer | None]:
     """(config, weights with HF names, tokenizer) for an HF or llama2.c model directory, or a
-    GGUF file."""
+    GGUF file (`gguf_options`: load_gguf's native, dtype, device)."""
     root = Path(path)
     if root.is_file():
-        return load_gguf(root)
+        return load_gguf(root, **gguf_options)
     if not root.is_dir():
         raise ValueError(f"model path {path!r} does not exist; pass a .gguf file, or a directory "
                          "holding config.json and *.safetensors, or a llama2.c checkpoint and tok*.bin.")
@@ -28,7 +28,7 @@ def load_model_dir(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Tok
         return _load_hf(root)
     ggufs = sorted(root.glob("*.gguf"))
     if len(ggufs) == 1:
-        return load_gguf(ggufs[0])
+        return load_gguf(ggufs[0], **gguf_options)
     if ggufs:
         raise ValueError(f"{path!r} holds several GGUF files ({[p.name for p in ggufs]}); pass "
                          "the path of the one to load.")

@@ -26,7 +26,8 @@ int4 needs K to be a multiple of the group and N of 64 (the packed layout); a ma
 not (stories260K's 172-wide MLP) is stored as int8. Embeddings stay in the model dtype (a lookup
 reads a few rows, not the matrix); the lm_head is quantized like the layers unless it is tied
 to the embedding: at one row the int8 kernel reads the benchmark's 32000 x 768 lm_head in
-337 us against 2238 us for bfloat16.
+337 us against 2238 us for bfloat16. A GGUF file's own quantized weights (gguf_quant.py) keep
+their format, the embedding included (looked up row by row, and tied, the lm_head).
 """
 from __future__ import annotations
 
@@ -64,15 +65,16 @@ DEQUANT_CHUNK = 3 << 20
 
 
 def parse_quantization(method: str | None, group_size: int | None) -> tuple[str | None, int | None]:
-    """("int4-g32", None) -> ("int4", 32); checks the method and the group size."""
-    if method is None or method == "none":
+    """("int4-g32", None) -> ("int4", 32); checks the method and the group size. "dequant":
+    a GGUF file's quantized tensors dequantized to the model dtype at load (else the same as None)."""
+    if method is None or method in ("none", "dequant"):
         if group_size is not None:
             raise ValueError("quantization_group_size needs quantization='int4'; set both or neither.")
-        return None, None
+        return (None if method == "none" else method), None
     match = re.fullmatch(r"(int8|int4)(?:-g(\d+))?", str(method))
     if match is None:
         raise ValueError(f"quantization must be one of {', '.join(METHODS)} (int4 may carry a "
-                         f"group size, e.g. 'int4-g32'), got {method!r}.")
+                         f"group size, e.g. 'int4-g32') or 'dequant', got {method!r}.")
     method, suffix = match.group(1), match.group(2)
     if suffix is not None:
         if group_size is not None and group_size != int(suffix):
@@ -182,6 +184,10 @@ class Int8Weight(QuantizedWeight):
     def dequantize(self) -> torch.Tensor:
         return self.q.to(self.compute_dtype) * self.scale[:, None]          # [N, K]
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """W[ids] [T, K] in the model dtype (an embedding lookup)."""
+        return (self.q[ids].to(self.dtype) * self.scale[ids, None].to(self.dtype))
+
     def _dense_rows(self, xc, start, stop):
         # The per-channel scale commutes with the GEMM: one pass over q, not two.
         return F.linear(xc, self.q[start:stop].to(xc.dtype)) * self.scale[start:stop]
@@ -202,6 +208,17 @@ def _unpack_int4(packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
     blocks = packed.view(N // INT4_ROW_BLOCK, K, INT4_ROW_BLOCK // 2)
     rows = torch.cat([blocks & 15, blocks >> 4], dim=-1)                    # [N/64, K, 64]
     return rows.transpose(1, 2).reshape(N, K)
+
+
+def _pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q [n, K] in 0..15 (n a multiple of 64) -> the CPU kernel's packed [n, K/2] uint8, checked
+    against _unpack_int4."""
+    n, K = q.shape
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
+    if not torch.equal(_unpack_int4(packed, n, K), q.to(torch.uint8)):
+        raise RuntimeError("this torch packs int4 weights in an unknown layout; kvserve's "
+                           "dequantize (_unpack_int4) must be updated for it.")
+    return packed
 
 
 class Int4Weight(QuantizedWeight):
@@ -226,10 +243,9 @@ class Int4Weight(QuantizedWeight):
         device = torch.device(device)
         self._setup("int4", (N, K), dtype, device)
         self.group_size = group
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.cpu().to(torch.int32).contiguous(), 2)
-        if not torch.equal(_unpack_int4(packed, N, K), q.cpu().to(torch.uint8)):
-            raise RuntimeError("this torch packs int4 weights in an unknown layout; kvserve's "
-                               "dequantize (_unpack_int4) must be updated for it.")
+        # Blocks of 64 rows pack independently: a few at a time, so the int32 copy stays small.
+        step = max(INT4_ROW_BLOCK, DEQUANT_CHUNK // K // INT4_ROW_BLOCK * INT4_ROW_BLOCK)
+        packed = torch.cat([_pack_int4(q[a:a + step].cpu()) for a in range(0, N, step)])
         self.has_zero = zero is not None and bool(zero.any())
         zero = torch.zeros_like(scale) if zero is None else zero
         self.packed = packed.to(device)                                     # [N, K/2] uint8
@@ -256,6 +272,18 @@ class Int4Weight(QuantizedWeight):
         scale, zero = self.scales_and_zeros[:, start:stop].transpose(0, 1).unbind(-1)   # [n, K/G]
         w = w.sub_(8).mul_(scale[..., None])
         return (w.add_(zero[..., None]) if self.has_zero else w).view(n, K)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """W[ids] [T, K] in the model dtype (an embedding lookup), read from the packed layout:
+        row r is nibble r // 32 % 2 of byte column r % 32 in block r // 64."""
+        T, (N, K), G = ids.shape[0], self.shape, self.group_size
+        blocks = self.packed.view(N // INT4_ROW_BLOCK, K, INT4_ROW_BLOCK // 2)
+        j = ids % INT4_ROW_BLOCK
+        byte = blocks[ids // INT4_ROW_BLOCK, :, j % 32]                      # [T, K]
+        q = (byte >> (4 * (j // 32)).to(torch.uint8)[:, None]) & 15
+        scale, zero = self.scales_and_zeros[:, ids].to(self.dtype).permute(1, 0, 2).unbind(-1)  # [T, K/G]
+        w = (q.to(self.dtype).view(T, -1, G) - 8) * scale[..., None] + zero[..., None]
+        return w.view(T, K)
 
     def _dense_rows(self, xc, start, stop):
         return F.linear(xc, self.dequantize(start, stop))
@@ -298,21 +326,3 @@ def quantize(w: torch.Tensor, method: str, group_size: int | None, dtype: torch.
 
 def _scale_dtype(dtype: torch.dtype, device) -> torch.dtype:
     return KERNEL_DTYPE if torch.device(device).type == "cpu" else dtype
-
-
-def linear_weight(parts: list, name: str, method: str | None, group_size: int | None,
-                  device: torch.device, dtype: torch.dtype):
-    """One fused linear weight from its row blocks (q, k, v or gate, up): a tensor in `dtype`,
-    or quantized from the checkpoint's own precision when `method` is set. Parts that arrive
-    quantized (a GGUF file) are fused as they are when they share a format; otherwise they are
-    dequantized and treated like float parts."""
-    kinds = {(type(p), getattr(p, "group_size", None)) for p in parts}
-    if len(kinds) == 1 and isinstance(parts[0], Int8Weight):
-        return Int8Weight.cat(parts, dtype, device)
-    if len(kinds) == 1 and isinstance(parts[0], Int4Weight):
-        return Int4Weight.cat(parts, dtype, device, name)
-    parts = [p.dequantize().float() if isinstance(p, QuantizedWeight) else p for p in parts]
-    w = parts[0] if len(parts) == 1 else torch.cat(parts)
-    if method is None:
-        return w.to(device=device, dtype=dtype)
-    return quantize(w, method, group_size, dtype, device, name)

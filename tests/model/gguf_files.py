@@ -128,9 +128,32 @@ def random_k_quant(rows: int, cols: int, qtype: str, rng: np.random.Generator,
     return blocks.reshape(rows, -1)
 
 
-def write_mixed_types(out: Path, seed: int = 0) -> Path:
+def quantize_q4_k(a: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] -> Q4_K blocks [rows, cols / 256 * 144], by plain rounding (not
+    llama.cpp's search, but its layout and its way of deriving d and dmin from the weights):
+    per sub-block of 32, scale = range / 15 and min = -min(w, 0), both 6-bit against the
+    super-block's d = max scale / 63 and dmin = max min / 63."""
+    rows = a.shape[0]
+    x = a.astype(np.float32).reshape(-1, 8, 32)
+    lo = np.minimum(x.min(-1), 0)
+    scale, mins = (x.max(-1) - lo) / 15, -lo                                # [n, 8]
+    d = np.maximum(scale.max(-1, keepdims=True) / 63, 1e-6).astype(np.float16)
+    dmin = np.maximum(mins.max(-1, keepdims=True) / 63, 1e-6).astype(np.float16)
+    sc = np.clip(np.round(scale / d.astype(np.float32)), 1, 63).astype(np.uint8)
+    m = np.clip(np.round(mins / dmin.astype(np.float32)), 0, 63).astype(np.uint8)
+    step = d.astype(np.float32) * sc
+    q = np.clip(np.round((x + (dmin.astype(np.float32) * m)[..., None]) / step[..., None]), 0, 15)
+    q = q.astype(np.uint8).reshape(-1, 4, 2, 32)
+    packed = np.concatenate([sc[:, :4] | (sc[:, 4:] >> 4 << 6), m[:, :4] | (m[:, 4:] >> 4 << 6),
+                             (sc[:, 4:] & 15) | (m[:, 4:] << 4)], axis=1)
+    nibbles = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    blocks = np.concatenate([d.view(np.uint8), dmin.view(np.uint8), packed, nibbles], axis=1)
+    return blocks.reshape(rows, -1)
+
+
+def write_mixed_types(out: Path, seed: int = 0, types: dict[str, str] | None = None) -> Path:
     """A one-layer Llama (hidden 256, so K-quant rows fit) whose tensors use BF16, Q5_0, Q5_1
-    and the K-quants, written directly (no HF model behind it)."""
+    and the K-quants, written directly (no HF model behind it); `types` overrides some."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -148,10 +171,11 @@ def write_mixed_types(out: Path, seed: int = 0) -> Path:
             "blk.0.attn_output.weight": ((E, H * D), "BF16"),
             "blk.0.ffn_gate.weight": ((I, E), "Q5_0"), "blk.0.ffn_up.weight": ((I, E), "Q5_1"),
             "blk.0.ffn_down.weight": ((E, I), "F16")}
+    plan.update({name: (plan[name][0], qtype) for name, qtype in (types or {}).items()})
     for name, (shape, qtype) in plan.items():
         qt = gguf.GGMLQuantizationType[qtype]
+        std = 0.5 if name == "token_embd.weight" else 0.05
         if qtype in K_QUANTS:
-            std = 0.5 if name == "token_embd.weight" else 0.05
             w.add_tensor(name, random_k_quant(*shape, qtype, rng, std), raw_dtype=qt)
         else:
             a = rng.normal(0, 0.05, size=shape).astype(np.float32)

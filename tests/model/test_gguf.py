@@ -1,6 +1,8 @@
 """GGUF loading: files written here with gguf-py from random-weight transformers models (F32,
-F16, Q8_0, Q4_0, Q4_1, and BF16/Q5/K-quants in one file) give transformers' own GGUF loading
-greedy token for token, logprobs within 1e-4; F32 files hold exactly the HF weights; the real
+F16, Q8_0, Q4_0, Q4_1, and BF16/Q5/K-quants in one file), dequantized (quantization="dequant",
+the exact reference; the default runs them in their own types: test_gguf_quant.py), give
+transformers' own GGUF loading greedy token for token, logprobs within 1e-4; F32 files hold
+exactly the HF weights; the real
 stories260K GGUF generates what its HF copy does; bad files raise ValueError before any tensor
 is dequantized."""
 from __future__ import annotations
@@ -41,7 +43,7 @@ def test_matches_transformers_gguf_loading(qtype, random_model_dir, tmp_path):
         write_mixed_types(path)
     else:
         write_hf_as_gguf(random_model_dir("llama"), path, qtype)
-    for p, (tokens, lps) in zip(PROMPTS, greedy(str(path))):
+    for p, (tokens, lps) in zip(PROMPTS, greedy(str(path), quantization="dequant")):
         ref_tokens, ref_lps = hf_greedy(str(tmp_path), p, MAX_TOKENS, gguf_file=path.name)
         assert tokens == ref_tokens
         assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < 1e-4

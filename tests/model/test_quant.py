@@ -12,7 +12,8 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.model.attention import AttentionMetadata, PrefillChunk
-from kvserve.model.quant import (Int4Weight, Int8Weight, QuantizedWeight, linear_weight, quantize,
+from kvserve.model.fusion import linear_weight
+from kvserve.model.quant import (Int4Weight, Int8Weight, QuantizedWeight, _unpack_int4, quantize,
                                  quantize_int4, quantize_int8)
 from tests.conftest import STORIES_HF
 
@@ -130,6 +131,34 @@ def test_already_quantized_parts_fuse_as_they_are():
     for path in ("kernel", "dequantize"):
         got, ref = force_path(fused4, path).linear(x), x @ expect.T
         assert got.dtype == torch.float32 and (got - ref).abs().max() <= 1e-2 * ref.abs().max()
+
+
+def test_int4_packs_in_row_blocks(monkeypatch):
+    """Packed 64 rows at a time (quant.DEQUANT_CHUNK), the bytes are the same as packed at once."""
+    import kvserve.model.quant as quant
+    q, scale = quantize_int4(weights(192, 256), 32, torch.bfloat16)
+    whole = Int4Weight(q, scale).packed
+    monkeypatch.setattr(quant, "DEQUANT_CHUNK", 64 * 256)
+    assert torch.equal(Int4Weight(q, scale).packed, whole)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_are_the_dequantized_rows(method, dtype):
+    """An embedding lookup on a quantized table (a GGUF file's): rows read from the stored
+    layout are the stored values, rounded once to the model dtype."""
+    w = quantize(weights(192, 256), method, 32 if method == "int4" else None, dtype)
+    ids = torch.tensor([0, 31, 32, 63, 64, 100, 191, 5, 5])     # both nibbles, several blocks
+    got = w.rows(ids)
+    assert got.shape == (9, 256) and got.dtype == dtype
+    if method == "int8":
+        exact = w.q.double() * w.scale.double()[:, None]
+    else:
+        q = _unpack_int4(w.packed, 192, 256).double().view(192, 8, 32)
+        scale, zero = w.scales_and_zeros.double().unbind(-1)                # [K/G, N]
+        exact = ((q - 8) * scale.T[..., None] + zero.T[..., None]).view(192, 256)
+    rel = 2 ** -24 if dtype == torch.float32 else 2 ** -8          # half a unit in the last place
+    assert ((got.double() - exact[ids]).abs() <= rel * exact[ids].abs()).all()
 
 
 # ---- the engine on whole models ----

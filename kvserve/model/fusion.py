@@ -1,0 +1,77 @@
+"""The model's weights from a checkpoint's parts: q, k, v (and gate, up) fused row-wise into one
+matrix, each part in its format -- a float tensor, or already quantized by a GGUF file
+(quant_blocks.Int4Values, quant.Int8Weight, quant_blocks.Int8BlockWeight) -- and the result in
+the model dtype or quantized (quant.py)."""
+from __future__ import annotations
+
+import torch
+
+from kvserve.model.quant import Int4Weight, Int8Weight, QuantizedWeight, quantize
+from kvserve.model.quant_blocks import Int4Values
+
+
+def _format(w) -> tuple:
+    """A weight's storage: ("float",), ("int8",), ("int4", group, class), or its class."""
+    if isinstance(w, (Int4Values, Int4Weight)):
+        return ("int4", w.group_size, type(w))
+    if isinstance(w, QuantizedWeight):
+        return ("int8",) if isinstance(w, Int8Weight) else (type(w).__name__,)
+    return ("float",)
+
+
+def _fuse(parts: list, dtype: torch.dtype, device, name: str):
+    """Parts of one quantized format stacked as they are."""
+    first = parts[0]
+    if (len(parts) == 1 and isinstance(first, QuantizedWeight) and first.dtype == dtype
+            and first.tensors()[0].device == torch.device(device)):
+        return first
+    if isinstance(first, Int4Values):
+        return Int4Values.cat(parts).pack(dtype, device, name)
+    if isinstance(first, Int4Weight):
+        return Int4Weight.cat(parts, dtype, device, name)
+    if isinstance(first, Int8Weight):
+        return Int8Weight.cat(parts, dtype, device)
+    return quantize(torch.cat([_float(p) for p in parts]), "int8", None, dtype, device, name)
+
+
+def _float(w) -> torch.Tensor:
+    """A weight's values as a float tensor (int8 exactly: q times the stored scale)."""
+    if isinstance(w, Int8Weight):
+        return w.q.float() * w.scale.float()[:, None]
+    return w if isinstance(w, torch.Tensor) else w.dequantize().float()
+
+
+def linear_weight(parts: list, name: str, method: str | None, group_size: int | None,
+                  device: torch.device, dtype: torch.dtype):
+    """One fused linear weight from its row blocks (q, k, v or gate, up). Float parts give a
+    tensor in `dtype` (method None or "dequant"), or are quantized with `method`. Parts that
+    arrive quantized (a GGUF file: Int4Values, Int8Weight) keep their format when `method` is
+    None or already that format, and they share it; with method None, quantized parts of
+    different formats become int8 part by part (its rows are independent); otherwise every part
+    is dequantized first."""
+    formats = {_format(p) for p in parts}
+    fmt = _format(parts[0])
+    wanted = method is None or (method == fmt[0] and (group_size is None or fmt[1:2] == (group_size,)))
+    if len(formats) == 1 and fmt[0] != "float" and wanted:
+        return _fuse(parts, dtype, device, name)
+    if method is None and ("float",) not in formats:
+        as_int8 = [p if isinstance(p, Int8Weight) else quantize(_float(p), "int8", None, dtype, device, name)
+                   for p in parts]
+        return Int8Weight.cat(as_int8, dtype, device)
+    w = torch.cat([_float(p) for p in parts]) if len(parts) > 1 else _float(parts[0])
+    if method in (None, "dequant"):
+        return w.to(device=device, dtype=dtype)
+    return quantize(w, method, group_size, dtype, device, name)
+
+
+def embedding_weight(w, method: str | None, device, dtype: torch.dtype):
+    """The embedding table: a tensor in `dtype`, or (method None, a GGUF file) quantized as the
+    file stores it, for lookups by `embedding_rows` and as a tied lm_head on the kernels."""
+    if method is None and not isinstance(w, torch.Tensor):
+        return _fuse([w], dtype, device, "embed_tokens")
+    return _float(w).to(device=device, dtype=dtype)
+
+
+def embedding_rows(w, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` [T] of an embedding table -> [T, hidden] in the model dtype."""
+    return w[ids] if isinstance(w, torch.Tensor) else w.rows(ids)
