@@ -72,7 +72,7 @@ def generate(args: argparse.Namespace) -> int:
                           "metrics": {"ttft_s": m.ttft, "tpot_s": m.tpot, "e2e_s": m.e2e,
                                       "itl_s": m.itl}}))
     else:
-        print()
+        print(flush=True)
         tpot = f"{m.tpot * 1e3:.2f} ms" if m.tpot else "n/a"
         print(f"[{len(c.token_ids)} tokens, finish={c.finish_reason}, TTFT {m.ttft * 1e3:.1f} ms, "
               f"TPOT {tpot}]", file=sys.stderr)
