@@ -1,7 +1,8 @@
 """Continuous batching with chunked prefill under a token budget (seed 003, "Scheduling one step
 at a time", "Mixing prefill and decode in one step", "When memory runs out", "Radix trees").
 
-The scheduler decides who runs and owns every status change; it never touches tensors. A step
+The scheduler decides who runs and owns every status change (its base class,
+`engine/queues.py`, keeps the places and the legal moves between them); it never touches tensors. A step
 is `schedule()` then, after the forward pass, `update_from_output()`: the one place where
 states change after a step, on every path, the empty step included.
 
@@ -22,11 +23,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kvserve.engine.beam_search import BeamGroup, advance_beams
+from kvserve.engine.beam_search import advance_beams
+from kvserve.engine.queues import RequestQueues
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.kv.manager import KVCacheManager
 
@@ -51,154 +52,24 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-@dataclass
-class SchedulerCounters:
-    num_preemptions: int = 0                 # sequences preempted, either way
-    num_swap_preemptions: int = 0            # of which by swap
-    num_repeatedly_preempted: int = 0        # sequences that reached the warn threshold
-    max_preemptions_per_request: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    num_failed: int = 0                      # sequences finished with an error
-
-
-class Scheduler:
+class Scheduler(RequestQueues):
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
                  watermark_blocks: int = 0, *, preemption_mode: str = "recompute",
                  cache_aware: bool = False, max_wait_steps: int = 64,
                  preemption_warn_threshold: int = 3, stall_steps: int = 8,
                  stop_checker: Callable[[Request, int], RequestStatus | None] | None = None,
                  eos_token_id: int | None = None, max_model_len: int = 1 << 30):
-        if preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}.")
-        self.kv = kv
+        super().__init__(kv, max_num_seqs, preemption_mode, preemption_warn_threshold)
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_num_seqs = max_num_seqs
         self.watermark_blocks = watermark_blocks
-        self.preemption_mode = preemption_mode
         self.cache_aware = cache_aware
         self.max_wait_steps = max_wait_steps
-        self.preemption_warn_threshold = preemption_warn_threshold
         self.stall_steps = stall_steps
         self.stop_checker = stop_checker or _length_only
         self.eos_token_id = eos_token_id
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()          # WAITING, PREEMPTED
-        self.running: list[Request] = []                # RUNNING, WAITING_FOR_BEAMS: seated
-        self.swapped: deque[list[Request]] = deque()    # SWAPPED groups, oldest first
-        self.fork_waiters: dict[str, list[Request]] = {}  # sample 0's id -> WAITING_FOR_FORK
-        self.beam_groups: dict[str, BeamGroup] = {}
-        self.step_count = 0
-        self.counters = SchedulerCounters()
         self._stalled = 0
         self._budget = 0
-
-    # -- queue -------------------------------------------------------------------------------
-    def add(self, req: Request) -> None:
-        req.enqueue_step = self.step_count
-        self.waiting.append(req)
-
-    def add_samples(self, seqs: list[Request]) -> None:
-        """n > 1 sharing: sample 0 is queued; the others fork it when its prefill is done."""
-        self.add(seqs[0])
-        if len(seqs) > 1:
-            for r in seqs[1:]:
-                r.transition(S.WAITING_FOR_FORK)
-            self.fork_waiters[seqs[0].request_id] = list(seqs[1:])
-
-    def add_beam_group(self, group: BeamGroup) -> None:
-        group.head.extra_seats = group.width - 1
-        self.beam_groups[group.request_id] = group
-        self.add(group.head)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
-
-    @property
-    def num_swapped(self) -> int:
-        return sum(len(g) for g in self.swapped)
-
-    def seats(self, req: Request) -> int:
-        """Seats a sequence takes: its own and those reserved for the forks it will make."""
-        return 1 + req.extra_seats + len(self.fork_waiters.get(req.request_id, ()))
-
-    @property
-    def num_seats_taken(self) -> int:
-        return sum(self.seats(r) for r in self.running)
-
-    def finish(self, req: Request, status: RequestStatus, error: str | None = None) -> None:
-        """Retire a sequence (stopped, out of length, aborted, pruned, failed); free its KV."""
-        s = req.status
-        if s.holds_blocks:
-            self.running.remove(req)
-        elif s in (S.WAITING, S.PREEMPTED):
-            self.waiting.remove(req)
-        elif s == S.SWAPPED:
-            group = next(g for g in self.swapped if req in g)
-            group.remove(req)
-            if not group:
-                self.swapped.remove(group)
-        elif s == S.WAITING_FOR_FORK:
-            for head, kids in list(self.fork_waiters.items()):
-                if req in kids:
-                    kids.remove(req)
-                    if not kids:
-                        del self.fork_waiters[head]
-        req.transition(status)
-        req.error = error
-        self.counters.num_failed += status == S.FINISHED_ERROR
-        req.metrics.finished_time = time.monotonic()
-        self.kv.free(req.request_id, req)
-        group = self.beam_groups.get(req.parent_id)
-        if group is not None and req in group.live:
-            group.live.remove(req)
-        for kid in self.fork_waiters.pop(req.request_id, ()):   # sample 0 ended before forking
-            kid.transition(status)
-            kid.error = error
-            kid.metrics.finished_time = req.metrics.finished_time
-
-    def fork(self, parent: Request, child: Request) -> None:
-        """`child` joins the batch sharing every block of `parent` (copy on write later)."""
-        self.kv.fork(parent.request_id, child.request_id)
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.num_cached_tokens = parent.num_cached_tokens
-        child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
-        child.transition(S.RUNNING)
-        self.running.append(child)
-
-    # -- preemption --------------------------------------------------------------------------
-    def _preempt(self, req: Request, only: bool = False, to_back: bool = False,
-                 recompute: bool = False) -> list[Request]:
-        """Preempt `req`'s running group (`only`: just `req`); returns the preempted sequences.
-        Recomputed sequences rejoin the queue's front (`to_back`: its back)."""
-        group = [req] if only else [r for r in self.running if r.parent_id == req.parent_id]
-        c = self.counters
-        for r in group:
-            r.num_preemptions += 1
-            c.num_preemptions += 1
-            if r.num_preemptions == self.preemption_warn_threshold:
-                c.num_repeatedly_preempted += 1
-                logger.warning("request %s preempted %d times: the KV pool is too small for the load "
-                               "(raise kv_cache_memory, lower max_num_seqs)", r.request_id, r.num_preemptions)
-            c.max_preemptions_per_request = max(c.max_preemptions_per_request, r.num_preemptions)
-        for r in group:
-            self.running.remove(r)
-        if self.preemption_mode == "swap" and not recompute and self.kv.swap_out(group):
-            for r in group:
-                r.transition(S.SWAPPED)
-            c.num_swap_preemptions += len(group)
-            self.swapped.append(group)
-            return group
-        for r in group:                     # recompute (or no swap space left)
-            self.kv.free(r.request_id, r)
-            r.transition(S.PREEMPTED)
-            r.num_computed_tokens = 0
-            r.beam_candidates = None        # recomputed with the prefill
-        if to_back:
-            self.waiting.extend(group)
-        else:
-            self.waiting.extendleft(reversed(group))
-        return group
 
     def _latest(self, candidates) -> Request | None:
         return max(candidates, key=lambda r: r.arrival_key, default=None)
@@ -424,29 +295,6 @@ class Scheduler:
             group.live.clear()
         self._stalled = 0
         return sorted({r.parent_id for r in stuck})
-
-    def check_integrity(self) -> None:
-        """Every unfinished sequence is in exactly the place its status says, holds exactly
-        the KV its status says, and the seat cap holds."""
-        kv = self.kv
-        assert self.num_seats_taken <= self.max_num_seqs, f"{self.num_seats_taken} seats > {self.max_num_seqs}"
-        for r in self.running:
-            assert r.status.holds_blocks, f"{r} is seated but {r.status.name}"
-            assert (r.status == S.WAITING_FOR_BEAMS) == (r.beam_candidates is not None), r
-        for r in self.waiting:
-            assert r.status in (S.WAITING, S.PREEMPTED) and not kv.num_held_blocks(r.request_id), r
-        swapped = [r for g in self.swapped for r in g]
-        assert all(r.status == S.SWAPPED for r in swapped)
-        for kids in self.fork_waiters.values():
-            assert kids and all(r.status == S.WAITING_FOR_FORK for r in kids)
-        seated = {r.request_id for r in self.running}
-        assert set(kv.block_tables) == seated, "block tables != seated sequences"
-        assert set(kv.swapped_tables) == {r.request_id for r in swapped}, "swap space != swapped"
-        live = seated | {r.request_id for r in self.waiting}
-        assert set(kv.cache_state) <= live, "prefix-cache state kept for a finished sequence"
-        ids = [r.request_id for r in list(self.running) + list(self.waiting) + swapped]
-        assert len(ids) == len(set(ids)), "a sequence is in two queues"
-
 
 def _length_only(req: Request, token_id: int) -> RequestStatus | None:
     p = req.params
