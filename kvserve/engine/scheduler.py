@@ -1,10 +1,10 @@
 """Continuous batching with chunked prefill under a token budget (seed 003, "Scheduling one step
 at a time", "Mixing prefill and decode in one step", "When memory runs out", "Radix trees").
 
-The scheduler decides who runs and owns every status change (its base class,
-`engine/queues.py`, keeps the places and the legal moves between them); it never touches tensors. A step
-is `schedule()` then, after the forward pass, `update_from_output()`: the one place where
-states change after a step, on every path, the empty step included.
+The scheduler decides who runs and owns every status change (its base class in
+`engine/queues.py` keeps the places and the legal moves between them); it never touches
+tensors. A step is `schedule()` then, after the forward pass, `update_from_output()`: the one
+place where states change after a step, on every path, the empty step included.
 
 `schedule()`: one decode token per running sequence, then prefill chunks; then, only in a step
 that preempted nobody (vLLM's rule), swapped groups come back and waiting prompts are admitted
