@@ -27,7 +27,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -38,6 +37,7 @@ from kvserve.engine.output import OutputProcessor
 from kvserve.engine.beam_search import BeamGroup
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.stats import EngineStats, collect_stats
 from kvserve.kv.manager import KVCacheManager, cdiv
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_model_dir
@@ -47,39 +47,6 @@ from kvserve.sample.sampler import Sampler
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_free_blocks: int
-    num_total_blocks: int
-    num_preemptions_total: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    prefix_cache_queries_total: int = 0    # tokens looked up at admission
-    prefix_cache_hits_total: int = 0       # of which served from the cache
-    prefix_cache_eligible_total: int = 0   # of which could hit at all (block-size floor, last-token cap)
-    num_cached_blocks: int = 0             # blocks labelled in the prefix cache (in use or free)
-    num_used_blocks: int = 0               # blocks held by at least one sequence
-    num_evictions_total: int = 0           # cached blocks reused for new contents
-    num_cow_copies_total: int = 0          # shared blocks copied because a sequence wrote into them
-    num_partial_block_copies_total: int = 0  # radix hits on a partial block (copied)
-    num_logical_blocks: int = 0            # blocks in all block tables: what no sharing would use
-    num_swapped: int = 0                   # sequences in the CPU swap space
-    num_swap_preemptions_total: int = 0
-    num_swap_out_blocks_total: int = 0
-    num_swap_in_blocks_total: int = 0
-    num_repeatedly_preempted_total: int = 0  # sequences preempted preemption_warn_threshold times
-    max_preemptions_per_request: int = 0
-    num_steps: int = 0
-    forward_time_total: float = 0.0        # seconds inside the model's forward pass
-    step_time_total: float = 0.0
-    kv_cache_dtype: str = "auto"           # "auto" (the model dtype) | "int8" | "fp8_e4m3" | "fp8_e5m2"
-    kv_bytes_per_token: int = 0            # K and V of every layer, scales included
-    num_kv_tokens: int = 0                 # tokens the device pool holds: blocks * block_size
 
 
 class LLMEngine:
@@ -422,33 +389,7 @@ class LLMEngine:
         self.scheduler.beam_groups.pop(request_id, None)
 
     def stats(self) -> EngineStats:
-        s = self._stats
-        kv, sched, c = self.kv, self.scheduler, self.scheduler.counters
-        s.num_running = len(sched.running)
-        s.num_waiting = len(sched.waiting)
-        s.kv_cache_usage = kv.pool.usage()
-        s.num_free_blocks = kv.num_free_blocks
-        s.num_total_blocks = kv.pool.num_blocks
-        s.num_preemptions_total = c.num_preemptions
-        s.prompt_tokens_total = c.prompt_tokens
-        s.generation_tokens_total = c.generation_tokens
-        s.forward_time_total = self.runner.forward_time_total   # inside the model's forward
-        s.prefix_cache_queries_total = kv.stats.prefix_cache_queries
-        s.prefix_cache_hits_total = kv.stats.prefix_cache_hits
-        s.prefix_cache_eligible_total = kv.stats.prefix_cache_eligible
-        s.num_cached_blocks = kv.num_cached_blocks
-        s.num_used_blocks = kv.pool.num_used_blocks
-        s.num_evictions_total = kv.pool.num_evictions
-        s.num_cow_copies_total = kv.stats.cow_copies
-        s.num_partial_block_copies_total = kv.stats.partial_copies
-        s.num_logical_blocks = sum(len(t) for t in kv.block_tables.values())
-        s.num_swapped = sched.num_swapped
-        s.num_swap_preemptions_total = c.num_swap_preemptions
-        s.num_swap_out_blocks_total = kv.stats.swap_out_blocks
-        s.num_swap_in_blocks_total = kv.stats.swap_in_blocks
-        s.num_repeatedly_preempted_total = c.num_repeatedly_preempted
-        s.max_preemptions_per_request = c.max_preemptions_per_request
-        return EngineStats(**vars(s))
+        return collect_stats(self)
 
     def check_integrity(self) -> None:
         """No leaked block, no lost request: pool and refcounts, the scheduler's queues against
