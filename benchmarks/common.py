@@ -88,38 +88,22 @@ def summary(runs: list[float]) -> dict:
 
 
 # -- one timed run of each side -----------------------------------------------------------------
-_request_ids = iter(range(1 << 62))
-
-
 def run_kvserve(engine, work: Workload, label: str) -> dict:
     """Submit every request at once (greedy, ignore_eos), step until all finish. Returns output
     tok/s (including the prefill), the engine overhead (step wall time outside the forward pass)
     and the prefix-cache hits, which must be 0: every benchmark row claims no hits."""
-    from kvserve import SamplingParams
+    from kvserve.bench.throughput import run_engine
 
-    before = engine.stats()
-    t0 = time.perf_counter()
-    for ids, n_out in work:
-        engine.add_request(f"bench-{next(_request_ids)}", {"prompt_token_ids": ids},
-                           SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True))
-    out_tokens = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                out_tokens += sum(len(c.token_ids) for c in out.outputs)
-    elapsed = time.perf_counter() - t0
-    after = engine.stats()
-    hits = after.prefix_cache_hits_total - before.prefix_cache_hits_total
+    hits_before = engine.stats().prefix_cache_hits_total
+    r = run_engine(engine, work)
+    hits = engine.stats().prefix_cache_hits_total - hits_before
     if hits:
-        raise RuntimeError(f"{label}: {hits} of {sum(len(p) for p, _ in work)} prompt tokens were "
+        raise RuntimeError(f"{label}: {hits} of {r.prompt_tokens} prompt tokens were "
                            f"prefix-cache hits, but this row claims none (prompts must be fresh).")
-    if out_tokens != sum(n for _, n in work):
-        raise RuntimeError(f"{label}: kvserve produced {out_tokens} tokens, expected {sum(n for _, n in work)}.")
-    steps = after.num_steps - before.num_steps
-    step_s = after.step_time_total - before.step_time_total
-    fwd_s = after.forward_time_total - before.forward_time_total
-    return {"tok_s": out_tokens / elapsed, "overhead_share": 1.0 - fwd_s / step_s if step_s else 0.0,
-            "overhead_ms_per_step": 1e3 * (step_s - fwd_s) / steps if steps else 0.0}
+    if r.output_tokens != sum(n for _, n in work):
+        raise RuntimeError(f"{label}: kvserve produced {r.output_tokens} tokens, expected {sum(n for _, n in work)}.")
+    return {"tok_s": r.output_tok_per_s, "overhead_share": r.overhead_share,
+            "overhead_ms_per_step": 1e3 * (r.step_s - r.forward_s) / r.steps if r.steps else 0.0}
 
 
 def run_transformers(model, work: Workload, batch_size: int = 32) -> dict:
