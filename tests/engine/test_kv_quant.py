@@ -17,7 +17,7 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.model import kv_quant
 from kvserve.perplexity import make_chunks, perplexity, tokenize
 from tests.conftest import STORIES_HF
-from tests.reference.test_differential import make_workload, run, tokens
+from tests.reference.test_differential import CONSTRAINED, check_against, make_workload, unconstrained
 
 SAMPLE = Path(__file__).resolve().parents[2] / "docs" / "sample-story.txt"
 
@@ -82,36 +82,11 @@ def test_quantized_cache_outputs_do_not_depend_on_chunking(seed, name):
     """The differential harness with a quantized cache on both sides: constrained (tiny pool,
     chunking budgets, hash / radix prefix caching, swap / recompute, copy on write) equals
     the big-pool engine token for token."""
-    settings = [
-        dict(block_size=1, num_kv_blocks=96, max_num_batched_tokens=8, max_num_seqs=6),
-        dict(block_size=2, num_kv_blocks=40, max_num_batched_tokens=12, max_num_seqs=6, preemption_mode="swap"),
-        dict(block_size=4, num_kv_blocks=15, max_num_batched_tokens=6, max_num_seqs=6, prefix_cache="radix"),
-        dict(block_size=4, num_kv_blocks=12, max_num_batched_tokens=64, max_num_seqs=8,
-             preemption_mode="swap", prefix_cache="radix", swap_space=1 << 16),
-        dict(block_size=2, num_kv_blocks=30, max_num_batched_tokens=5, max_num_seqs=4),
-        dict(block_size=4, num_kv_blocks=14, max_num_batched_tokens=16, max_num_seqs=8, preemption_mode="swap"),
-    ][seed % 6]
     rng = random.Random(seed)
     workload = make_workload(rng, rng.randrange(6, 12))
-    small = LLM(str(STORIES_HF), kv_cache_dtype=name, watermark=0.0, **settings)
-    big = LLM(str(STORIES_HF), kv_cache_dtype=name, block_size=16, num_kv_blocks=2048,
-              max_num_batched_tokens=4096, max_num_seqs=256, enable_prefix_caching=False, watermark=0.0)
-    got, refused = run(small, workload, check=True)
-    want, _ = run(big, [dict(w, abort=None) for w in workload if w["id"] not in refused], check=False)
-    compared = 0
-    for w in workload:
-        rid = w["id"]
-        if rid not in got or w["abort"] is not None:
-            continue
-        for i, (x, y) in enumerate(zip(tokens(got[rid]), tokens(want[rid]))):
-            if got[rid].outputs[i].finish_reason == "length" and len(x) < len(y):
-                assert x == y[:len(x)], (rid, w["kind"], settings)
-            else:
-                assert x == y, (rid, w["kind"], settings)
-        compared += 1
-    assert compared > 0
-    s = small.engine.stats()
-    print(seed, settings, "compared", compared, "preemptions", s.num_preemptions_total,
+    s = check_against(unconstrained(kv_cache_dtype=name), dict(CONSTRAINED[seed % len(CONSTRAINED)], watermark=0.0),
+                      workload, kv_cache_dtype=name)
+    print(seed, name, "preemptions", s.num_preemptions_total,
           "swapped", s.num_swap_preemptions_total, "prefix hits", s.prefix_cache_hits_total,
           "cow", s.num_cow_copies_total)
 

@@ -89,10 +89,37 @@ CONSTRAINED = [
 ]
 
 
+def unconstrained(**engine_kwargs) -> LLM:
+    """A big pool, a big budget, no prefix cache: no preemption, no chunking."""
+    return LLM(str(STORIES_HF), block_size=16, num_kv_blocks=2048, max_num_batched_tokens=4096,
+               max_num_seqs=256, enable_prefix_caching=False, watermark=0.0, **engine_kwargs)
+
+
+def check_against(reference: LLM, settings: dict, workload: list[dict], **engine_kwargs):
+    """Run `workload` on a constrained engine and on `reference`; every request finished in both
+    must be equal (prefix-equal where the constrained one stopped it for length). Returns the
+    constrained engine's stats."""
+    small = LLM(str(STORIES_HF), **settings, **engine_kwargs)
+    got, refused = run(small, workload, check=True)
+    want, _ = run(reference, [dict(w, abort=None) for w in workload if w["id"] not in refused], check=False)
+    compared = 0
+    for w in workload:
+        rid = w["id"]
+        if rid not in got or w["abort"] is not None:
+            continue
+        for i, (x, y) in enumerate(zip(tokens(got[rid]), tokens(want[rid]))):
+            if got[rid].outputs[i].finish_reason == "length" and len(x) < len(y):
+                assert x == y[:len(x)], (rid, w["kind"], settings)     # outgrew the tiny pool
+            else:
+                assert x == y, (rid, w["kind"], settings)
+        compared += 1
+    assert compared > 0
+    return small.engine.stats()
+
+
 @pytest.fixture(scope="module")
 def reference():
-    return LLM(str(STORIES_HF), block_size=16, num_kv_blocks=2048, max_num_batched_tokens=4096,
-               max_num_seqs=256, enable_prefix_caching=False, watermark=0.0)
+    return unconstrained()
 
 
 @pytest.mark.parametrize("seed", range(48))
@@ -100,25 +127,9 @@ def test_constrained_engine_equals_unconstrained(reference, seed):
     rng = random.Random(seed)
     settings = dict(CONSTRAINED[seed % len(CONSTRAINED)], watermark=rng.choice([0.0, 0.05]))
     workload = make_workload(rng, rng.randrange(6, 12))
-    small = LLM(str(STORIES_HF), **settings)
-    got, refused = run(small, workload, check=True)
-    want, _ = run(reference, [dict(w, abort=None) for w in workload if w["id"] not in refused], check=False)
-    stats = small.engine.stats()
-    compared = 0
-    for w in workload:
-        rid = w["id"]
-        if rid not in got or w["abort"] is not None:
-            continue
-        a, b = tokens(got[rid]), tokens(want[rid])
-        for i, (x, y) in enumerate(zip(a, b)):
-            if got[rid].outputs[i].finish_reason == "length" and len(x) < len(y):
-                assert x == y[:len(x)], (rid, w["kind"], settings)     # outgrew the tiny pool
-            else:
-                assert x == y, (rid, w["kind"], settings)
-        compared += 1
-    assert compared > 0
-    print(seed, settings, "compared", compared, "refused", len(refused), "preemptions",
-          stats.num_preemptions_total, "swapped", stats.num_swap_preemptions_total, "steps", stats.num_steps)
+    stats = check_against(reference, settings, workload)
+    print(seed, settings, "preemptions", stats.num_preemptions_total,
+          "swapped", stats.num_swap_preemptions_total, "steps", stats.num_steps)
 
 
 def test_greedy_under_pressure_equals_transformers(reference):
