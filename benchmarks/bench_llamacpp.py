@@ -1,0 +1,240 @@
+"""kvserve against llama.cpp on the same GGUF file (the default model, SmolLM2-135M-Instruct Q4_1), in one run.
+
+1. Single-stream decode tokens/s: llama-bench's tg128 (`-p 0 -n 128`, from an empty context; and,
+   for reference, tg128 at depth 128, `-d 128`, which decodes at the same positions as kvserve)
+   against kvserve's native mode (`LLM(path)`): prompt of 128 token ids, 128 new tokens, greedy,
+   ignore_eos, the prefill's time taken out as benchmarks/bench_quant.py does (127 decode steps
+   over the time of a 128-token run less that of a 1-token run).
+2. Prefill tokens/s of a 128-token prompt: llama-bench's pp128 (`-p 128 -n 0`) against kvserve's
+   128-token prompt with one output token (the best of two; it includes one sampling step).
+3. Perplexity of docs/sample-story.txt with ctx 128: `llama-perplexity -c 128 -t 2` against
+   `kvserve perplexity --ctx 128`; both final PPLs, their ratio, and the tokenization of both
+   (llama-perplexity's tokens are read from a `--kl-divergence-base` file of a second run).
+
+Both engines use 2 threads. Speed measurements alternate (llama.cpp tg, kvserve, llama.cpp pp, ...,
+the order flipping each repeat); each kvserve measurement is a fresh subprocess; figures are
+medians of the repeats. llama-bench runs with `-r 1` (one timed repetition after its warmup).
+
+    python benchmarks/bench_llamacpp.py --llama-cpp-bin /tmp/llamacpp/build/bin --repeats 3 \
+        --out benchmarks/results/llamacpp.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+STORY = ROOT / "docs" / "sample-story.txt"
+THREADS = 2
+N = 128
+
+KVSERVE_CHILD = r"""
+import json, sys, time, torch
+from kvserve import LLM, SamplingParams
+torch.set_num_threads({threads})
+path, n, rep = {path!r}, {n}, {rep}
+llm = LLM(path, enable_prefix_caching=False, max_model_len=512, kv_cache_memory=256 << 20)
+seed = iter(range(1000 * rep + 1, 1 << 30))
+
+def timed(m):
+    prompt = [1] + [(7 * next(seed) + 13 * i) % 1000 + 3 for i in range(n - 1)]
+    t = time.perf_counter()
+    out = llm.generate([{{"prompt_token_ids": prompt}}],
+                       SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == m
+    return time.perf_counter() - t
+
+timed(4)
+prefill = min(timed(1) for _ in range(2))
+full = timed(n)
+print(json.dumps({{"prefill_tok_s": n / prefill, "decode_tok_s": (n - 1) / (full - prefill),
+                  "prefill_s": prefill, "gen128_s": full}}))
+"""
+
+KVSERVE_TOKENS = r"""
+import json
+from kvserve import LLM
+from kvserve.perplexity import tokenize
+llm = LLM({path!r}, enable_prefix_caching=False, max_model_len=512, kv_cache_memory=64 << 20)
+with open({story!r}, encoding="utf-8") as f:
+    tokens, bos = tokenize(llm.get_tokenizer(), f.read())
+print(json.dumps({{"tokens": tokens, "bos": bos}}))
+"""
+
+
+def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, **kw)
+    if out.returncode:
+        raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    return out
+
+
+def python_child(code: str) -> dict:
+    return json.loads(run([sys.executable, "-c", code]).stdout.strip().splitlines()[-1])
+
+
+def llama_bench(bindir: Path, model: str, args: list[str]) -> dict:
+    out = run([str(bindir / "llama-bench"), "-m", model, "-t", str(THREADS), "-r", "1", "-o", "json", *args])
+    rows = json.loads(out.stdout)
+    assert len(rows) == 1, rows
+    return rows[0]
+
+
+def measure_speed(bindir: Path, model: str, repeats: int) -> dict:
+    tasks = {
+        "llama_tg128": lambda rep: llama_bench(bindir, model, ["-p", "0", "-n", str(N)])["avg_ts"],
+        "kvserve": lambda rep: python_child(KVSERVE_CHILD.format(threads=THREADS, path=model, n=N, rep=rep)),
+        "llama_pp128": lambda rep: llama_bench(bindir, model, ["-p", str(N), "-n", "0"])["avg_ts"],
+        "llama_tg128_d128": lambda rep: llama_bench(
+            bindir, model, ["-p", "0", "-n", str(N), "-d", str(N)])["avg_ts"],
+    }
+    runs: dict = {name: [] for name in tasks}
+    for rep in range(repeats):
+        order = list(tasks) if rep % 2 == 0 else list(reversed(tasks))
+        for name in order:
+            r = tasks[name](rep)
+            runs[name].append(r)
+            shown = "  ".join(f"{k} {v:.1f}" for k, v in r.items() if k.endswith("tok_s")) \
+                if isinstance(r, dict) else f"{r:.1f} tok/s"
+            print(f"  repeat {rep} {name:17s} {shown}", flush=True)
+    med = {
+        "llama_tg128": statistics.median(runs["llama_tg128"]),
+        "llama_tg128_d128": statistics.median(runs["llama_tg128_d128"]),
+        "llama_pp128": statistics.median(runs["llama_pp128"]),
+        "kvserve_decode": statistics.median(r["decode_tok_s"] for r in runs["kvserve"]),
+        "kvserve_prefill": statistics.median(r["prefill_tok_s"] for r in runs["kvserve"]),
+    }
+    return {"medians": med, "runs": runs}
+
+
+def read_llama_tokens(path: str) -> tuple[int, int, list[int]]:
+    """(n_ctx, n_chunk, tokens) from the header of a llama-perplexity --kl-divergence-base file:
+    '_logits_', int32 n_ctx, int32 n_vocab, int32 n_chunk, then n_chunk * n_ctx int32 tokens."""
+    with open(path, "rb") as f:
+        assert f.read(8) == b"_logits_"
+        n_ctx, _n_vocab, n_chunk = np.frombuffer(f.read(12), dtype=np.int32)
+        tokens = np.frombuffer(f.read(4 * int(n_chunk) * int(n_ctx)), dtype=np.int32)
+    return int(n_ctx), int(n_chunk), tokens.tolist()
+
+
+FINAL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
+
+
+def measure_perplexity(bindir: Path, model: str, ctx: int) -> dict:
+    res: dict = {}
+    cmd = [str(bindir / "llama-perplexity"), "-m", model, "-f", str(STORY), "-c", str(ctx), "-t", str(THREADS)]
+    t = time.perf_counter()
+    out = run(cmd)
+    res["llama_wall_s"] = time.perf_counter() - t
+    text = out.stdout + out.stderr
+    m = FINAL.search(text)
+    if m is None:
+        raise RuntimeError(f"no final estimate in llama-perplexity's output:\n{text[-3000:]}")
+    res["llama_ppl"], res["llama_ppl_err"] = float(m.group(1)), float(m.group(2))
+    m = re.search(r"calculating perplexity over (\d+) chunks", text)
+    res["llama_chunks"] = int(m.group(1)) if m else None
+    print(f"  llama-perplexity: PPL {res['llama_ppl']:.4f} +/- {res['llama_ppl_err']:.5f}, "
+          f"{res['llama_chunks']} chunks, {res['llama_wall_s']:.1f} s", flush=True)
+
+    cli = Path(sys.executable).parent / "kvserve"     # the `kvserve` console script of this environment
+    cli_cmd = [str(cli)] if cli.exists() else [sys.executable, "-m", "kvserve.cli"]
+    cmd = [*cli_cmd, "perplexity", "--file", str(STORY), "--ctx", str(ctx)]
+    t = time.perf_counter()
+    out = run(cmd)
+    res["kvserve_wall_s"] = time.perf_counter() - t
+    m = FINAL.search(out.stdout)
+    if m is None:
+        raise RuntimeError(f"no final estimate in kvserve perplexity's output:\n{out.stdout[-3000:]}")
+    res["kvserve_ppl"], res["kvserve_ppl_err"] = float(m.group(1)), float(m.group(2))
+    m = re.search(r"perplexity: (\d+) chunks", out.stdout)
+    res["kvserve_chunks"] = int(m.group(1)) if m else None
+    m = re.search(r"\((\d+) tokens, mean NLL", out.stdout)
+    res["kvserve_scored_tokens"] = int(m.group(1)) if m else None
+    print(f"  kvserve perplexity: PPL {res['kvserve_ppl']:.4f} +/- {res['kvserve_ppl_err']:.5f}, "
+          f"{res['kvserve_chunks']} chunks, {res['kvserve_wall_s']:.1f} s", flush=True)
+
+    # Tokenization: llama-perplexity writes the tokens of its chunks at the head of a
+    # --kl-divergence-base file; kvserve's come from its own tokenizer (kvserve.perplexity.tokenize).
+    with tempfile.TemporaryDirectory() as tmp:
+        base = os.path.join(tmp, "llama.kld")
+        run([str(bindir / "llama-perplexity"), "-m", model, "-f", str(STORY), "-c", str(ctx),
+             "-t", str(THREADS), "--kl-divergence-base", base])
+        _, n_chunk, llama_tokens = read_llama_tokens(base)
+    kv = python_child(KVSERVE_TOKENS.format(path=model, story=str(STORY)))
+    kv_tokens = kv["tokens"]
+    n = len(llama_tokens)
+    mismatch = next((i for i in range(min(n, len(kv_tokens))) if kv_tokens[i] != llama_tokens[i]), None)
+    res.update({
+        "llama_chunk_tokens": n,                       # n_chunk * ctx: what llama-perplexity keeps
+        "llama_total_tokens_range": [n, n + ctx - 1],  # the whole text's count lies in this range
+        "kvserve_total_tokens": len(kv_tokens),
+        "kvserve_bos": kv["bos"],
+        "llama_first_tokens": llama_tokens[:8],
+        "kvserve_first_tokens": kv_tokens[:8],
+        "tokens_identical_over_chunks": mismatch is None and len(kv_tokens) >= n,
+        "first_mismatch": mismatch,
+    })
+    if mismatch is not None:
+        res["mismatch_context"] = {"llama": llama_tokens[max(0, mismatch - 3):mismatch + 5],
+                                   "kvserve": kv_tokens[max(0, mismatch - 3):mismatch + 5]}
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--llama-cpp-bin", required=True, type=Path,
+                    help="folder holding llama-bench and llama-perplexity")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ctx", type=int, default=128, help="perplexity chunk size")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from kvserve.model.default import default_model_path
+
+    model = default_model_path()
+    print(f"model {model}\nspeed: {args.repeats} repeats, {THREADS} threads", flush=True)
+    speed = measure_speed(args.llama_cpp_bin, model, args.repeats)
+    print(f"perplexity of {STORY.relative_to(ROOT)}, ctx {args.ctx}", flush=True)
+    ppl = measure_perplexity(args.llama_cpp_bin, model, args.ctx)
+
+    m = speed["medians"]
+    rows = [
+        ("decode tok/s (tg128)", m["llama_tg128"], m["kvserve_decode"]),
+        ("decode tok/s (tg128 @ d128)", m["llama_tg128_d128"], m["kvserve_decode"]),
+        ("prefill tok/s (pp128)", m["llama_pp128"], m["kvserve_prefill"]),
+        (f"perplexity (ctx {args.ctx})", ppl["llama_ppl"], ppl["kvserve_ppl"]),
+    ]
+    print(f"\nSmolLM2-135M-Instruct Q4_1, {THREADS} threads; speeds are medians of {args.repeats}")
+    print(f"  {'':30s} {'llama.cpp':>10s} {'kvserve':>10s} {'kvserve/llama.cpp':>18s}")
+    for name, a, b in rows:
+        digits = 4 if name.startswith("perplexity") else 2
+        print(f"  {name:30s} {a:10.{digits}f} {b:10.{digits}f} {b / a:17.4f}x")
+    print(f"  {'PPL +/-':30s} {ppl['llama_ppl_err']:10.4f} {ppl['kvserve_ppl_err']:10.4f}")
+    print(f"  {'perplexity chunks':30s} {ppl['llama_chunks']!s:>10s} {ppl['kvserve_chunks']!s:>10s}")
+    print(f"  {'text tokens':30s} {'%d-%d' % tuple(ppl['llama_total_tokens_range']):>10s} "
+          f"{ppl['kvserve_total_tokens']:10d}")
+    print(f"  tokens of the {ppl['llama_chunks']} chunks ({ppl['llama_chunk_tokens']}) identical: "
+          f"{ppl['tokens_identical_over_chunks']}"
+          + ("" if ppl["first_mismatch"] is None else
+             f" (first difference at {ppl['first_mismatch']}: {ppl['mismatch_context']})"))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({
+            "model": model, "threads": THREADS, "repeats": args.repeats,
+            "table": {name: {"llama_cpp": a, "kvserve": b, "ratio": b / a} for name, a, b in rows},
+            "speed": speed, "perplexity": ppl}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
