@@ -41,7 +41,7 @@ from kvserve.engine.stats import EngineStats, collect_stats
 from kvserve.kv.manager import KVCacheManager, cdiv
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_model_dir
-from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
+from kvserve.outputs import CompletionOutput, Logprob, RequestOutput, logprob_entry
 from kvserve.sample.params import SamplingParams
 from kvserve.sample.sampler import Sampler
 
@@ -314,10 +314,7 @@ class LLMEngine:
                 samples[r.request_id] = res
                 continue
             if r.logprobs is not None:
-                entry = {res.token_id: Logprob(res.logprob, res.rank, self._piece(res.token_id))}
-                for rank, (tid, lp) in enumerate(res.top or (), start=1):
-                    entry.setdefault(tid, Logprob(lp, rank, self._piece(tid)))
-                r.logprobs.append(entry)
+                r.logprobs.append(logprob_entry(res.token_id, res.logprob, res.rank, res.top, self._piece))
                 r.cumulative_logprob += res.logprob
             samples[r.request_id] = res.token_id
         return samples, candidates

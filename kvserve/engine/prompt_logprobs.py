@@ -18,7 +18,8 @@ from typing import Callable
 import torch
 
 from kvserve.engine.request import Request
-from kvserve.outputs import Logprob
+from kvserve.outputs import logprob_entry
+from kvserve.sample.sampler import token_logprobs
 
 
 def start(req: Request) -> None:
@@ -56,16 +57,8 @@ def record(req: Request, first: int, logits: torch.Tensor, piece: Callable[[int]
     entries = req.prompt_logprobs
     assert first + 1 == len(entries), f"{req}: prompt entries {len(entries)}, rows from position {first}"
     r = logits.shape[0]
-    lp = torch.log_softmax(logits.float(), dim=-1)                       # [r, V]
-    targets = torch.tensor(req.prompt_token_ids[first + 1:first + 1 + r], dtype=torch.long,
-                           device=lp.device).unsqueeze(1)                # [r, 1]
-    chosen = lp.gather(1, targets)                                       # [r, 1]
-    ranks = ((lp > chosen).sum(dim=1) + 1).tolist()                      # [r]; 1 = most likely
-    k = req.params.prompt_logprobs
-    top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())   # [r, k]
-    for tid, c, rank, ids, lps in zip(targets.squeeze(1).tolist(), chosen.squeeze(1).tolist(), ranks,
-                                       top_ids.tolist(), top_lp.tolist()):
-        entry = {tid: Logprob(c, rank, piece(tid))}
-        for top_rank, (t, v) in enumerate(zip(ids, lps), start=1):
-            entry.setdefault(t, Logprob(v, top_rank, piece(t)))
-        entries.append(entry)
+    targets = req.prompt_token_ids[first + 1:first + 1 + r]
+    chosen, ranks, top_ids, top_lps = token_logprobs(
+        logits, torch.tensor(targets, dtype=torch.long, device=logits.device), req.params.prompt_logprobs)
+    for tid, c, rank, ids, lps in zip(targets, chosen, ranks, top_ids, top_lps):
+        entries.append(logprob_entry(tid, c, rank, zip(ids, lps), piece))

@@ -123,6 +123,21 @@ def _mask_early_stops(logits: torch.Tensor, reqs: Sequence[Request]) -> None:
                 logits[i, stops] = float("-inf")
 
 
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int):
+    """Raw-distribution logprobs of `tokens` [S] under `logits` [S, V]: (logprob per row,
+    rank per row (1 = most likely), top-k ids per row, top-k logprobs per row), as lists."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)              # [S, V]
+    chosen = logprobs.gather(1, tokens.unsqueeze(1))                  # [S, 1]
+    ranks = (logprobs > chosen).sum(dim=1) + 1                        # [S]
+    k = min(k, logprobs.shape[1])
+    if k:
+        top_lp, top_ids = logprobs.topk(k, dim=1)                     # [S, k]
+        top_ids, top_lp = top_ids.tolist(), top_lp.tolist()
+    else:
+        top_ids = top_lp = [[] for _ in range(logits.shape[0])]
+    return chosen.squeeze(1).tolist(), ranks.tolist(), top_ids, top_lp
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device, seed: int | None = None):
         self.vocab_size = vocab_size
@@ -137,18 +152,14 @@ class Sampler:
         need_lp = [r.params.logprobs is not None for r in reqs]
         results = []
         if any(need_lp):
-            logprobs = torch.log_softmax(raw, dim=-1)                # [S, V]
-            chosen = logprobs.gather(1, tokens.unsqueeze(1))         # [S, 1]
-            ranks = (logprobs > chosen).sum(dim=1) + 1               # [S]
-            k = min(max(r.params.logprobs or 0 for r in reqs), logprobs.shape[1])
-            top_lp, top_ids = logprobs.topk(k, dim=1) if k else (None, None)
-            tok_l, lp_l, rank_l = tokens.tolist(), chosen.squeeze(1).tolist(), ranks.tolist()
-            for i, r in enumerate(reqs):
+            k = max(r.params.logprobs or 0 for r in reqs)
+            lp_l, rank_l, top_ids, top_lp = token_logprobs(raw, tokens, k)
+            for i, (r, t) in enumerate(zip(reqs, tokens.tolist())):
                 top = None
                 if need_lp[i] and r.params.logprobs:
                     n = r.params.logprobs
-                    top = list(zip(top_ids[i, :n].tolist(), top_lp[i, :n].tolist()))
-                results.append(SampleResult(tok_l[i], lp_l[i], rank_l[i], top))
+                    top = list(zip(top_ids[i][:n], top_lp[i][:n]))
+                results.append(SampleResult(t, lp_l[i], rank_l[i], top))
             return results
         return [SampleResult(t, 0.0, 0) for t in tokens.tolist()]
 
