@@ -23,15 +23,12 @@ aborted and their KV blocks freed at once.
 """
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import replace
-from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -39,13 +36,15 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.sample.params import SamplingParams
-from kvserve.server.async_engine import AsyncEngine, RequestFailed, RequestOutputCollector
+from kvserve.server.async_engine import AsyncEngine
 from kvserve.server.chat import ChatRenderer
 from kvserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from kvserve.server.openai_logprobs import chat_logprobs, completion_logprobs, echo_logprobs, echo_only
+from kvserve.server.submission import Submission, collect_or_disconnect, step_views
 from kvserve.server.protocol import (
     APIError, ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
-    ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatLogprobToken, ChatMessage,
-    ChatTopLogprob, CompletionChoice, CompletionLogProbs, CompletionRequest, CompletionResponse,
+    ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatMessage,
+    CompletionChoice, CompletionRequest, CompletionResponse,
     CompletionStreamResponse, DeltaMessage, ModelCard, ModelList, UsageInfo,
     validation_error_to_api_error)
 
@@ -207,134 +206,8 @@ def _sampling_params(req, max_tokens: int, logprobs: int | None,
         raise APIError(str(e)) from None
 
 
-class _Submission:
-    """The engine requests behind one HTTP request, all feeding one collector."""
-
-    def __init__(self, state: ServerState, prefix: str):
-        self.state = state
-        self.collector = RequestOutputCollector()
-        self.prefix = prefix
-        self.request_ids: list[str] = []
-        self.unfinished: set[str] = set()
-
-    async def outputs(self) -> AsyncIterator:
-        """(latest cumulative RequestOutput, the steps it stands for) of every engine request,
-        as they come; see `RequestOutputCollector.get_nowait` for the steps."""
-        while self.unfinished:
-            item, steps = await self.collector.get_with_steps()
-            if isinstance(item, RequestFailed):
-                self.unfinished.discard(item.request_id)
-                err = item.error
-                if isinstance(err, APIError):
-                    raise err
-                raise APIError(f"the engine failed: {err!r}", 500, type="server_error")
-            if item.finished:
-                self.unfinished.discard(item.request_id)
-                failed = next((c for c in item.outputs if c.finish_reason == "error"), None)
-                if failed is not None:       # this request alone failed in the engine
-                    logger.error("request %s failed in the engine: %s", item.request_id, failed.error)
-                    raise APIError(f"request {item.request_id} failed in the engine; the server "
-                                   "keeps serving others", 500, type="server_error", code="request_failed")
-            yield item, steps
-
-    def abort_unfinished(self) -> None:
-        for rid in list(self.unfinished):
-            self.state.async_engine.abort(rid)
-        self.unfinished.clear()
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _collect_or_disconnect(sub: _Submission, request: Request) -> dict[str, object] | None:
-    """Final output of every engine request, or None when the client went away first."""
-    async def collect():
-        final = {}
-        async for out, _ in sub.outputs():
-            if out.finished:
-                final[out.request_id] = out
-        return final
-
-    collector = asyncio.ensure_future(collect())
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if collector in done:
-            return collector.result()
-        collector.cancel()
-        return None
-    finally:
-        watcher.cancel()
-        if not collector.done():
-            collector.cancel()
-        sub.abort_unfinished()
-
-
-def _step_views(out, steps):
-    """(completion, num tokens, text length, finished) for each chunk to send for `out`.
-
-    `steps` (from the collector) says how far each sequence had got at every engine step since
-    the last read, so a reader that fell behind sends the same chunks -- one per step, each the
-    difference from the previous one -- as a reader that kept up. Without steps, the output's
-    current state is the only step.
-    """
-    if not steps:
-        for c in out.outputs:
-            yield c, len(c.token_ids), len(c.text), c.finish_reason is not None
-        return
-    by_index = {c.index: c for c in out.outputs}
-    for index, num_tokens, text_len, finished in steps:
-        c = by_index.get(index)
-        if c is not None:
-            yield c, num_tokens, text_len, bool(finished)
-
-
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-_CONTEXT_TOKENS = 6
-
-
-def _logprob_entries(state: ServerState, context: list[int], token_ids: list[int], tables: list[dict],
-                     k: int, skip_special: bool = True) -> list[tuple[str, float | None, list[tuple[str, float]]]]:
-    """(token text, its logprob, top-k [(text, logprob)]) for each token; a None table (the
-    first prompt token, which nothing predicts) gives (text, None, None).
-
-    A token's text is what it adds to the decoded text *in context* -- decode(context + token)
-    minus decode(context) -- because SentencePiece-style tokens decoded alone lose their leading
-    space. The last few tokens before it (prompt and earlier output) are the context; so the
-    chosen tokens' texts concatenate to the completion text.
-    """
-    tok = state.tokenizer
-    seq = list(context[-_CONTEXT_TOKENS:])
-
-    def piece(prev_text: str, ids: list[int], tid: int) -> str:
-        if tok is None:
-            return str(tid)
-        text = tok.decode(ids, skip_special_tokens=skip_special)
-        if text.startswith(prev_text):
-            return text[len(prev_text):]
-        return tok.decode([tid], skip_special_tokens=skip_special)
-
-    prev = tok.decode(seq, skip_special_tokens=skip_special) if tok is not None else ""
-    out = []
-    for tid, table in zip(token_ids, tables):
-        chosen = table.get(tid) if table is not None else None
-        top = sorted(table.items(), key=lambda kv: -kv[1].logprob)[:k] if table is not None else None
-        alts = [(piece(prev, seq + [t], t), lp.logprob) for t, lp in top] if top is not None else None
-        seq.append(tid)
-        text = piece(prev, seq, tid)
-        prev = prev + text
-        if len(seq) > 4 * _CONTEXT_TOKENS:      # keep decoding cheap on long outputs
-            seq = seq[-_CONTEXT_TOKENS:]
-            prev = tok.decode(seq, skip_special_tokens=skip_special) if tok is not None else ""
-        out.append((text, chosen.logprob if chosen is not None else None, alts))
-    return out
 
 
 def _usage(outputs: list, include_cached: bool = True) -> UsageInfo:
@@ -346,26 +219,6 @@ def _usage(outputs: list, include_cached: bool = True) -> UsageInfo:
 
 
 # ------------------------------------------------------------------ /v1/completions
-
-
-def _completion_logprobs(state: ServerState, context: list[int], token_ids: list[int],
-                         logprobs: list[dict], start_offset: int, k: int, skip_special: bool) -> CompletionLogProbs:
-    out = CompletionLogProbs()
-    offset = start_offset
-    for text, chosen, alts in _logprob_entries(state, context, token_ids, logprobs, k, skip_special):
-        out.tokens.append(text)
-        out.token_logprobs.append(chosen)
-        top = None
-        if alts is not None:        # tokens that read the same keep the likelier one's logprob
-            top = {}
-            for t, v in alts:
-                top.setdefault(t, v)
-        if chosen is not None:
-            top.setdefault(text, chosen)
-        out.top_logprobs.append(top)
-        out.text_offset.append(offset)
-        offset += len(text)
-    return out
 
 
 async def _completions(state: ServerState, req: CompletionRequest, request: Request):
@@ -396,7 +249,7 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
               for m in max_tokens]
     rid_prefix = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    sub = _Submission(state, rid_prefix)
+    sub = Submission(state, rid_prefix)
     try:
         for i, ((item, _), p) in enumerate(zip(items, params)):
             await _add_one(sub, i, item, p)
@@ -413,20 +266,20 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
                                                      prompt_texts),
                                  media_type="text/event-stream", headers=_SSE_HEADERS)
 
-    final = await _collect_or_disconnect(sub, request)
+    final = await collect_or_disconnect(sub, request)
     if final is None:
         return Response(status_code=499)
     choices = []
     outs = [final[rid] for rid in sub.request_ids]
-    outs = [_echo_only(out) if req.max_tokens == 0 else out for out in outs]
+    outs = [echo_only(out) if req.max_tokens == 0 else out for out in outs]
     for pi, out in enumerate(outs):
         prefix_text = prompt_texts[pi] if req.echo else ""
         for c in out.outputs:
             lp = None
             if req.logprobs is not None and req.echo:
-                lp = _echo_logprobs(state, out, c, req.logprobs, req.skip_special_tokens)
+                lp = echo_logprobs(state, out, c, req.logprobs, req.skip_special_tokens)
             elif req.logprobs is not None and c.logprobs is not None:
-                lp = _completion_logprobs(state, out.prompt_token_ids, c.token_ids, c.logprobs,
+                lp = completion_logprobs(state, out.prompt_token_ids, c.token_ids, c.logprobs,
                                           len(prefix_text), req.logprobs, req.skip_special_tokens)
             choices.append(CompletionChoice(index=pi * req.n + c.index, text=prefix_text + c.text,
                                             logprobs=lp, finish_reason=c.finish_reason,
@@ -435,24 +288,7 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
                               choices=choices, usage=_usage(outs)).model_dump()
 
 
-def _echo_only(out):
-    """echo with max_tokens=0: the output without the one token generated to get there."""
-    return replace(out, outputs=[replace(c, text="", token_ids=[], stop_reason=None, finish_reason="length",
-                                         logprobs=[] if c.logprobs is not None else None)
-                                 for c in out.outputs])
-
-
-def _echo_logprobs(state: ServerState, out, c, k: int, skip_special: bool) -> CompletionLogProbs:
-    """echo with logprobs: the prompt's tokens (a null logprob for the first, which nothing
-    predicts), then completion `c`'s (None: the prompt alone), with text offsets from the start
-    of the prompt's text."""
-    ids, tables = out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-    if c is not None:
-        ids, tables = ids + c.token_ids, tables + (c.logprobs or [])
-    return _completion_logprobs(state, [], ids, tables, 0, k, skip_special)
-
-
-async def _add_one(sub: _Submission, i: int, item, params: SamplingParams) -> None:
+async def _add_one(sub: Submission, i: int, item, params: SamplingParams) -> None:
     rid = f"{sub.prefix}-{i}"
     sub.request_ids.append(rid)
     sub.unfinished.add(rid)
@@ -463,7 +299,7 @@ async def _add_one(sub: _Submission, i: int, item, params: SamplingParams) -> No
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-async def _stream_completions(state, req: CompletionRequest, sub: _Submission, rid_prefix: str,
+async def _stream_completions(state, req: CompletionRequest, sub: Submission, rid_prefix: str,
                               created: int, index_of: dict, prompt_texts: list[str]):
     sent_text: dict[tuple[str, int], int] = {}
     sent_tokens: dict[tuple[str, int], int] = {}
@@ -490,16 +326,16 @@ async def _stream_completions(state, req: CompletionRequest, sub: _Submission, r
         async for out, steps in sub.outputs():
             pi = index_of[out.request_id]
             if req.max_tokens == 0:
-                out = _echo_only(out)
+                out = echo_only(out)
             if out.finished:
                 finals[out.request_id] = out
             if pi in echo_pending:
                 echo_pending.discard(pi)
-                lp = _echo_logprobs(state, out, None, req.logprobs, req.skip_special_tokens)
+                lp = echo_logprobs(state, out, None, req.logprobs, req.skip_special_tokens)
                 for j in range(req.n):
                     offsets[(out.request_id, j)] = sum(len(t) for t in lp.tokens)
                     yield chunk([CompletionChoice(index=pi * req.n + j, text=prompt_texts[pi], logprobs=lp)])
-            for c, n1, t1, fin in _step_views(out, steps):
+            for c, n1, t1, fin in step_views(out, steps):
                 key = (out.request_id, c.index)
                 if key in done:
                     continue
@@ -512,7 +348,7 @@ async def _stream_completions(state, req: CompletionRequest, sub: _Submission, r
                     continue
                 lp = None
                 if req.logprobs is not None and c.logprobs is not None and new_ids:
-                    lp = _completion_logprobs(state, out.prompt_token_ids + c.token_ids[:n0], new_ids,
+                    lp = completion_logprobs(state, out.prompt_token_ids + c.token_ids[:n0], new_ids,
                                               c.logprobs[n0:n1], offsets.get(key, 0),
                                               req.logprobs, req.skip_special_tokens)
                     offsets[key] = offsets.get(key, 0) + sum(len(t) for t in lp.tokens)
@@ -535,16 +371,6 @@ async def _stream_completions(state, req: CompletionRequest, sub: _Submission, r
 # ------------------------------------------------------------------ /v1/chat/completions
 
 
-def _chat_logprobs(state: ServerState, context: list[int], token_ids: list[int], logprobs: list[dict],
-                   k: int, skip_special: bool) -> list[ChatLogprobToken]:
-    content = []
-    for text, chosen, alts in _logprob_entries(state, context, token_ids, logprobs, k, skip_special):
-        content.append(ChatLogprobToken(
-            token=text, logprob=chosen if chosen is not None else -9999.0, bytes=list(text.encode("utf-8")),
-            top_logprobs=[ChatTopLogprob(token=t, logprob=lp, bytes=list(t.encode("utf-8"))) for t, lp in alts]))
-    return content
-
-
 async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request):
     if state.chat is None:
         raise APIError("this model has no tokenizer, so chat is not available; use /v1/completions "
@@ -562,7 +388,7 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
     params = _sampling_params(req, max_tokens, k if req.logprobs else None)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    sub = _Submission(state, rid)
+    sub = Submission(state, rid)
     try:
         item = {"prompt_token_ids": ids, "prompt": text}
         if req.cache_salt is not None:
@@ -576,7 +402,7 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
         return StreamingResponse(_stream_chat(state, req, sub, rid, created, k),
                                  media_type="text/event-stream", headers=_SSE_HEADERS)
 
-    final = await _collect_or_disconnect(sub, request)
+    final = await collect_or_disconnect(sub, request)
     if final is None:
         return Response(status_code=499)
     out = final[sub.request_ids[0]]
@@ -584,7 +410,7 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
     for c in out.outputs:
         lp = None
         if req.logprobs and c.logprobs is not None:
-            lp = ChatChoiceLogprobs(content=_chat_logprobs(state, out.prompt_token_ids, c.token_ids,
+            lp = ChatChoiceLogprobs(content=chat_logprobs(state, out.prompt_token_ids, c.token_ids,
                                                            c.logprobs, k, req.skip_special_tokens))
         choices.append(ChatCompletionChoice(index=c.index, message=ChatMessage(content=c.text),
                                             logprobs=lp, finish_reason=c.finish_reason,
@@ -593,7 +419,7 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
                                   usage=_usage([out])).model_dump()
 
 
-async def _stream_chat(state, req: ChatCompletionRequest, sub: _Submission, rid: str, created: int,
+async def _stream_chat(state, req: ChatCompletionRequest, sub: Submission, rid: str, created: int,
                        k: int):
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     sent_text: dict[int, int] = {}
@@ -615,7 +441,7 @@ async def _stream_chat(state, req: ChatCompletionRequest, sub: _Submission, rid:
         async for out, steps in sub.outputs():
             if out.finished:
                 final = out
-            for c, n1, t1, fin in _step_views(out, steps):
+            for c, n1, t1, fin in step_views(out, steps):
                 if c.index in done:
                     continue
                 t0, n0 = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
@@ -625,7 +451,7 @@ async def _stream_chat(state, req: ChatCompletionRequest, sub: _Submission, rid:
                     continue
                 lp = None
                 if req.logprobs and c.logprobs is not None and new_ids:
-                    lp = ChatChoiceLogprobs(content=_chat_logprobs(
+                    lp = ChatChoiceLogprobs(content=chat_logprobs(
                         state, out.prompt_token_ids + c.token_ids[:n0], new_ids,
                         c.logprobs[n0:n1], k, req.skip_special_tokens))
                 sent_text[c.index], sent_tokens[c.index] = t1, n1

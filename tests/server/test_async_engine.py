@@ -244,7 +244,7 @@ async def _stream(outputs: list, read_after: list[bool], chat: bool) -> tuple[li
     its collector, letting the handler read only after the puts marked in `read_after`."""
     state = SimpleNamespace(model_name="m", tokenizer=None,
                             async_engine=SimpleNamespace(abort=lambda rid: None))
-    sub = server_app._Submission(state, "id")
+    sub = server_app.Submission(state, "id")
     sub.request_ids, sub.unfinished = ["r"], {"r"}
     if chat:
         req = ChatCompletionRequest.model_validate(
@@ -342,7 +342,7 @@ def test_failure_after_unread_output_streams_the_text_then_the_error():
     async def main():
         state = SimpleNamespace(model_name="m", tokenizer=None,
                                 async_engine=SimpleNamespace(abort=lambda rid: None))
-        sub = server_app._Submission(state, "id")
+        sub = server_app.Submission(state, "id")
         sub.request_ids, sub.unfinished = ["r"], {"r"}
         req = CompletionRequest.model_validate({"prompt": "x", "stream": True})
         for k in range(1, 5):
@@ -588,7 +588,7 @@ def test_real_engine_slow_and_fast_readers_get_the_same_stream():
             while True:
                 out, steps = await asyncio.wait_for(fast.get_with_steps(), GUARD_S)
                 assert not isinstance(out, RequestFailed), out
-                for c, _, t1, _ in server_app._step_views(out, steps):
+                for c, _, t1, _ in server_app.step_views(out, steps):
                     fast_chunks.append(c.text[sent:t1])
                     sent = t1
                 if out.finished:
@@ -600,7 +600,7 @@ def test_real_engine_slow_and_fast_readers_get_the_same_stream():
             await asyncio.to_thread(ae.shutdown)
         assert out.finished and len(out.outputs[0].token_ids) == n and len(steps) == n
         slow_chunks, sent = [], 0
-        for c, _, t1, _ in server_app._step_views(out, steps):
+        for c, _, t1, _ in server_app.step_views(out, steps):
             slow_chunks.append(c.text[sent:t1])
             sent = t1
         assert "".join(slow_chunks) == out.outputs[0].text

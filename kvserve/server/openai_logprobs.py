@@ -1,0 +1,96 @@
+"""Logprobs in OpenAI's shapes: the completions API's `logprobs` object (tokens, token_logprobs,
+top_logprobs, text_offset; echoed prompts included) and the chat API's `content` list, from
+the engine's `{token_id: Logprob}` tables. A token's text is read in context so that the texts
+join up to the completion text."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kvserve.server.protocol import ChatLogprobToken, ChatTopLogprob, CompletionLogProbs
+
+
+_CONTEXT_TOKENS = 6
+
+
+def logprob_entries(state, context: list[int], token_ids: list[int], tables: list[dict],
+                     k: int, skip_special: bool = True) -> list[tuple[str, float | None, list[tuple[str, float]]]]:
+    """(token text, its logprob, top-k [(text, logprob)]) for each token; a None table (the
+    first prompt token, which nothing predicts) gives (text, None, None).
+
+    A token's text is what it adds to the decoded text *in context* -- decode(context + token)
+    minus decode(context) -- because SentencePiece-style tokens decoded alone lose their leading
+    space. The last few tokens before it (prompt and earlier output) are the context; so the
+    chosen tokens' texts concatenate to the completion text.
+    """
+    tok = state.tokenizer
+    seq = list(context[-_CONTEXT_TOKENS:])
+
+    def piece(prev_text: str, ids: list[int], tid: int) -> str:
+        if tok is None:
+            return str(tid)
+        text = tok.decode(ids, skip_special_tokens=skip_special)
+        if text.startswith(prev_text):
+            return text[len(prev_text):]
+        return tok.decode([tid], skip_special_tokens=skip_special)
+
+    prev = tok.decode(seq, skip_special_tokens=skip_special) if tok is not None else ""
+    out = []
+    for tid, table in zip(token_ids, tables):
+        chosen = table.get(tid) if table is not None else None
+        top = sorted(table.items(), key=lambda kv: -kv[1].logprob)[:k] if table is not None else None
+        alts = [(piece(prev, seq + [t], t), lp.logprob) for t, lp in top] if top is not None else None
+        seq.append(tid)
+        text = piece(prev, seq, tid)
+        prev = prev + text
+        if len(seq) > 4 * _CONTEXT_TOKENS:      # keep decoding cheap on long outputs
+            seq = seq[-_CONTEXT_TOKENS:]
+            prev = tok.decode(seq, skip_special_tokens=skip_special) if tok is not None else ""
+        out.append((text, chosen.logprob if chosen is not None else None, alts))
+    return out
+
+
+def completion_logprobs(state, context: list[int], token_ids: list[int],
+                         logprobs: list[dict], start_offset: int, k: int, skip_special: bool) -> CompletionLogProbs:
+    out = CompletionLogProbs()
+    offset = start_offset
+    for text, chosen, alts in logprob_entries(state, context, token_ids, logprobs, k, skip_special):
+        out.tokens.append(text)
+        out.token_logprobs.append(chosen)
+        top = None
+        if alts is not None:        # tokens that read the same keep the likelier one's logprob
+            top = {}
+            for t, v in alts:
+                top.setdefault(t, v)
+        if chosen is not None:
+            top.setdefault(text, chosen)
+        out.top_logprobs.append(top)
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+def echo_only(out):
+    """echo with max_tokens=0: the output without the one token generated to get there."""
+    return replace(out, outputs=[replace(c, text="", token_ids=[], stop_reason=None, finish_reason="length",
+                                         logprobs=[] if c.logprobs is not None else None)
+                                 for c in out.outputs])
+
+
+def echo_logprobs(state, out, c, k: int, skip_special: bool) -> CompletionLogProbs:
+    """echo with logprobs: the prompt's tokens (a null logprob for the first, which nothing
+    predicts), then completion `c`'s (None: the prompt alone), with text offsets from the start
+    of the prompt's text."""
+    ids, tables = out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+    if c is not None:
+        ids, tables = ids + c.token_ids, tables + (c.logprobs or [])
+    return completion_logprobs(state, [], ids, tables, 0, k, skip_special)
+
+
+def chat_logprobs(state, context: list[int], token_ids: list[int], logprobs: list[dict],
+                   k: int, skip_special: bool) -> list[ChatLogprobToken]:
+    content = []
+    for text, chosen, alts in logprob_entries(state, context, token_ids, logprobs, k, skip_special):
+        content.append(ChatLogprobToken(
+            token=text, logprob=chosen if chosen is not None else -9999.0, bytes=list(text.encode("utf-8")),
+            top_logprobs=[ChatTopLogprob(token=t, logprob=lp, bytes=list(t.encode("utf-8"))) for t, lp in alts]))
+    return content

@@ -1,0 +1,102 @@
+"""The engine requests behind one HTTP request: one output collector for all of them
+(`async_engine.RequestOutputCollector`), their outputs as they come, failures as APIErrors
+(a request that failed alone in the engine is a 500 naming it), aborts when the client leaves,
+and the per-step views that let a slow reader stream the same chunks as a fast one."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator
+
+from fastapi import Request
+
+from kvserve.server.async_engine import RequestFailed, RequestOutputCollector
+from kvserve.server.protocol import APIError
+
+logger = logging.getLogger("kvserve.server")
+
+
+class Submission:
+    """The engine requests behind one HTTP request, all feeding one collector."""
+
+    def __init__(self, state, prefix: str):
+        self.state = state
+        self.collector = RequestOutputCollector()
+        self.prefix = prefix
+        self.request_ids: list[str] = []
+        self.unfinished: set[str] = set()
+
+    async def outputs(self) -> AsyncIterator:
+        """(latest cumulative RequestOutput, the steps it stands for) of every engine request,
+        as they come; see `RequestOutputCollector.get_nowait` for the steps."""
+        while self.unfinished:
+            item, steps = await self.collector.get_with_steps()
+            if isinstance(item, RequestFailed):
+                self.unfinished.discard(item.request_id)
+                err = item.error
+                if isinstance(err, APIError):
+                    raise err
+                raise APIError(f"the engine failed: {err!r}", 500, type="server_error")
+            if item.finished:
+                self.unfinished.discard(item.request_id)
+                failed = next((c for c in item.outputs if c.finish_reason == "error"), None)
+                if failed is not None:       # this request alone failed in the engine
+                    logger.error("request %s failed in the engine: %s", item.request_id, failed.error)
+                    raise APIError(f"request {item.request_id} failed in the engine; the server "
+                                   "keeps serving others", 500, type="server_error", code="request_failed")
+            yield item, steps
+
+    def abort_unfinished(self) -> None:
+        for rid in list(self.unfinished):
+            self.state.async_engine.abort(rid)
+        self.unfinished.clear()
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect_or_disconnect(sub: Submission, request: Request) -> dict[str, object] | None:
+    """Final output of every engine request, or None when the client went away first."""
+    async def collect():
+        final = {}
+        async for out, _ in sub.outputs():
+            if out.finished:
+                final[out.request_id] = out
+        return final
+
+    collector = asyncio.ensure_future(collect())
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if collector in done:
+            return collector.result()
+        collector.cancel()
+        return None
+    finally:
+        watcher.cancel()
+        if not collector.done():
+            collector.cancel()
+        sub.abort_unfinished()
+
+
+def step_views(out, steps):
+    """(completion, num tokens, text length, finished) for each chunk to send for `out`.
+
+    `steps` (from the collector) says how far each sequence had got at every engine step since
+    the last read, so a reader that fell behind sends the same chunks -- one per step, each the
+    difference from the previous one -- as a reader that kept up. Without steps, the output's
+    current state is the only step.
+    """
+    if not steps:
+        for c in out.outputs:
+            yield c, len(c.token_ids), len(c.text), c.finish_reason is not None
+        return
+    by_index = {c.index: c for c in out.outputs}
+    for index, num_tokens, text_len, finished in steps:
+        c = by_index.get(index)
+        if c is not None:
+            yield c, num_tokens, text_len, bool(finished)
