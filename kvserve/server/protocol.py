@@ -19,7 +19,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, field_validator
 
-MAX_LOGPROBS = 20
+from kvserve.sample.params import MAX_LOGPROBS
 MAX_N = 16
 
 
