@@ -7,9 +7,11 @@ with the whole history (user turns and the server's own replies) resent, as a ch
 
 - `random`: prompts of `--random-input-len` tokens and outputs of `--random-output-len` tokens,
   each drawn uniformly from [len * (1 - range_ratio), len * (1 + range_ratio)]. With a tokenizer
-  (`--tokenizer DIR`, or `--model` when it is a local directory holding `tokenizer.json`) the
-  prompt is decoded from random token ids, as vLLM's benchmark does; without one it is random
-  words from a fixed list (roughly one token per word for BPE vocabularies).
+  (`--tokenizer PATH`, or `--model` when it is a local directory or .gguf file) a prompt is random
+  ordinary token ids, sent as a list of ints on /v1/completions (`--prompt-format token-ids`, the
+  default), or text re-encoded until it counts as the requested length (`--prompt-format text`,
+  and always on chat); see bench/prompts.py. Without a tokenizer it is random words from a fixed
+  list (roughly one token per word for BPE vocabularies), and the server's count shows how far off.
 - `prefix`: `--prefix-num-prefixes` shared system prompts of `--prefix-len` tokens, each request
   one of them (round robin) followed by a distinct question of `--prefix-question-len` tokens:
   the workload prefix caching is for.
@@ -22,23 +24,10 @@ with the whole history (user turns and the server's own replies) resent, as a ch
 from __future__ import annotations
 
 import json
-import os
 import random
 from dataclasses import dataclass, field
 
-# A fixed, boring vocabulary for prompts when no tokenizer is available. Common short English
-# words are single tokens in nearly every BPE vocabulary, so word count ~ token count.
-_WORDS = (
-    "the of and to in is was he for it with as his on be at by had are but from or have an they "
-    "which one you were her all she there would their we him been has when who will more no if "
-    "out so said what up its about into than them can only other new some could time these two "
-    "may then do first any my now such like our over man me even most made after also did many "
-    "before must through back years where much your way well down should because each just those "
-    "people how too little state good very make world still own see men work long get here "
-    "between both life being under never day same another know while last might us great old "
-    "year off come since against go came right used take three little girl boy dog cat tree sun "
-    "happy big small red blue green play park ball friend mom dad home school bird fish cake"
-).split()
+from kvserve.bench.prompts import PromptMaker, tokenizer_source
 
 
 @dataclass
@@ -46,46 +35,16 @@ class Turn:
     """One request: a completion prompt or one user message of a chat."""
     text: str
     output_len: int
-    prompt_len: int          # estimated prompt tokens; the server's usage count wins when present
+    prompt_len: int          # requested prompt tokens (jsonl: an estimate); the server's usage wins
     messages: list[dict] | None = None   # jsonl chat records: the full message list for this turn
+    prompt_token_ids: list[int] | None = None   # sent as the prompt instead of `text` when set
+    exact_len: bool = False  # the server must count exactly `prompt_len` tokens (else: warn)
 
 
 @dataclass
 class Conversation:
     turns: list[Turn] = field(default_factory=list)
     system: str | None = None    # chat dataset: optional system prompt sent with every turn
-
-
-class PromptMaker:
-    """Makes prompt text of about `n` tokens, from a tokenizer when one is available."""
-
-    def __init__(self, tokenizer_dir: str | None, rng: random.Random):
-        self.rng = rng
-        self.tokenizer = None
-        self.ids: list[int] = []
-        if tokenizer_dir:
-            path = os.path.join(tokenizer_dir, "tokenizer.json")
-            if os.path.isfile(path):
-                from tokenizers import Tokenizer
-                self.tokenizer = Tokenizer.from_file(path)
-                special = _special_ids(self.tokenizer)
-                # Ordinary tokens only: no specials, no byte-fallback pieces (<0x0A>), which
-                # decode to replacement characters and re-tokenize to more tokens.
-                self.ids = sorted(i for t, i in self.tokenizer.get_vocab().items()
-                                  if i not in special and not (t.startswith("<0x") and t.endswith(">")))
-
-    def make(self, n: int) -> str:
-        n = max(1, n)
-        if self.tokenizer is not None:
-            return self.tokenizer.decode([self.rng.choice(self.ids) for _ in range(n)])
-        return " ".join(self.rng.choice(_WORDS) for _ in range(n))
-
-
-def _special_ids(tok) -> set[int]:
-    try:
-        return set(tok.get_added_tokens_decoder().keys())
-    except AttributeError:          # older `tokenizers`
-        return set()
 
 
 def _draw_len(rng: random.Random, mean: int, ratio: float) -> int:
@@ -96,38 +55,75 @@ def _draw_len(rng: random.Random, mean: int, ratio: float) -> int:
     return rng.randint(lo, hi)
 
 
-def build_dataset(args) -> list[Conversation]:
-    """The benchmark's conversations, deterministic in `args.seed`."""
-    rng = random.Random(args.seed)
+def prompt_format(args) -> str:
+    """'token-ids' or 'text': how the random and prefix datasets send completion prompts."""
+    endpoint = getattr(args, "endpoint", "").rstrip("/")
+    chat = args.dataset_name == "chat" or endpoint.endswith("chat/completions")
+    return "text" if chat or getattr(args, "prompt_format", "token-ids") == "text" else "token-ids"
+
+
+def build_dataset(args, maker: PromptMaker | None = None) -> list[Conversation]:
+    """The benchmark's conversations, deterministic in `args.seed`.
+
+    random/prefix on /v1/completions: token-id prompts (unless `--prompt-format text`) when a
+    tokenizer is known, else text fitted to the requested length; both are `exact_len` turns (the
+    user asked for these lengths: the report warns when the server counts others). `maker`
+    (reseeded here) saves loading the tokenizer again for every pass of a sweep."""
+    rng = random.Random(args.seed)              # lengths: the same whatever the prompt format
+    prompt_rng = random.Random(f"{args.seed}:prompts")
     name = args.dataset_name
-    tok_dir = args.tokenizer or (args.model if args.model and os.path.isdir(args.model) else None)
-    maker = PromptMaker(tok_dir, rng)
+    if maker is None:
+        maker = PromptMaker(tokenizer_source(args), prompt_rng)
+    else:
+        maker.rng = prompt_rng
+    ids_mode = prompt_format(args) == "token-ids" and maker.can_make_ids
+    # A chat message is wrapped in the model's template, which adds tokens the client cannot
+    # count: its content is fitted to the length, and the server's count is only reported.
+    chat = getattr(args, "endpoint", "").rstrip("/").endswith("chat/completions")
+
+    def prompt(n: int) -> tuple[str, list[int] | None]:
+        if ids_mode:
+            ids = maker.make_ids(n)
+            return maker.decode(ids), ids
+        return maker.make_text(n, with_specials=not chat), None
+
     n = args.num_prompts
     if name == "random":
         out = []
         for _ in range(n):
             il = _draw_len(rng, args.random_input_len, args.random_range_ratio)
             ol = _draw_len(rng, args.random_output_len, args.random_range_ratio)
-            out.append(Conversation([Turn(maker.make(il), ol, il)]))
+            text, ids = prompt(il)
+            out.append(Conversation([Turn(text, ol, il, prompt_token_ids=ids, exact_len=not chat)]))
         return out
     if name == "prefix":
-        prefixes = [maker.make(args.prefix_len) for _ in range(max(1, args.prefix_num_prefixes))]
+        if ids_mode:
+            prefixes = [maker.make_ids(args.prefix_len) for _ in range(max(1, args.prefix_num_prefixes))]
+        else:
+            prefixes = [maker.make_text(args.prefix_len) for _ in range(max(1, args.prefix_num_prefixes))]
         out = []
         for i in range(n):
-            q = maker.make(args.prefix_question_len)
             ol = _draw_len(rng, args.random_output_len, args.random_range_ratio)
-            text = prefixes[i % len(prefixes)] + "\n" + q
-            out.append(Conversation([Turn(text, ol, args.prefix_len + args.prefix_question_len)]))
+            want = args.prefix_len + args.prefix_question_len
+            if ids_mode:
+                ids = prefixes[i % len(prefixes)] + maker.make_ids(args.prefix_question_len)
+                out.append(Conversation([Turn(maker.decode(ids), ol, want, prompt_token_ids=ids,
+                                              exact_len=True)]))
+            else:
+                # Text joined at a newline: the server's count may differ by a token or so.
+                q = maker.make_text(args.prefix_question_len, with_specials=False)
+                out.append(Conversation([Turn(prefixes[i % len(prefixes)] + "\n" + q, ol, want,
+                                              exact_len=not chat)]))
         return out
     if name == "chat":
         out = []
         num_conv = args.chat_num_conversations or max(1, n // max(1, args.chat_turns))
         for _ in range(num_conv):
-            conv = Conversation(system=maker.make(args.prefix_len) if args.prefix_len else None)
+            conv = Conversation(system=maker.make_text(args.prefix_len, False) if args.prefix_len else None)
             for _ in range(args.chat_turns):
                 il = _draw_len(rng, args.random_input_len, args.random_range_ratio)
                 ol = _draw_len(rng, args.random_output_len, args.random_range_ratio)
-                conv.turns.append(Turn(maker.make(il), ol, il))
+                conv.turns.append(Turn(maker.make_text(il, with_specials=False), ol, il))
             out.append(conv)
         return out
     if name == "jsonl":

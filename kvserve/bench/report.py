@@ -59,6 +59,9 @@ def summarize(results: list, duration_s: float, percentiles: Sequence[float] = (
     itls = [x for r in ok for x in r.itl]
     e2els = [r.e2e for r in ok]
     in_tokens = sum(r.prompt_len for r in ok)
+    counted = [r for r in ok if getattr(r, "usage_reported", False)]
+    mismatched = [r for r in counted if getattr(r, "exact_len", False)
+                  and r.prompt_len != getattr(r, "requested_prompt_len", r.prompt_len)]
     out_tokens = sum(r.output_len for r in ok)
     d = max(duration_s, 1e-9)
     s: dict = {
@@ -69,6 +72,13 @@ def summarize(results: list, duration_s: float, percentiles: Sequence[float] = (
         "duration_s": duration_s,
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
+        # the server's own usage.prompt_tokens against what was asked (see length_warning)
+        "total_requested_input_tokens": sum(getattr(r, "requested_prompt_len", 0) or r.prompt_len
+                                            for r in ok),
+        "usage_reported": len(counted),
+        "prompt_len_mismatches": len(mismatched),
+        "prompt_len_mismatch_examples": [(getattr(r, "requested_prompt_len", 0), r.prompt_len)
+                                         for r in mismatched[:5]],
         "request_throughput": len(ok) / d,
         "output_throughput": out_tokens / d,
         "total_token_throughput": (in_tokens + out_tokens) / d,
@@ -91,6 +101,26 @@ def summarize(results: list, duration_s: float, percentiles: Sequence[float] = (
         s["goodput"] = good / d
         s["slo"] = {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms, "e2e_ms": slo_e2e_ms}
     return s
+
+
+def length_warning(s: dict) -> str | None:
+    """A loud warning when the server counted other prompt lengths than the benchmark asked for
+    (the input side of the run is then not the workload it claims), or reported no usage."""
+    lines = []
+    if s.get("prompt_len_mismatches"):
+        ex = ", ".join(f"{a} -> {b}" for a, b in s["prompt_len_mismatch_examples"])
+        lines.append(f"WARNING: the server counted {s['prompt_len_mismatches']} of {s['completed']} "
+                     f"prompts at another length than requested (requested -> usage.prompt_tokens: "
+                     f"{ex}); {s['total_input_tokens']} prompt tokens served against "
+                     f"{s['total_requested_input_tokens']} requested. TTFT and throughput are not "
+                     f"those of the requested workload: send token ids (--prompt-format token-ids "
+                     f"with --tokenizer) or give the server's tokenizer.")
+    missing = s.get("completed", 0) - s.get("usage_reported", s.get("completed", 0))
+    if missing > 0:
+        lines.append(f"WARNING: the server reported no usage for {missing} of {s['completed']} requests: "
+                     f"their prompt lengths are the requested ones and their output lengths the "
+                     f"number of streamed chunks, not the server's counts.")
+    return "\n".join(lines) or None
 
 
 def _error_counts(failed) -> dict[str, int]:
@@ -134,6 +164,9 @@ def format_summary(s: dict, title: str = "Serving Benchmark Result",
         row("Maximum request concurrency:", s["max_concurrency"])
     row("Benchmark duration (s):", s["duration_s"], "{:<10.2f}")
     row("Total input tokens:", s["total_input_tokens"])
+    if "total_requested_input_tokens" in s:
+        row("Requested input tokens:", s["total_requested_input_tokens"])
+        row("Prompt length mismatches:", s["prompt_len_mismatches"])
     row("Total generated tokens:", s["total_output_tokens"])
     row("Request throughput (req/s):", s["request_throughput"], "{:<10.2f}")
     if "goodput" in s:
@@ -152,6 +185,10 @@ def format_summary(s: dict, title: str = "Serving Benchmark Result",
         lines.append(f"{' Errors ':-^{w}}")
         for msg, count in s["errors"].items():
             lines.append(f"{count:>6} x {msg}")
+    warning = length_warning(s) if "total_requested_input_tokens" in s else None
+    if warning:
+        lines.append(f"{' !!! prompt lengths !!! ':!^{w}}")
+        lines.append(warning)
     lines.append("=" * w)
     return "\n".join(lines)
 

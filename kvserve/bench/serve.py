@@ -7,6 +7,13 @@ so the two can be pointed at the same server and compared. Works against kvserve
 and llama.cpp's server: it needs only `/v1/completions` (or `/v1/chat/completions`) with
 `stream: true`.
 
+Prompts: the random and prefix datasets send random token ids as the prompt (a list of ints,
+which kvserve's, vLLM's and llama.cpp's /v1/completions accept) when a tokenizer is known
+(`--tokenizer`, or `--model` as a local path), or with `--prompt-format text` (and on chat) text
+re-encoded until it has the requested length (bench/prompts.py). Every request asks for
+`stream_options.include_usage`; the report puts the server's `usage.prompt_tokens` beside the
+requested length and warns loudly when they differ (bench/report.py's length_warning).
+
 Arrivals: `--request-rate R` draws inter-arrival gaps from an exponential distribution (a
 Poisson process of rate R; `--burstiness B` uses a gamma distribution of shape B instead, B=1
 being Poisson); `inf` sends everything at once. `--max-concurrency C` caps requests in flight.
@@ -31,152 +38,14 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
-from typing import AsyncIterator
+from dataclasses import asdict
 
 import httpx
 
+from kvserve.bench.client import RequestResult, Target, send_request  # noqa: F401 (re-exported)
 from kvserve.bench.datasets import Conversation, Turn, build_dataset
-from kvserve.bench.report import format_summary, format_sweep_table, plot_sweep, summarize
-
-
-@dataclass
-class RequestResult:
-    success: bool = False
-    error: str | None = None
-    prompt_len: int = 0
-    output_len: int = 0
-    ttft: float | None = None        # seconds
-    itl: list[float] = field(default_factory=list)
-    e2e: float | None = None
-    start: float | None = None       # seconds since the pass began
-    generated_text: str = ""
-    usage_reported: bool = False     # prompt/output lengths came from the server's `usage`
-
-    @property
-    def tpot(self) -> float | None:
-        if self.ttft is None or self.e2e is None or self.output_len <= 1:
-            return None
-        return (self.e2e - self.ttft) / (self.output_len - 1)
-
-
-@dataclass
-class Target:
-    """One server: base URL, model name, endpoint and credentials."""
-    base_url: str
-    model: str | None
-    endpoint: str = "/v1/completions"
-    api_key: str | None = None
-    label: str = "server"
-
-    @property
-    def chat(self) -> bool:
-        return self.endpoint.rstrip("/").endswith("chat/completions")
-
-
-async def _sse_events(resp: httpx.Response) -> AsyncIterator[str]:
-    """`data:` payloads of a Server-Sent Events stream (multi-line events joined)."""
-    buf: list[str] = []
-    async for line in resp.aiter_lines():
-        if line.startswith("data:"):
-            buf.append(line[5:].lstrip(" "))
-        elif line == "" and buf:
-            yield "\n".join(buf)
-            buf = []
-        # comments (":") and other fields (event:, id:) carry nothing we need
-    if buf:
-        yield "\n".join(buf)
-
-
-async def send_request(client: httpx.AsyncClient, target: Target, turn: Turn, args,
-                       history: list[dict] | None, t0: float) -> RequestResult:
-    """Send one streaming request and timestamp every chunk that carries text."""
-    r = RequestResult(prompt_len=turn.prompt_len)
-    payload: dict = {
-        "model": target.model,
-        "max_tokens": turn.output_len,
-        "temperature": args.temperature,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if args.top_p is not None:
-        payload["top_p"] = args.top_p
-    if args.ignore_eos:
-        payload["ignore_eos"] = True     # vLLM / kvserve extension, honoured by llama.cpp too
-    if target.chat:
-        if turn.messages is not None:
-            payload["messages"] = turn.messages
-        else:
-            payload["messages"] = (history or []) + [{"role": "user", "content": turn.text}]
-    else:
-        payload["prompt"] = turn.text
-    if args.extra_body:
-        payload.update(json.loads(args.extra_body))
-    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
-    url = target.base_url.rstrip("/") + target.endpoint
-    start = time.perf_counter()
-    r.start = start - t0
-    last = start
-    chunks = 0
-    text_parts: list[str] = []
-    try:
-        async with client.stream("POST", url, json=payload, headers=headers) as resp:
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode("utf-8", "replace")
-                r.error = f"HTTP {resp.status_code}: {_error_message(body)}"
-                r.e2e = time.perf_counter() - start
-                return r
-            async for data in _sse_events(resp):
-                if data.strip() == "[DONE]":
-                    break
-                now = time.perf_counter()
-                obj = json.loads(data)
-                if "error" in obj:
-                    raise RuntimeError(f"stream error: {_error_message(json.dumps(obj))}")
-                usage = obj.get("usage")
-                if usage:
-                    r.usage_reported = True
-                    r.prompt_len = int(usage.get("prompt_tokens") or r.prompt_len)
-                    r.output_len = int(usage.get("completion_tokens") or 0)
-                choices = obj.get("choices") or []
-                if not choices:
-                    continue            # the usage summary, or a keep-alive
-                # Every chunk with choices is one token event, even with empty text (special
-                # tokens, held-back bytes): the same rule as `vllm bench serve`.
-                for ch in choices:
-                    if target.chat:
-                        text_parts.append((ch.get("delta") or {}).get("content") or "")
-                    else:
-                        text_parts.append(ch.get("text") or "")
-                if r.ttft is None:
-                    r.ttft = now - start
-                else:
-                    r.itl.append(now - last)
-                last = now
-                chunks += 1
-        r.e2e = time.perf_counter() - start
-        r.generated_text = "".join(text_parts)
-        if not r.usage_reported:
-            r.output_len = chunks       # one chunk per token is the usual server behaviour
-        if r.ttft is None:
-            # A legal empty answer (immediate EOS): count it, with TTFT = E2E.
-            r.ttft = r.e2e
-        r.success = True
-    except Exception as e:  # noqa: BLE001 -- every failure is a counted, reported error
-        r.error = f"{type(e).__name__}: {e}"
-        r.e2e = time.perf_counter() - start
-    return r
-
-
-def _error_message(body: str) -> str:
-    try:
-        obj = json.loads(body)
-        err = obj.get("error", obj)
-        if isinstance(err, dict):
-            return str(err.get("message", err))
-        return str(err)
-    except (ValueError, AttributeError):
-        return body[:200]
+from kvserve.bench.prompts import PromptMaker, tokenizer_source
+from kvserve.bench.report import format_summary, format_sweep_table, length_warning, plot_sweep, summarize
 
 
 def arrival_gaps(n: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
@@ -289,14 +158,17 @@ async def benchmark(args) -> dict:
         for t in targets:
             t.endpoint = "/v1/chat/completions"
     for t in targets:
-        if not t.model or os.path.isdir(t.model):
-            # A local directory is a tokenizer source; the server knows the model by its own name.
+        if not t.model or os.path.exists(t.model):
+            # A local path (directory or .gguf) is a tokenizer source; the server knows the model
+            # by its own name.
             t.model = await resolve_model(t, args.timeout)
     rates = parse_rates(args.sweep_rates) if args.sweep_rates else [args.request_rate]
     # Fresh prompts for every pass (seed + pass index), so that a prefix cache cannot serve one
     # pass from the previous one; every server of a --compare gets the same prompts per rate.
-    datasets = [build_dataset(argparse.Namespace(**{**vars(args), "seed": args.seed + i}))
+    maker = PromptMaker(tokenizer_source(args), random.Random(args.seed))
+    datasets = [build_dataset(argparse.Namespace(**{**vars(args), "seed": args.seed + i}), maker)
                 for i in range(len(rates))]
+    print(describe_prompts(args, maker, targets[0]), flush=True)
 
     out: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -318,6 +190,9 @@ async def benchmark(args) -> dict:
                 s["requests"] = [asdict(r) | {"tpot": r.tpot} for r in results]
             printable = dict(s, request_rate=rate)
             print(format_summary(printable, f"{t.label} @ {_rate_str(rate)} req/s", percentiles))
+            warning = length_warning(s)
+            if warning:
+                print(f"\n{t.label} @ {_rate_str(rate)} req/s: {warning}\n", file=sys.stderr, flush=True)
             rows.append(s)
         out["runs"][t.label] = rows
     if len(rates) > 1 or args.compare:
@@ -345,6 +220,25 @@ async def benchmark(args) -> dict:
     return out
 
 
+def describe_prompts(args, maker: PromptMaker, target: Target) -> str:
+    """One line saying how prompts are sent, so that a reader knows what the lengths mean."""
+    src = tokenizer_source(args)
+    if args.dataset_name not in ("random", "prefix"):
+        return (f"prompts: {args.dataset_name} dataset as text; prompt lengths below are the "
+                f"server's counts (chat template and history included)")
+    if maker.tokenizer is None:
+        return ("prompts: random words as text (no tokenizer: give --tokenizer PATH for exact "
+                "lengths); the server's usage.prompt_tokens is compared with the requested length")
+    if target.chat:
+        return (f"prompts: message contents fitted to the requested length with the tokenizer of "
+                f"{src}; the server's count adds the chat template (reported, not checked)")
+    if args.prompt_format == "text":
+        return (f"prompts: text re-encoded with the tokenizer of {src} until it counts as the "
+                f"requested length (special tokens included); checked against the server's usage")
+    return (f"prompts: random token ids of the tokenizer of {src}, sent as token-id lists; "
+            f"checked against the server's usage.prompt_tokens")
+
+
 def _jsonable(x):
     if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
         return None if math.isnan(x) else "inf"
@@ -362,10 +256,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--endpoint", default="/v1/completions",
                    help="/v1/completions (default) or /v1/chat/completions")
     g.add_argument("--model", default=None,
-                   help="model name sent in requests; a local directory is also used as the "
-                        "tokenizer, and the name is then asked of GET /v1/models")
+                   help="model name sent in requests; a local directory or .gguf file is used as "
+                        "the tokenizer instead, and the name is then asked of GET /v1/models")
     g.add_argument("--served-model-name", default=None, help="model name to send, overriding --model")
-    g.add_argument("--tokenizer", default=None, help="directory with tokenizer.json, for exact prompt lengths")
+    g.add_argument("--tokenizer", default=None,
+                   help="tokenizer for exact prompt lengths: an HF or llama2.c model directory, or a "
+                        ".gguf file (default: --model when it is a local path)")
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="bearer token (default: $OPENAI_API_KEY)")
     g.add_argument("--label", default="kvserve", help="name of this server in tables and plots")
@@ -377,6 +273,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-prompts", type=int, default=100, help="requests per pass (chat: total turns)")
     g.add_argument("--random-input-len", type=int, default=128)
     g.add_argument("--random-output-len", type=int, default=64)
+    g.add_argument("--prompt-format", choices=["token-ids", "text"], default="token-ids",
+                   help="random/prefix datasets on /v1/completions: send token-id lists (exact "
+                        "lengths; needs a tokenizer) or text re-encoded to the requested length "
+                        "(chat endpoints always get text)")
     g.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="lengths uniform in [len*(1-r), len*(1+r)]")
     g.add_argument("--prefix-num-prefixes", type=int, default=4, help="prefix: distinct shared system prompts")

@@ -102,7 +102,9 @@ def test_random_dataset_lengths_with_tokenizer():
     for c in convs:
         t = c.turns[0]
         assert 40 <= t.prompt_len <= 60 and 5 <= t.output_len <= 8
-        assert abs(len(tok.encode(t.text).ids) - t.prompt_len) <= 0.5 * t.prompt_len
+        # token ids by default (exact); test_bench_prompt_lengths.py checks the text format
+        assert t.exact_len and len(t.prompt_token_ids) == t.prompt_len
+        assert t.text == tok.decode(t.prompt_token_ids)
     again = build_dataset(args)
     assert [c.turns[0].text for c in again] == [c.turns[0].text for c in convs]      # seeded
 
