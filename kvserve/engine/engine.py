@@ -385,6 +385,11 @@ class LLMEngine:
         self.prompts.pop(request_id, None)
         self.scheduler.beam_groups.pop(request_id, None)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent)."""
+        if getattr(self, "tp_workers", None) is not None:
+            self.tp_workers.close()
+
     def stats(self) -> EngineStats:
         return collect_stats(self)
 

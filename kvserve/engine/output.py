@@ -83,7 +83,7 @@ class OutputProcessor:
         if n_out >= p.min_tokens:
             if token_id == req.eos_token_id and not p.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
-            if token_id in p.stop_token_ids:
+            if token_id in p.stop_token_id_set:         # O(1) however many ids
                 req.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
             for s in p.stop_strings:

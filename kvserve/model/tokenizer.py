@@ -64,7 +64,9 @@ class HFTokenizer(Tokenizer):
                                  and (not probe or probe[0] != self.bos_token_id))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode does not), so a long prompt
+        # tokenized on a worker thread (server/limits.py) does not stall the other threads.
+        ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self._prepend_bos:
             ids = [self.bos_token_id] + ids
         return ids

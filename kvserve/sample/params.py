@@ -13,6 +13,8 @@ INT64_MAX = 2**63 - 1
 SEED_MAX = 2**64 - 1
 MAX_LOGPROBS = 20                 # OpenAI's (and vLLM's default) limit on top logprobs
 MAX_STOP_TOKEN_IDS = 1024
+MAX_STOP_STRINGS = 16             # held-back text is checked against every stop string every step
+MAX_STOP_STRING_CHARS = 1024
 MAX_TEMPERATURE = 100.0           # as the OpenAI server's schema
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 MAX_ABS_LENGTH_PENALTY = 10.0     # seq_len ** length_penalty stays a finite, non-zero float
@@ -54,6 +56,18 @@ class SamplingParams:
     beam_width: int | None = None       # default: max(n, 2)
     length_penalty: float = 1.0
     stop_strings: list[str] = field(init=False, repr=False)
+    # stop_token_ids as a frozenset, kept in step with every assignment to stop_token_ids: the
+    # per-step stop check (engine/output.py) is O(1) however many ids a request names.
+    stop_token_id_set: frozenset = field(init=False, repr=False, compare=False)
+
+    def __setattr__(self, name, value):
+        object.__setattr__(self, name, value)
+        if name == "stop_token_ids":
+            try:
+                ids = frozenset(value) if isinstance(value, (list, tuple)) else frozenset()
+            except TypeError:           # unhashable entries: validate() rejects them
+                ids = frozenset()
+            object.__setattr__(self, "stop_token_id_set", ids)
 
     def __post_init__(self):
         if self.stop is None:
@@ -118,6 +132,12 @@ class SamplingParams:
                        f"no seed; got {self.seed!r}.")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             self._fail("stop must be a non-empty string or a list of non-empty strings.")
+        if len(self.stop_strings) > MAX_STOP_STRINGS:
+            self._fail(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop_strings)}.")
+        longest = max((len(s) for s in self.stop_strings), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            self._fail(f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters long, got one "
+                       f"of {longest}.")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             self._fail(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}.")
         bad = next((t for t in self.stop_token_ids if not _is_int(t) or not 0 <= t <= INT64_MAX), None)
@@ -141,7 +161,7 @@ class SamplingParams:
         the whole vocabulary.)"""
         if not _is_int(vocab_size) or vocab_size < 1:
             raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}.")
-        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        bad = sorted(t for t in self.stop_token_id_set if t >= vocab_size)
         if bad:
             self._fail(f"stop_token_ids {bad[:8]} are outside the vocabulary [0, {vocab_size}).")
         for name in ("logprobs", "prompt_logprobs"):

@@ -15,15 +15,19 @@ chunk, one chunk per engine step that the output stands for, so a slow reader ge
 chunks as a fast one.
 
 Errors a client can cause are HTTP 4xx in OpenAI's shape `{"error": {message, type, param,
-code}}`, and never reach other clients: the body is read and validated here (UTF-8, JSON, the
-pydantic schema, the context length) before anything is queued; what the engine itself rejects
-(`ValueError` in `add_request`) comes back as 400 before the response starts. A full waiting
-queue (`--max-waiting`) is 503 with `Retry-After`. A client that disconnects has its requests
-aborted and their KV blocks freed at once.
+code}}`, and never reach other clients: the body is read and validated (server/body.py:
+Content-Type, size, UTF-8, JSON, list lengths, the pydantic schema) and the work it asks for
+bounded (server/limits.py, server/prompts.py: prompts per request, prompt bytes before
+tokenizing, the context length) before anything is queued; tokenizing runs off the event loop.
+What the engine itself rejects (`ValueError` in `add_request`) comes back as 400 before the
+response starts. A full waiting queue (`--max-waiting`) is 503 with `Retry-After`. A client that
+disconnects has its requests aborted and their KV blocks freed at once, and the prompts of a
+large batch not yet added are never added. Failures inside the server are 500/503 bodies that
+name an error id, never the exception (server/errors.py); /openapi.json carries the request and
+response schemas (server/openapi.py).
 """
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import time
@@ -32,11 +36,14 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.sample.params import SamplingParams
-from kvserve.server.async_engine import AsyncEngine
+from kvserve.server.body import check_auth, parse_body
+from kvserve.server.errors import install_error_handlers
+from kvserve.server.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST
+from kvserve.server.openapi import ROUTES, install_openapi
+from kvserve.server.prompts import bound_state, echo_texts, max_tokens_for, prompt_items
+from kvserve.server.async_engine import AsyncEngine, EngineFrontend
 from kvserve.server.chat import ChatRenderer
 from kvserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kvserve.server.openai_logprobs import chat_logprobs, completion_logprobs, echo_logprobs, echo_only
@@ -45,31 +52,35 @@ from kvserve.server.protocol import (
     APIError, ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
     ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatMessage,
     CompletionChoice, CompletionRequest, CompletionResponse,
-    CompletionStreamResponse, DeltaMessage, ModelCard, ModelList, UsageInfo,
-    validation_error_to_api_error)
+    CompletionStreamResponse, DeltaMessage, ModelCard, ModelList, UsageInfo)
 
 logger = logging.getLogger("kvserve.server")
-
-MAX_BODY_BYTES = 32 * 1024 * 1024
 
 
 class ServerState:
     def __init__(self, engine, served_model_name: str, api_key: str | None, max_waiting: int | None,
-                 chat_template: str | None):
-        self.engine = engine
+                 chat_template: str | None, stream_stall_timeout: float | None = None):
         self.model_name = served_model_name
         self.api_key = api_key
         self.metrics = ServerMetrics(served_model_name)
-        self.async_engine = AsyncEngine(engine, self.metrics, max_waiting)
+        # An LLMEngine runs in a thread of this process; a ProcessEngine is already running.
+        self.async_engine = engine if isinstance(engine, EngineFrontend) else AsyncEngine(engine)
+        self.async_engine.bind(self.metrics, max_waiting, stream_stall_timeout)
+        self.engine = engine = self.async_engine
         self.tokenizer = engine.tokenizer
         self.chat = ChatRenderer(engine.tokenizer, chat_template) if engine.tokenizer is not None else None
         self.max_model_len = engine.config.max_model_len
 
 
 def build_app(engine, served_model_name: str, api_key: str | None = None,
-              max_waiting: int | None = None, chat_template: str | None = None) -> FastAPI:
-    """The FastAPI app serving `engine` (an `LLMEngine`). The engine loop starts with the app."""
-    state = ServerState(engine, served_model_name, api_key, max_waiting, chat_template)
+              max_waiting: int | None = None, chat_template: str | None = None,
+              max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+              stream_stall_timeout: float | None = None) -> FastAPI:
+    """The FastAPI app serving `engine`: an `LLMEngine` (run by a thread of this process) or a
+    `ProcessEngine` (an engine core process). The engine loop starts with the app."""
+    state = ServerState(engine, served_model_name, api_key, max_waiting, chat_template,
+                        stream_stall_timeout)
+    bound_state(state, max_prompts_per_request, max_waiting)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -78,29 +89,18 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
             yield
         finally:
             state.async_engine.shutdown()
+            state.tokenization.shutdown()
 
     app = FastAPI(title="kvserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.kvserve = state
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        return _error_response(state, exc)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        code = "not_found" if exc.status_code == 404 else None
-        return _error_response(state, APIError(str(exc.detail), exc.status_code, code=code))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, exc: Exception):
-        logger.exception("internal error")
-        return _error_response(state, APIError(f"internal server error: {type(exc).__name__}: {exc}",
-                                               500, type="server_error"))
+    install_error_handlers(app, state)
+    install_openapi(app, ROUTES)
 
     @app.get("/health")
     async def health():
-        if state.async_engine.dead is not None:
-            return JSONResponse({"status": "error", "error": repr(state.async_engine.dead)}, 500)
+        dead = state.async_engine.dead
+        if dead is not None:        # the exception is in the log, under the id
+            return JSONResponse({"status": "error", "error": state.engine_failure.message(dead)}, 500)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -109,87 +109,26 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
 
     @app.get("/v1/models")
     async def models(request: Request):
-        _check_auth(state, request)
+        check_auth(state, request)
         return ModelList(data=[ModelCard(id=state.model_name, root=engine.config.model,
                                          max_model_len=state.max_model_len)]).model_dump()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        _check_auth(state, request)
-        req = await _parse_body(state, request, CompletionRequest)
+        check_auth(state, request)
+        req = await parse_body(state, request, CompletionRequest)
         return await _completions(state, req, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        _check_auth(state, request)
-        req = await _parse_body(state, request, ChatCompletionRequest)
+        check_auth(state, request)
+        req = await parse_body(state, request, ChatCompletionRequest)
         return await _chat(state, req, request)
 
     return app
 
 
 # ------------------------------------------------------------------ request plumbing
-
-
-def _error_response(state: ServerState, exc: APIError) -> JSONResponse:
-    if 400 <= exc.status_code < 500 and exc.status_code != 401:
-        state.metrics.reject("bad_request")
-    return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
-
-
-def _check_auth(state: ServerState, request: Request) -> None:
-    if state.api_key is None:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
-        state.metrics.reject("unauthorized")
-        raise APIError("invalid or missing API key: send 'Authorization: Bearer <key>'", 401,
-                       code="invalid_api_key")
-
-
-async def _parse_body(state: ServerState, request: Request, model_cls):
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise APIError(f"request body over {MAX_BODY_BYTES} bytes", 413)
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise APIError(f"request body over {MAX_BODY_BYTES} bytes", 413)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise APIError(f"the request body is not valid UTF-8 (byte {e.start})") from None
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise APIError(f"malformed JSON in the request body: {e}") from None
-    if not isinstance(obj, dict):
-        raise APIError("the request body must be a JSON object")
-    try:
-        req = model_cls.model_validate(obj)
-    except ValidationError as e:
-        raise validation_error_to_api_error(e) from None
-    if req.model is not None and req.model not in (state.model_name, state.engine.config.model):
-        raise APIError(f"the model {req.model!r} does not exist; this server serves "
-                       f"{state.model_name!r}", 404, param="model", code="model_not_found")
-    return req
-
-
-def _max_tokens(state: ServerState, prompt_len: int, requested: int | None) -> int:
-    """The request's max_tokens, checked against the context window (vLLM's rule)."""
-    limit = state.max_model_len
-    if prompt_len >= limit:
-        raise APIError(f"This model's maximum context length is {limit} tokens. However, your "
-                       f"prompt has {prompt_len} tokens. Please reduce the length of the prompt.",
-                       param="prompt", code="context_length_exceeded")
-    if requested is None:
-        return limit - prompt_len
-    if prompt_len + requested > limit:
-        raise APIError(f"This model's maximum context length is {limit} tokens. However, you "
-                       f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
-                       f"{requested} for the completion). Please reduce the prompt or max_tokens.",
-                       param="max_tokens", code="context_length_exceeded")
-    return requested
 
 
 def _sampling_params(req, max_tokens: int, logprobs: int | None,
@@ -229,21 +168,8 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
     if req.max_tokens == 0 and not req.echo:
         raise APIError("max_tokens=0 is only allowed with echo=true (score the prompt, generate "
                        "nothing)", param="max_tokens")
-    tok = state.tokenizer
-    items, prompt_lens = [], []
-    for p in req.prompts():
-        if isinstance(p, str):
-            if tok is None:
-                raise APIError("this model has no tokenizer: send the prompt as token ids", param="prompt")
-            ids = tok.encode(p, add_special_tokens=True)
-            items.append(({"prompt_token_ids": ids, "prompt": p}, p))
-        else:
-            ids = p
-            items.append(({"prompt_token_ids": ids}, None))
-        if req.cache_salt is not None:
-            items[-1][0]["cache_salt"] = req.cache_salt
-        prompt_lens.append(len(ids))
-    max_tokens = [_max_tokens(state, n, req.max_tokens) for n in prompt_lens]
+    items = await prompt_items(state, req)
+    max_tokens = [max_tokens_for(state, len(item["prompt_token_ids"]), req.max_tokens) for item in items]
     # echo with max_tokens=0 (vLLM's rule): generate one token, return none of it.
     params = [_sampling_params(req, max(m, 1), req.logprobs, req.logprobs if req.echo else None)
               for m in max_tokens]
@@ -251,15 +177,18 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
     created = int(time.time())
     sub = Submission(state, rid_prefix)
     try:
-        for i, ((item, _), p) in enumerate(zip(items, params)):
-            await _add_one(sub, i, item, p)
+        if not await sub.add_all(list(zip(items, params)), request):
+            sub.abort_unfinished()                  # the client left while its prompts were added
+            return Response(status_code=499)
     except BaseException:
         sub.abort_unfinished()
         raise
     index_of = {rid: i for i, rid in enumerate(sub.request_ids)}
-    prompt_texts = [text if text is not None else (tok.decode(list(item["prompt_token_ids"]))
-                                                   if tok is not None else "")
-                    for item, text in items]
+    try:        # echo's texts, once the engine has accepted the prompts' token ids
+        prompt_texts = await echo_texts(state, req, items)
+    except BaseException:
+        sub.abort_unfinished()
+        raise
 
     if req.stream:
         return StreamingResponse(_stream_completions(state, req, sub, rid_prefix, created, index_of,
@@ -286,14 +215,6 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
                                             stop_reason=c.stop_reason))
     return CompletionResponse(id=rid_prefix, created=created, model=state.model_name,
                               choices=choices, usage=_usage(outs)).model_dump()
-
-
-async def _add_one(sub: Submission, i: int, item, params: SamplingParams) -> None:
-    rid = f"{sub.prefix}-{i}"
-    sub.request_ids.append(rid)
-    sub.unfinished.add(rid)
-    await sub.state.async_engine.add_request(rid, item, params, sub.collector,
-                                             prompt_text=item.get("prompt"))
 
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -381,9 +302,11 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
         raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                 for m in req.messages]
-    text = state.chat.render(messages, req.add_generation_prompt)
-    ids = state.chat.encode(text)
-    max_tokens = _max_tokens(state, len(ids), req.requested_max_tokens())
+    size = sum(len(m["content"]) for m in messages)
+    text = await state.tokenization.call(size, state.chat.render, messages, req.add_generation_prompt)
+    state.limits.check_text_fits(text)
+    ids = await state.tokenization.call(len(text), state.chat.encode, text)
+    max_tokens = max_tokens_for(state, len(ids), req.requested_max_tokens())
     k = req.top_logprobs or 0
     params = _sampling_params(req, max_tokens, k if req.logprobs else None)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -393,7 +316,9 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
         item = {"prompt_token_ids": ids, "prompt": text}
         if req.cache_salt is not None:
             item["cache_salt"] = req.cache_salt
-        await _add_one(sub, 0, item, params)
+        if not await sub.add_all([(item, params)], request):
+            sub.abort_unfinished()
+            return Response(status_code=499)
     except BaseException:
         sub.abort_unfinished()      # rejected, or the client left while we waited
         raise

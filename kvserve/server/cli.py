@@ -2,11 +2,17 @@
 
     kvserve serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
                   [--served-model-name NAME] [--max-waiting N] [--chat-template FILE]
-                  [--shutdown-timeout S] [engine flags: --max-num-seqs, --block-size, ...]
+                  [--shutdown-timeout S] [--engine-layout process|thread] [--engine-threads N]
+                  [engine flags: --max-num-seqs, --block-size, ...]
+
+The engine runs in its own process by default (server/engine_core.py), so HTTP, tokenization,
+SSE and JSON never take the GIL from the step loop; `--engine-layout thread` keeps it in a
+thread of the server process.
 
 SIGTERM (or Ctrl-C) shuts down gracefully: the listening socket closes at once, in-flight
-requests run to completion for up to --shutdown-timeout seconds (then they are aborted and
-their clients' streams end), the engine loop stops, and the process exits 0.
+requests run to completion for up to --shutdown-timeout seconds (then they fail with 503
+`shutting_down`: a JSON error, or an SSE error event and `[DONE]`), the engine stops, and the
+process exits 0.
 """
 from __future__ import annotations
 
@@ -37,6 +43,19 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run on after SIGTERM")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--max-prompts-per-request", type=int, default=1024,
+                   help="most prompts one /v1/completions request may carry (400 beyond)")
+    g.add_argument("--stream-stall-timeout", type=float, default=120.0,
+                   help="abort a request whose client has read none of its output for this many "
+                        "seconds, freeing its seat and KV blocks (0 disables)")
+    g.add_argument("--engine-layout", default="process", choices=["process", "thread"],
+                   help="run the engine in its own process (default; vLLM v1's EngineCore) or in a "
+                        "thread of the server process")
+    g.add_argument("--engine-threads", type=int, default=None,
+                   help="torch threads of the engine (default: torch's, which follows OMP_NUM_THREADS)")
+    from kvserve.dist.router_cli import add_data_parallel_args
+
+    add_data_parallel_args(p)       # --data-parallel-size N: replicas behind a router (kvserve/dist/)
 
 
 def served_name(args) -> str:
@@ -50,24 +69,45 @@ def served_name(args) -> str:
 
 
 def cmd_serve(args) -> int:
+    import torch
     import uvicorn
 
     from kvserve.config import EngineConfig
     from kvserve.engine.engine import LLMEngine
     from kvserve.server.app import build_app
+    from kvserve.server.engine_client import ProcessEngine
+    from kvserve.server.shutdown import ANSWER_GRACE_S, DeadlineServer
 
+    if getattr(args, "data_parallel_size", 1) > 1:
+        from kvserve.dist.router_cli import serve_data_parallel
+
+        return serve_data_parallel(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("kvserve.server")
-    engine = LLMEngine(EngineConfig.from_cli_args(args))
+    config = EngineConfig.from_cli_args(args)
+    if args.engine_layout == "process":
+        try:
+            engine = ProcessEngine(config, args.engine_threads, args.log_level)
+        except RuntimeError as e:
+            log.error("%s", e)
+            return 1
+    else:
+        if args.engine_threads:
+            torch.set_num_threads(args.engine_threads)
+        engine = LLMEngine(config)
     name = served_name(args)
     app = build_app(engine, name, api_key=args.api_key or None,
                     max_waiting=args.max_waiting if args.max_waiting > 0 else None,
-                    chat_template=args.chat_template)
+                    chat_template=args.chat_template,
+                    max_prompts_per_request=args.max_prompts_per_request,
+                    stream_stall_timeout=args.stream_stall_timeout or None)
     log.info("serving %s as %r on http://%s:%d (max_model_len %d)", engine.config.model, name, args.host,
              args.port, engine.config.max_model_len)
+    # uvicorn's own deadline comes a little after ours: by then every handler has answered.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=args.shutdown_timeout + ANSWER_GRACE_S,
+                            access_log=False)
+    server = DeadlineServer(config, app.state.kvserve.async_engine, args.shutdown_timeout)
     # uvicorn re-raises the signal that stopped it once it has shut down; with a no-op handler
     # in place that re-raise is harmless and a graceful SIGTERM ends with exit status 0.
     signal.signal(signal.SIGTERM, lambda *_: None)

@@ -15,12 +15,31 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, field_validator
 
-from kvserve.sample.params import MAX_LOGPROBS
+from kvserve.sample.params import (
+    INT64_MAX, MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE, REPETITION_PENALTY_RANGE)
+
 MAX_N = 16
+MAX_MESSAGES = 2048
+MAX_CONTENT_PARTS = 256
+MAX_LOGIT_BIAS = 300              # logit_bias is not supported (ignored), but never unbounded
+MAX_CACHE_SALT_CHARS = 1024
+# List (and map) fields counted before their items are validated: server/limits.py.
+LIST_FIELD_LIMITS = {"stop": MAX_STOP_STRINGS, "stop_token_ids": MAX_STOP_TOKEN_IDS,
+                     "messages": MAX_MESSAGES, "logit_bias": MAX_LOGIT_BIAS}
+
+
+def _real(lo=None, hi=None, *, gt=None):
+    """An optional finite float field (JSON's NaN / Infinity and 1e400 are refused)."""
+    return Field(None, ge=lo, le=hi, gt=gt, allow_inf_nan=False)
+
+
+TokenId = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
+StopString = StrictStr            # non-empty, at most MAX_STOP_STRING_CHARS: _stop_valid
 
 
 class APIError(Exception):
@@ -89,24 +108,24 @@ class _SamplingFields(BaseModel):
 
     model: Optional[str] = None
     n: int = Field(1, ge=1, le=MAX_N)
-    temperature: Optional[float] = Field(None, ge=0.0, le=100.0)
-    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    top_k: Optional[int] = Field(None, ge=-1)
-    min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
+    temperature: Optional[float] = _real(0.0, MAX_TEMPERATURE)
+    top_p: Optional[float] = _real(None, 1.0, gt=0.0)
+    top_k: Optional[int] = Field(None, ge=-1, le=INT64_MAX)
+    min_p: Optional[float] = _real(0.0, 1.0)
     seed: Optional[int] = Field(None, ge=-(2**63), le=2**64 - 1)
-    stop: Optional[Union[StrictStr, list[StrictStr]]] = None
-    stop_token_ids: Optional[list[StrictInt]] = None
-    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: Optional[float] = Field(None, gt=0.0)
-    min_tokens: int = Field(0, ge=0)
+    stop: Optional[Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]]] = None
+    stop_token_ids: Optional[list[TokenId]] = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    presence_penalty: Optional[float] = _real(-2.0, 2.0)
+    frequency_penalty: Optional[float] = _real(-2.0, 2.0)
+    repetition_penalty: Optional[float] = _real(*REPETITION_PENALTY_RANGE)
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
-    cache_salt: Optional[str] = Field(None, min_length=1)   # vLLM's: scopes prefix-cache sharing
+    cache_salt: Optional[str] = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)  # vLLM's
 
     @field_validator("stop")
     @classmethod
@@ -118,8 +137,8 @@ class _SamplingFields(BaseModel):
             check_text(s, "stop")
             if s == "":
                 raise ValueError("stop strings must not be empty")
-        if len(items) > 16:
-            raise ValueError("at most 16 stop strings")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters long")
         return v
 
     @field_validator("user")
@@ -144,7 +163,7 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     """`POST /v1/completions`."""
     prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
-    max_tokens: Optional[int] = Field(16, ge=0)        # 0 only with echo: score the prompt
+    max_tokens: Optional[int] = Field(16, ge=0, le=INT64_MAX)   # 0 only with echo: score the prompt
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False                                  # with logprobs: the prompt's too
     best_of: Optional[int] = None
@@ -180,10 +199,13 @@ class TextContentPart(BaseModel):
     text: StrictStr
 
 
+ContentParts = Annotated[list[TextContentPart], Field(max_length=MAX_CONTENT_PARTS)]
+
+
 class ChatMessageParam(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[StrictStr, list[TextContentPart]]] = None
+    content: Optional[Union[StrictStr, ContentParts]] = None
     name: Optional[str] = None
 
     @field_validator("content")
@@ -206,9 +228,9 @@ class ChatMessageParam(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     """`POST /v1/chat/completions`."""
-    messages: list[ChatMessageParam] = Field(..., min_length=1)
-    max_tokens: Optional[int] = Field(None, ge=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    messages: list[ChatMessageParam] = Field(..., min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: Optional[int] = Field(None, ge=1, le=INT64_MAX)
+    max_completion_tokens: Optional[int] = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
@@ -220,6 +242,23 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 # ---------------------------------------------------------------- responses
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx/5xx body: OpenAI's error shape (`APIError.body()`)."""
+    error: ErrorInfo
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok", "error"]
+    error: Optional[str] = None
 
 
 def random_id(prefix: str) -> str:

@@ -11,6 +11,8 @@ from typing import AsyncIterator
 from fastapi import Request
 
 from kvserve.server.async_engine import RequestFailed, RequestOutputCollector
+from kvserve.server.errors import internal_error
+from kvserve.server.limits import ADD_CHUNK
 from kvserve.server.protocol import APIError
 
 logger = logging.getLogger("kvserve.server")
@@ -36,7 +38,7 @@ class Submission:
                 err = item.error
                 if isinstance(err, APIError):
                     raise err
-                raise APIError(f"the engine failed: {err!r}", 500, type="server_error")
+                raise internal_error("the engine failed", err)
             if item.finished:
                 self.unfinished.discard(item.request_id)
                 failed = next((c for c in item.outputs if c.finish_reason == "error"), None)
@@ -45,6 +47,28 @@ class Submission:
                     raise APIError(f"request {item.request_id} failed in the engine; the server "
                                    "keeps serving others", 500, type="server_error", code="request_failed")
             yield item, steps
+
+    async def add_all(self, items: list, request: Request | None = None) -> bool:
+        """Queue an engine request for each (prompt, SamplingParams), ADD_CHUNK at a time: each
+        chunk is queued at once and applied by the engine in one go, the event loop runs
+        between chunks, and once the client has gone the rest is not added (False; the caller
+        aborts what was). Raises the first refusal (400 / 503) of a chunk."""
+        engine = self.state.async_engine
+        for start in range(0, len(items), ADD_CHUNK):
+            if start and request is not None and await request.is_disconnected():
+                return False
+            adds = []
+            for i, (item, params) in enumerate(items[start:start + ADD_CHUNK], start):
+                rid = f"{self.prefix}-{i}"
+                self.request_ids.append(rid)
+                self.unfinished.add(rid)
+                adds.append(engine.add_request(rid, item, params, self.collector,
+                                               prompt_text=item.get("prompt")))
+            results = await asyncio.gather(*adds, return_exceptions=True)
+            failed = next((r for r in results if isinstance(r, BaseException)), None)
+            if failed is not None:
+                raise failed
+        return True
 
     def abort_unfinished(self) -> None:
         for rid in list(self.unfinished):

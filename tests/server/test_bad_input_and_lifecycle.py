@@ -2,6 +2,7 @@
 the --max-waiting limit; graceful SIGTERM."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import signal
 import subprocess
@@ -166,8 +167,8 @@ def _read_sse(resp) -> tuple[list, str]:
 
 def _stream_outcome(events: list, ending: str, want: str, max_tokens: int) -> str:
     """'finished' or 'aborted' when the stream ended in a way cli.py documents for SIGTERM
-    (in-flight requests run to completion within --shutdown-timeout, else are aborted and their
-    streams end); AssertionError otherwise."""
+    (in-flight requests run to completion within --shutdown-timeout, else fail with 503
+    shutting_down); AssertionError otherwise."""
     chunks = [e for e in events if isinstance(e, dict) and "choices" in e]
     choices = [c for e in chunks for c in e["choices"]]
     errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
@@ -183,14 +184,12 @@ def _stream_outcome(events: list, ending: str, want: str, max_tokens: int) -> st
         assert len(choices) == max_tokens and finishes == ["length"], desc
         assert choices[-1]["finish_reason"] == "length" and text == want, desc
         return "finished"
+    # failed at --shutdown-timeout with the in-band error, never cut off mid-body:
+    # {"error": {"code": "shutting_down", ...}} then [DONE]
     assert not finishes and len(choices) < max_tokens, desc
-    if ending == "closed":
-        # aborted with the in-band error: {"error": {"code": "shutting_down", ...}} then [DONE]
-        assert len(errors) == 1 and errors[0]["code"] == "shutting_down", desc
-        assert events[-2:] == [{"error": errors[0]}, "[DONE]"], desc
-    else:
-        # aborted after --shutdown-timeout: the server closed the connection mid-body
-        assert ending == "cut" and not errors and "[DONE]" not in events, desc
+    assert ending == "closed", desc
+    assert len(errors) == 1 and errors[0]["code"] == "shutting_down", desc
+    assert events[-2:] == [{"error": errors[0]}, "[DONE]"], desc
     return "aborted"
 
 
@@ -240,3 +239,29 @@ def test_max_waiting_then_graceful_sigterm(guarded):
         guarded.proc.kill()
         pytest.fail(f"kvserve serve still running 60 s after SIGTERM (--shutdown-timeout 3):\n{guarded.log()}")
     assert rc == 0, guarded.log()
+
+
+def test_shutdown_deadline_answers_plain_requests_with_503_json():
+    """A non-streaming request still in flight when --shutdown-timeout expires gets the
+    documented 503 `shutting_down` JSON, not uvicorn's text/plain 500."""
+    srv = LiveServer("--max-num-seqs", "1", "--shutdown-timeout", "1")
+    try:
+        body = {"prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True}
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(httpx.post, srv.base_url + "/v1/completions", json=body,
+                                   trust_env=False, timeout=60) for _ in range(2)]
+            srv.wait_for("one running, one waiting", lambda m: m["kvserve:num_requests_running"] == 1
+                         and m["kvserve:num_requests_waiting"] == 1, timeout=20)
+            srv.proc.send_signal(signal.SIGTERM)
+            responses = [f.result() for f in futures]
+        assert srv.proc.wait(30) == 0
+        codes = [r.status_code for r in responses]
+        assert 503 in codes, codes              # the waiting one cannot have finished within 1 s
+        for r in responses:
+            assert r.headers["content-type"] == "application/json"
+            if r.status_code == 503:
+                assert r.json()["error"]["code"] == "shutting_down"
+            else:
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 480
+    finally:
+        srv.stop()

@@ -1,0 +1,81 @@
+"""The engine prompts behind one HTTP request, and the bounds they are checked against first.
+
+`bound_state` gives the server state its limits (server/limits.py: the served max_model_len,
+prompts per request, bytes per token), its tokenizer pool, its error-id report and the API key
+as bytes. `prompt_items` turns a /v1/completions request into engine prompts: the prompt count
+and each text's UTF-8 size are checked before anything is tokenized, and tokenizing runs off the
+event loop. `max_tokens_for` is vLLM's context-window rule for one prompt.
+"""
+from __future__ import annotations
+
+from kvserve.server.body import api_key_bytes
+from kvserve.server.errors import EngineFailureReport
+from kvserve.server.limits import (
+    MIN_BYTES_PER_TOKEN_BOUND, ServerLimits, Tokenization, effective_max_model_len, max_bytes_per_token)
+from kvserve.server.protocol import APIError, CompletionRequest
+
+
+def bound_state(state, max_prompts_per_request: int, max_waiting: int | None) -> None:
+    """The per-request limits (server/limits.py), error ids and the API key as bytes."""
+    stats = getattr(state.async_engine, "last_stats", None)
+    state.max_model_len = effective_max_model_len(state.max_model_len,
+                                                  getattr(stats, "num_kv_tokens", None))
+    bound = max_bytes_per_token(state.tokenizer) if state.tokenizer is not None else MIN_BYTES_PER_TOKEN_BOUND
+    state.limits = ServerLimits(state.max_model_len, max_prompts_per_request, max_waiting, bound)
+    state.tokenization = Tokenization()
+    state.api_key_bytes = api_key_bytes(state.api_key) if state.api_key is not None else None
+    state.engine_failure = EngineFailureReport()
+
+
+def max_tokens_for(state, prompt_len: int, requested: int | None) -> int:
+    """The request's max_tokens, checked against the context window (vLLM's rule)."""
+    limit = state.max_model_len
+    if prompt_len >= limit:
+        raise APIError(f"This model's maximum context length is {limit} tokens. However, your "
+                       f"prompt has {prompt_len} tokens. Please reduce the length of the prompt.",
+                       param="prompt", code="context_length_exceeded")
+    if requested is None:
+        return limit - prompt_len
+    if prompt_len + requested > limit:
+        raise APIError(f"This model's maximum context length is {limit} tokens. However, you "
+                       f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
+                       f"{requested} for the completion). Please reduce the prompt or max_tokens.",
+                       param="max_tokens", code="context_length_exceeded")
+    return requested
+
+
+
+async def prompt_items(state, req: CompletionRequest) -> list[dict]:
+    """The engine prompt of each prompt of the request, tokenized off the event loop after a
+    check that needs no tokenizing (server/limits.py)."""
+    tok = state.tokenizer
+    prompts = req.prompts()
+    state.limits.check_num_prompts(len(prompts))
+    texts = [p for p in prompts if isinstance(p, str)]
+    if texts and tok is None:
+        raise APIError("this model has no tokenizer: send the prompt as token ids", param="prompt")
+    for t in texts:
+        state.limits.check_text_fits(t)
+    encoded = iter(await state.tokenization.run_many(tok.encode, texts) if texts else ())
+    items = []
+    for p in prompts:
+        if isinstance(p, str):
+            item = {"prompt_token_ids": next(encoded), "prompt": p}
+        else:
+            item = {"prompt_token_ids": p}
+        if req.cache_salt is not None:
+            item["cache_salt"] = req.cache_salt
+        items.append(item)
+    return items
+
+
+async def echo_texts(state, req: CompletionRequest, items: list[dict]) -> list[str]:
+    """With echo, each prompt's text (token-id prompts decoded off the event loop)."""
+    if not req.echo:
+        return [""] * len(items)
+    tok = state.tokenizer
+    id_prompts = [it["prompt_token_ids"] for it in items if "prompt" not in it]
+    decoded = iter(await state.tokenization.run_many(tok.decode, id_prompts)
+                   if tok is not None and id_prompts else ())
+    return [it["prompt"] if "prompt" in it else (next(decoded) if tok is not None else "")
+            for it in items]
