@@ -7,7 +7,8 @@ rate it reports the client's figures (`kvserve bench serve`: output tok/s, TTFT 
 and the server's own step and forward-pass times per step (from /metrics:
 `kvserve:engine_step_time_seconds_total` and `kvserve:engine_forward_time_seconds_total` over
 `kvserve:engine_steps_total`). Offline, `LLM.generate` runs all the requests at once (what rate
-inf asks of a server) with the same prompt and output lengths. Layouts alternate, the order
+inf asks of a server) with the same prompt and output lengths, threads and OpenMP wait policy
+as the engine core (PASSIVE unless OMP_WAIT_POLICY says otherwise). Layouts alternate, the order
 flipping each repeat; every server and the offline run are fresh processes; figures are medians.
 
     python benchmarks/bench_serve_layout.py --repeats 3 --out benchmarks/results/serve_layout.json
@@ -111,9 +112,11 @@ def one_pass(url: str, model: Path, rate: str, args) -> dict:
 
 
 def offline(model: Path, args) -> dict:
+    # the engine core's OpenMP wait policy (server/engine_client.py), for the same arithmetic
+    env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
     out = subprocess.run([sys.executable, "-c", OFFLINE, str(model), args.dtype, str(args.num_prompts),
                           str(args.input_len), str(args.output_len)],
-                         check=True, capture_output=True, text=True)
+                         check=True, capture_output=True, text=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

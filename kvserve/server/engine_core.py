@@ -27,6 +27,7 @@ shutdown (in-flight requests run to completion first) is the API process's to co
 """
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import traceback
@@ -163,6 +164,7 @@ def run_engine_core(config, num_threads: int | None, log_level: str, inbox, outb
         outbox.send(("failed", traceback.format_exc()))
         return
     outbox.send(("ready", engine.config, engine.tokenizer, engine.stats()))
+    gc.freeze()             # the model and the engine live as long as the process: never scan them
     try:
         EngineCore(engine, inbox, outbox).run()
     finally:
