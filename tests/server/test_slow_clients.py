@@ -1,6 +1,6 @@
 """Clients that stop reading their streams (issue 9, defect 6): outputs coalesce instead of
-piling up, well-behaved clients beside them get their exact answers, and rounds of them leave
-memory where the first round left it. (The abort after --stream-stall-timeout, which needs the
+piling up, well-behaved clients beside them get their exact answers, and rounds of them (with
+huge bodies and a disconnect storm) leave memory where the first round left it. (The abort after --stream-stall-timeout, which needs the
 kernel's socket buffers full first, is tested deterministically in test_async_engine.py.)"""
 from __future__ import annotations
 
@@ -35,17 +35,28 @@ def open_unread_stream(port: int, body: dict) -> socket.socket:
     return s
 
 
-def test_non_reading_clients_cost_no_memory():
+def test_rounds_of_bad_clients_cost_no_memory():
     server = LiveServer("--max-num-seqs", "16")
     body = {"prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True, "logprobs": 5, "n": 2}
     good = {"prompt": "Lily went to the park", "max_tokens": 40, "temperature": 0}
     with reference_llm() as llm:
         want = llm.generate([good["prompt"]], SamplingParams(temperature=0.0, max_tokens=40))[0].outputs[0].text
+    huge_text = json.dumps({"prompt": "word " * 800_000, "max_tokens": 1})         # 4 MB
+    many_prompts = json.dumps({"prompt": [[1]] * 300_000, "max_tokens": 1})
     try:
         rss = []
         for _ in range(3):
             socks = [open_unread_stream(server.port, body) for _ in range(4)]
             try:
+                # beside them: huge bodies (refused) and a disconnect storm (aborted)
+                for bad in (huge_text, many_prompts):
+                    r = httpx.post(server.base_url + "/v1/completions", content=bad, trust_env=False,
+                                   timeout=60, headers={"Content-Type": "application/json"})
+                    assert r.status_code == 400
+                for _ in range(8):
+                    s = open_unread_stream(server.port, body)
+                    s.recv(64)
+                    s.close()
                 # a well-behaved client beside them gets its exact answer
                 r = httpx.post(server.base_url + "/v1/completions", json=good, trust_env=False, timeout=60)
                 assert r.json()["choices"][0]["text"] == want
