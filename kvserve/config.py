@@ -8,6 +8,7 @@ import torch
 
 from kvserve.model.kv_quant import KV_CACHE_DTYPES, check_kv_cache_dtype
 from kvserve.model.quant import parse_quantization
+from kvserve.spec.config import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16}
@@ -43,6 +44,19 @@ class EngineConfig:
     quantization_group_size: int | None = None   # int4: 32, 64, 128 or 256 (default 128 where it divides)
     # KV-cache quantization (kvserve/model/kv_quant.py): one byte per element + a scale per token-head
     kv_cache_dtype: str = "auto"           # "auto" (the model dtype) | "int8" | "fp8_e4m3" | "fp8_e5m2"
+    # Speculative decoding (kvserve/spec/): a dict or its JSON, e.g. {"method": "ngram",
+    # "num_speculative_tokens": 4} or {"model": PATH | "self-int4", "num_speculative_tokens": 4}
+    speculative_config: dict | str | None = None
+    # Tensor parallelism (kvserve/dist/): heads, MLP and vocabulary split over N ranks
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"   # "mp" (local processes) | "ray" (Ray actors)
+    # KV tiers below the pool (kv/connector.py, kv/tiers.py): evicted prefix blocks move down,
+    # hits reload by copy: ["cpu:4GiB", "disk:/path:20GiB", "redis://127.0.0.1:6379"] or one string
+    kv_tiers: list[str] | str | None = None
+    kv_tier_reload: str = "auto"           # "auto" (seed 003's measured break-even) | "always" | "never"
+    # Disaggregated prefill/decode (kvserve/dist/pd_proxy.py): "prefill" writes every computed
+    # prompt block to the shared tier by the end of its step; "decode" reloads them from it
+    kv_role: str = "both"                  # "both" | "prefill" | "decode"
 
     def __post_init__(self):
         if self.dtype not in DTYPES and self.dtype != "auto":
@@ -74,10 +88,34 @@ class EngineConfig:
         if self.max_wait_steps < 0:
             raise ValueError(f"max_wait_steps must be >= 0, got {self.max_wait_steps}.")
         check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}.")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError("distributed_executor_backend must be 'mp' or 'ray', got "
+                             f"{self.distributed_executor_backend!r}.")
+        self.speculative = SpeculativeConfig.parse(self.speculative_config)   # None: off
+        self._check_kv_tiers()
         self.quantization, self.quantization_group_size = parse_quantization(
             self.quantization, self.quantization_group_size)
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def _check_kv_tiers(self) -> None:
+        from kvserve.kv.tiers import parse_tier_spec, split_tier_specs
+        self.kv_tiers = split_tier_specs(self.kv_tiers) or None
+        if self.kv_tier_reload not in ("auto", "always", "never"):
+            raise ValueError(f"kv_tier_reload must be 'auto', 'always' or 'never', got {self.kv_tier_reload!r}.")
+        if self.kv_role not in ("both", "prefill", "decode"):
+            raise ValueError(f"kv_role must be 'both', 'prefill' or 'decode', got {self.kv_role!r}.")
+        if self.kv_role != "both" and not any(t.startswith(("disk:", "redis://")) for t in self.kv_tiers or ()):
+            raise ValueError(f"kv_role={self.kv_role!r} needs a KV tier that both roles share: "
+                             "--kv-tiers redis://HOST:PORT (or disk:/shared/path:SIZE on one machine).")
+        if self.kv_tiers:
+            for spec in self.kv_tiers:
+                parse_tier_spec(spec, open_store=False)
+            if self.prefix_cache_kind != "hash" or self.tensor_parallel_size > 1:
+                raise ValueError("kv_tiers needs the hash prefix cache (enable_prefix_caching, "
+                                 "prefix_cache='hash') and tensor_parallel_size=1.")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -132,6 +170,24 @@ class EngineConfig:
         parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                             help="KV cache storage: auto (the model dtype) or one byte per element "
                                  "with a scale per token and KV head (about 2x the tokens of bf16)")
+        parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                            help="split heads, MLP and vocabulary over this many ranks (torch.distributed)")
+        parser.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"],
+                            help="tensor-parallel workers as local processes or Ray actors")
+        parser.add_argument("--kv-tiers", default=None, metavar="SPECS",
+                            help="prefix-cache tiers below the KV pool, top first, comma-separated: "
+                                 "cpu:4GiB,disk:/path:20GiB,redis://127.0.0.1:6379")
+        parser.add_argument("--kv-role", "--role", dest="kv_role", default="both",
+                            choices=["both", "prefill", "decode"],
+                            help="disaggregated serving (kvserve proxy): prefill writes each prompt's "
+                                 "KV to the shared --kv-tiers store as it is computed, decode reloads it")
+        parser.add_argument("--kv-tier-reload", default="auto", choices=["auto", "always", "never"],
+                            help="reload tier hits or recompute them: auto follows the measured "
+                                 "break-even (tier bandwidth > KV bytes/token x prefill tokens/s)")
+        parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                            help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                                 '"prompt_lookup_max": 4}\' or \'{"model": "self-int4", "num_speculative_tokens": 4}\' '
+                                 "(also prompt_lookup_min, disable_by_batch_size)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":

@@ -20,7 +20,7 @@ from the same logits, with its own generator (seed + i), exactly as n separate r
 Beam search (`use_beam_search`) runs the beams as forked sequences (engine/beam_search.py).
 Prompt logprobs (`prompt_logprobs`): the runner also returns the rows of the prompt positions a
 request still needs, and the engine turns them into entries on the group's head
-(engine/prompt_logprobs.py).
+(engine/prompt_logprobs.py). Speculative decoding (`speculative_config`): kvserve/spec/decoder.py.
 """
 from __future__ import annotations
 
@@ -31,21 +31,24 @@ import time
 import torch
 
 from kvserve.config import EngineConfig
+from kvserve.dist.executor import TPDriverRunner, TPWorkers, build_rank_model
 from kvserve.engine import prompt_logprobs
+from kvserve.engine.kv_sizing import num_kv_blocks
 from kvserve.engine.model_runner import ModelRunner, make_attention_backend
 from kvserve.engine.output import OutputProcessor
 from kvserve.engine.beam_search import BeamGroup
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.stats import EngineStats, collect_stats
+from kvserve.kv.connector import TieredConnector
 from kvserve.kv.manager import KVCacheManager, cdiv
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_model_dir
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput, logprob_entry
 from kvserve.sample.params import SamplingParams
 from kvserve.sample.sampler import Sampler
+from kvserve.spec.decoder import SpecDecoder
 
-DEFAULT_CPU_KV_BYTES = 1 << 30
 logger = logging.getLogger(__name__)
 
 
@@ -66,13 +69,18 @@ class LLMEngine:
             raise ValueError(f"max_model_len {max_len} exceeds the model's "
                              f"max_position_embeddings {model_cfg.max_position_embeddings}.")
         config.max_model_len = max_len
-        attn = make_attention_backend(model_cfg, config.block_size, config.kv_cache_dtype)
-        self.model = LlamaModel(model_cfg, weights, attn, self.device, config.torch_dtype,
-                                config.quantization, config.quantization_group_size)
+        tp = config.tensor_parallel_size
+        if tp > 1:      # this process is rank 0 of tp (kvserve/dist/): its slice, then the workers
+            self.model = build_rank_model(config, model_cfg, weights, 0, tp, self.device)
+            self.tp_workers = TPWorkers(config, tp, config.distributed_executor_backend)
+        else:
+            attn = make_attention_backend(model_cfg, config.block_size, config.kv_cache_dtype)
+            self.model = LlamaModel(model_cfg, weights, attn, self.device, config.torch_dtype,
+                                    config.quantization, config.quantization_group_size)
         del weights
-        num_blocks = self._num_kv_blocks()
-        per_block = ModelRunner.kv_bytes_per_block(model_cfg, config.block_size, config.torch_dtype,
-                                                   config.kv_cache_dtype)
+        num_blocks = num_kv_blocks(config, self.model.cfg, model_cfg, self.device)
+        per_block = ModelRunner.kv_bytes_per_block(self.model.cfg, config.block_size, config.torch_dtype,
+                                                   config.kv_cache_dtype)     # this rank's KV heads
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %s, %d bytes/token",
                     num_blocks, config.block_size, num_blocks * config.block_size,
                     config.kv_cache_dtype, per_block // config.block_size)
@@ -81,9 +89,12 @@ class LLMEngine:
             num_cpu_blocks = min(config.swap_space // per_block, 4 * num_blocks)
         self.kv = KVCacheManager(num_blocks, config.block_size, prefix_cache=config.prefix_cache_kind,
                                  cache_namespace=f"{config.model}|{config.dtype}|{config.kv_cache_dtype}",
-                                 num_cpu_blocks=num_cpu_blocks)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size)
+                                 num_cpu_blocks=num_cpu_blocks, kv_connector=TieredConnector.from_config(config))
+        self.runner = (TPDriverRunner(self.model, num_blocks, config.block_size, self.tp_workers) if tp > 1
+                       else ModelRunner(self.model, num_blocks, config.block_size))
         self.runner.init_swap_space(num_cpu_blocks)
+        if self.kv.connector is not None:            # KV tiers: saves/loads run in the runner
+            self.kv.connector.attach_runner(self.runner)
         self.sampler = Sampler(model_cfg.vocab_size, self.device, config.seed)
         self.output = OutputProcessor(self.tokenizer, max_len)
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
@@ -97,7 +108,9 @@ class LLMEngine:
                                    max_wait_steps=config.max_wait_steps,
                                    preemption_warn_threshold=config.preemption_warn_threshold,
                                    stop_checker=self.output.process_token,
-                                   eos_token_id=eos, max_model_len=max_len)
+                                   eos_token_id=eos, max_model_len=max_len,
+                                   **SpecDecoder.scheduler_kwargs(config.speculative))
+        self.spec = SpecDecoder(config.speculative, self) if config.speculative is not None else None
         self.groups: dict[str, list[Request]] = {}      # user request id -> its sequences
         self.prompts: dict[str, str | None] = {}
         self._arrivals = itertools.count()
@@ -108,38 +121,6 @@ class LLMEngine:
         # For tools that need whole distributions (`kvserve perplexity --kl-divergence`): called
         # as hook(request, first position, raw logits [r, V]) for every prompt-logprob chunk.
         self.prompt_logprobs_hook = None
-
-    def _num_kv_blocks(self) -> int:
-        cfg = self.config
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        per_block = ModelRunner.kv_bytes_per_block(self.model_config, cfg.block_size, cfg.torch_dtype,
-                                                   cfg.kv_cache_dtype)
-        budget = cfg.kv_cache_memory
-        if budget is None:
-            budget = self._cuda_kv_budget() if self.device.type == "cuda" else DEFAULT_CPU_KV_BYTES
-        # Never more than every seat filled to max_model_len needs.
-        cap = cfg.max_num_seqs * cdiv(cfg.max_model_len, cfg.block_size) + 1
-        n = min(budget // per_block, cap)
-        if n < 1:
-            raise ValueError(f"kv_cache_memory={budget} bytes holds no block of {per_block} bytes.")
-        return int(n)
-
-    def _cuda_kv_budget(self) -> int:
-        """vLLM's rule, as `kvserve plan kv` assumes: gpu_memory_utilization x total device
-        memory, less what is in use (weights) and an activation reserve for one full step."""
-        cfg, m = self.config, self.model_config
-        _, total = torch.cuda.mem_get_info(self.device)
-        used = torch.cuda.memory_reserved(self.device)
-        width = 3 * m.hidden_size + 2 * m.intermediate_size + (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
-        activations = 4 * (cfg.max_num_batched_tokens * width + cfg.max_num_seqs * m.vocab_size)
-        budget = int(cfg.gpu_memory_utilization * total) - used - activations
-        if budget <= 0:
-            raise ValueError(f"gpu_memory_utilization={cfg.gpu_memory_utilization} of {total / 2**30:.1f} GiB "
-                             f"leaves no room for the KV cache after {used / 2**30:.1f} GiB of weights and "
-                             f"{activations / 2**30:.1f} GiB of activations: raise it, or lower "
-                             "max_num_batched_tokens / max_num_seqs.")
-        return budget
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
@@ -260,7 +241,7 @@ class LLMEngine:
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self.spec.propose(self.scheduler) if self.spec else None)
         ops = self.kv.take_pending()                 # checked: no read after a write
         if ops:
             self.runner.apply_kv_ops(ops)
@@ -271,10 +252,17 @@ class LLMEngine:
             for req, n, ids in batch:      # the hand-off's invariant: every token has a slot
                 assert len(ids) * bs >= req.num_computed_tokens + n, f"{req} scheduled without slots"
             wanted = prompt_logprobs.wanted_rows(sched.scheduled)
-            logits, samplers, prompt_rows = self.runner.execute(batch, wanted)
+            logits, samplers, prompt_rows = self.runner.execute(batch, wanted, sched.draft_tokens)
+            logits, samplers, runs = (self.spec.verify(logits, samplers, sched.draft_tokens, self.sampler.generator,
+                                                       self._piece) if sched.draft_tokens else (logits, samplers, {}))
             samples, candidates = self._sample(logits, samplers)
+            samples.update(runs)
             self._record_prompt_logprobs(prompt_rows, samples)
         touched = self.scheduler.update_from_output(sched, samples, candidates)
+        if self.config.kv_role == "prefill":     # the prompt's KV is in the shared store before its answer
+            self.kv.connector.flush(self.runner)
+        if self.spec is not None:
+            self.spec.after_step(self.scheduler)
         outputs = [self._make_output(rid) for rid in touched if rid in self.groups]
         for out in outputs:
             if out.finished:
@@ -389,6 +377,8 @@ class LLMEngine:
         """Stop the tensor-parallel workers, if any (idempotent)."""
         if getattr(self, "tp_workers", None) is not None:
             self.tp_workers.close()
+        if getattr(self, "kv", None) is not None and self.kv.connector is not None:
+            self.kv.connector.close(self.runner)     # pending saves, then the disk writer
 
     def stats(self) -> EngineStats:
         return collect_stats(self)
@@ -398,5 +388,7 @@ class LLMEngine:
         the statuses and the KV manager's tables, and every registered request unfinished."""
         self.kv.check_integrity()
         self.scheduler.check_integrity()
+        if self.spec is not None:
+            self.spec.check_integrity(self.scheduler)
         for rid, seqs in self.groups.items():
             assert any(not r.is_finished for r in seqs), f"request {rid} finished but is still registered"

@@ -1,8 +1,10 @@
 """The model runner: packs one step's scheduled tokens into one flat (ragged) batch, runs one
 forward pass over the paged KV cache and returns logits for the sequences that sample
 (seed 000, "Chunked prefill": `pack(sequences)`; seed 003, block tables and slot mapping),
-plus the rows of any other positions the caller names (prompt logprobs).
-It never decides who runs, nor which rows are wanted."""
+plus the rows of any other positions the caller names (prompt logprobs). A sequence given
+drafts (speculative decoding: the scheduler's `draft_tokens`) runs its last token and the k
+drafts after it and returns logits at all k + 1 positions.
+It never decides who runs, nor which rows are wanted, nor which drafts to keep."""
 from __future__ import annotations
 
 import time
@@ -29,6 +31,7 @@ class ModelRunner:
         shape = model.attn.cache_shape(num_blocks)
         self.kv_cache_dtype = model.attn.kv_cache_dtype
         self.forward_time_total = 0.0   # seconds inside the model's forward pass
+        self.kv_connector = None        # KV tiers (kv/connector.py) run saves / loads through it
         self.kv_caches = [tuple(kv_quant.allocate(shape, self.kv_cache_dtype, model.dtype, self.device)
                                 for _ in range(2)) for _ in range(cfg.num_layers)]
 
@@ -77,10 +80,15 @@ class ModelRunner:
             t.index_copy_(0, gpu, ct.index_select(0, cpu).to(self.device, non_blocking=True))
 
     def apply_kv_ops(self, ops) -> None:
-        """Run the manager's queued block moves: swap out, swap in, then copies."""
+        """Run the manager's queued block moves: saves to the KV tiers (they read blocks this
+        batch may overwrite), swap out, swap in, copies, then loads from the tiers."""
+        if ops.saves:
+            self.kv_connector.save_blocks(self, ops.saves)
         self.swap_out(ops.swap_out)
         self.swap_in(ops.swap_in)
         self.copy_blocks(ops.copies)
+        if ops.loads:
+            self.kv_connector.load_blocks(self, ops.loads)
 
     @staticmethod
     def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -89,16 +97,22 @@ class ModelRunner:
         return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * row
 
     def execute(self, scheduled: list[tuple[Request, int, list[int]]],
-                extra_rows: dict[str, range] | None = None
+                extra_rows: dict[str, range] | None = None, draft_tokens: dict[str, list[int]] | None = None
                 ) -> tuple[torch.Tensor, list[Request], list[tuple[Request, int, torch.Tensor]]]:
         """scheduled: (request, num_new_tokens, block_ids). Returns logits [S, V] for the
-        requests whose every known token is now computed (they sample), and those requests;
+        requests whose every known token is now computed (they sample), and those requests
+        (a request with k `draft_tokens`, which its num_new_tokens count, has k + 1 rows);
         and, for each request id in `extra_rows` (positions inside its chunk whose logits are
         wanted too), (request, first position, logits [r, V])."""
         extra_rows = extra_rows or {}
+        draft_tokens = draft_tokens or {}
         bs = self.block_size
-        # Decodes (one new token) first, then prefill chunks: the backend's layout.
-        order = sorted(range(len(scheduled)), key=lambda i: scheduled[i][1] != 1)
+        # Decodes (one new token) first, then prefill chunks: the backend's layout. A sequence
+        # verifying drafts runs as k + 1 decode rows (the same block table, context lengths
+        # start + 1 .. start + k + 1): its new K/V are written before attention reads them.
+        def decodes(i):
+            return scheduled[i][1] == 1 or scheduled[i][0].request_id in draft_tokens
+        order = sorted(range(len(scheduled)), key=lambda i: not decodes(i))
         ids, pos, slots, logits_idx, samplers = [], [], [], [], []
         extra_idx, extras = [], []
         decode_tables, decode_lens, prefills = [], [], []
@@ -113,18 +127,19 @@ class ModelRunner:
                 extras.append((req, extra.start, len(extra)))
             p = np.arange(start, start + n)
             table = np.asarray(block_ids, dtype=np.int64)
-            ids.append(req.token_ids[start:start + n])
+            drafts = draft_tokens.get(req.request_id, ())
+            ids.append((req.token_ids + drafts if drafts else req.token_ids)[start:start + n])
             pos.append(p)
             slots.append(table[p // bs] * bs + p % bs)
-            if n == 1:
-                decode_tables.append(block_ids)
-                decode_lens.append(start + 1)
+            if decodes(i):
+                decode_tables += [block_ids] * n
+                decode_lens += range(start + 1, start + n + 1)
             else:
                 prefills.append(PrefillChunk(offset, n, start + n,
                                              torch.from_numpy(table).to(self.device)))
             offset += n
-            if start + n == req.num_tokens:
-                logits_idx.append(offset - 1)
+            if start + n == req.num_tokens + len(drafts):
+                logits_idx.extend(range(offset - 1 - len(drafts), offset))
                 samplers.append(req)
         dev = self.device
         input_ids = torch.tensor([t for chunk in ids for t in chunk], dtype=torch.long, device=dev)
@@ -143,8 +158,8 @@ class ModelRunner:
                 meta.decode_context_lens, width * bs, self.model.attn.sliding_window)
         # Chunks that do not sample still run: their K/V must reach the cache.
         t0 = time.perf_counter()
-        logits = self.model.forward(input_ids, positions, meta, self.kv_caches,
-                                    torch.tensor(logits_idx + extra_idx, dtype=torch.long, device=dev))
+        logits = self.forward(input_ids, positions, meta,
+                              torch.tensor(logits_idx + extra_idx, dtype=torch.long, device=dev))
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         self.forward_time_total += time.perf_counter() - t0
@@ -153,6 +168,12 @@ class ModelRunner:
             rows.append((req, first, logits[at:at + r]))
             at += r
         return logits[:len(logits_idx)], samplers, rows
+
+
+    def forward(self, input_ids, positions, meta, logits_indices) -> torch.Tensor:
+        """One forward pass of the model over this runner's KV pools (the hook a tensor-parallel
+        driver wraps to send the same pass to its workers: kvserve/dist/executor.py)."""
+        return self.model.forward(input_ids, positions, meta, self.kv_caches, logits_indices)
 
 
 def make_attention_backend(cfg, block_size: int, kv_cache_dtype: str = "auto") -> TorchPagedAttention:

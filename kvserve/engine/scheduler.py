@@ -18,6 +18,12 @@ longest cached prefix first, preempted or `max_wait_steps`-old requests before i
 seat can run while requests wait (beams waiting for siblings that do not fit), the latest
 other group is recomputed; `stall_steps` steps with no progress fail the stuck requests with
 a clear error instead of spinning.
+
+Speculative decoding (kvserve/spec/): `spec_candidates()` names the sequences that may verify
+drafts this step (plain n == 1 decodes; none above `spec_disable_by_batch_size` running) and
+how many; `schedule(drafts)` gives each its last token + k drafts when the budget and the pool
+spare them (drafts never preempt anyone); `update_from_output` appends the verified run, counts
+only accepted drafts as computed and rolls the rest back (`KVCacheManager.rollback`).
 """
 from __future__ import annotations
 
@@ -46,6 +52,9 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     swapped_in: list[Request] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)      # outgrew the pool
+    # Speculative decoding: sequence id -> the drafts scheduled after its last token (the
+    # sequence's n counts them: 1 + k); their K/V are unverified until update_from_output.
+    draft_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -58,7 +67,8 @@ class Scheduler(RequestQueues):
                  cache_aware: bool = False, max_wait_steps: int = 64,
                  preemption_warn_threshold: int = 3, stall_steps: int = 8,
                  stop_checker: Callable[[Request, int], RequestStatus | None] | None = None,
-                 eos_token_id: int | None = None, max_model_len: int = 1 << 30):
+                 eos_token_id: int | None = None, max_model_len: int = 1 << 30,
+                 num_speculative_tokens: int = 0, spec_disable_by_batch_size: int | None = None):
         super().__init__(kv, max_num_seqs, preemption_mode, preemption_warn_threshold)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.watermark_blocks = watermark_blocks
@@ -68,8 +78,11 @@ class Scheduler(RequestQueues):
         self.stop_checker = stop_checker or _length_only
         self.eos_token_id = eos_token_id
         self.max_model_len = max_model_len
+        self.num_speculative_tokens = num_speculative_tokens
+        self.spec_disable_by_batch_size = spec_disable_by_batch_size
         self._stalled = 0
         self._budget = 0
+        self._drafts: dict[str, list[int]] = {}
 
     def _latest(self, candidates) -> Request | None:
         return max(candidates, key=lambda r: r.arrival_key, default=None)
@@ -99,10 +112,13 @@ class Scheduler(RequestQueues):
         return True
 
     # -- one step ----------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: dict[str, list[int]] | None = None) -> SchedulerOutput:
+        """`drafts`: proposals for some of `spec_candidates()` (speculative decoding); each is
+        scheduled, cut to what the budget and the pool spare, or dropped."""
         self.step_count += 1
         out = SchedulerOutput()
         self._budget = self.max_num_batched_tokens
+        self._drafts = drafts or {}
         done: set[str] = set()     # groups with a sequence scheduled this step: never victims
         self._schedule_running(out, done)
         if not out.preempted:      # vLLM's rule: no swap-in, no admission in a step that preempted
@@ -121,12 +137,18 @@ class Scheduler(RequestQueues):
         self._budget -= n
 
     def _schedule_running(self, out: SchedulerOutput, done: set[str]) -> None:
-        # 1. One decode token for every running sequence whose prefill is complete.
+        # 1. One decode token for every running sequence whose prefill is complete (with its
+        # drafts when it speculates: they only use budget and blocks the others can spare).
+        decodes = sum(1 for r in self.running if r.status == S.RUNNING and r.num_tokens - r.num_computed_tokens == 1)
+        spare = self._budget - decodes
         for req in list(self.running):
             if self._budget == 0:
                 break
             if req.status == S.RUNNING and req.num_tokens - req.num_computed_tokens == 1:
-                if self._make_room(req, req.num_computed_tokens + 1, out, done):
+                decodes -= 1
+                k = self._schedule_drafts(req, spare, decodes, out, done)
+                spare -= k
+                if not k and self._make_room(req, req.num_computed_tokens + 1, out, done):
                     self._schedule(out, done, req, 1)
         # 2. Prefill chunks of running requests whose prompt is not done yet.
         for req in list(self.running):
@@ -139,6 +161,51 @@ class Scheduler(RequestQueues):
             n = min(n, self._tokens_that_fit(req, n)) or n
             if self._make_room(req, req.num_computed_tokens + n, out, done):
                 self._schedule(out, done, req, n)
+
+    # -- speculative decoding: the scheduler decides who speculates and how far -----------------
+    def spec_candidates(self) -> list[tuple[Request, int]]:
+        """(sequence, most drafts it may verify) for this step: running decodes of n == 1
+        requests without beam search (forked sequences share blocks: never speculated); none
+        when the running batch is larger than `spec_disable_by_batch_size`."""
+        k = self.num_speculative_tokens
+        off = self.spec_disable_by_batch_size
+        if k <= 0 or (off is not None and len(self.running) > off):
+            return []
+        out = []
+        for req in self.running:
+            if req.status == S.RUNNING and req.num_tokens - req.num_computed_tokens == 1:
+                room = min(k, self._draft_room(req))
+                if room > 0:
+                    out.append((req, room))
+        return out
+
+    def _draft_room(self, req: Request) -> int:
+        """Drafts that can matter: none past max_model_len (positions must exist) or past
+        max_tokens (the target adds one token after the accepted drafts)."""
+        p = req.params
+        if p.use_beam_search or p.n > 1 or req.parent_id in self.beam_groups:
+            return 0
+        room = self.max_model_len - req.num_tokens
+        if p.max_tokens is not None:
+            room = min(room, p.max_tokens - req.num_output_tokens - 1)
+        return room
+
+    def _schedule_drafts(self, req: Request, spare: int, later: int, out: SchedulerOutput,
+                         done: set[str]) -> int:
+        """Schedule `req`'s last token and its drafts if the budget spares them and the pool
+        has their blocks without preempting anyone (keeping a block for each of the `later`
+        decodes and the watermark). Returns the number of drafts scheduled (0: none)."""
+        drafts = self._drafts.get(req.request_id)
+        k = min(len(drafts), spare, self._draft_room(req)) if drafts else 0
+        if k <= 0:
+            return 0
+        end = req.num_computed_tokens + 1 + k
+        if not self.kv.allocate_slots(req.request_id, end, reserve=later + self.watermark_blocks,
+                                      num_computed=req.num_computed_tokens):
+            return 0
+        out.draft_tokens[req.request_id] = list(drafts[:k])
+        self._schedule(out, done, req, 1 + k)
+        return k
 
     def _swap_in(self, out: SchedulerOutput) -> None:
         while self.swapped:
@@ -218,13 +285,15 @@ class Scheduler(RequestQueues):
     def update_from_output(self, out: SchedulerOutput, samples: dict, candidates: dict) -> list[str]:
         """Apply one step: the scheduled tokens now have K/V (label the full blocks); forks of
         n > 1 happen; each sampled token is appended and checked for stops (`samples`: request
-        id -> token id or an exception, which fails that request alone); beams with candidates
+        id -> token id, a verified speculative run [accepted drafts..., target token], or an
+        exception, which fails that request alone); beams with candidates
         wait for their group, and every ready beam group advances, whether or not this step
         ran a forward pass. Returns the user request ids whose output changed."""
         touched: dict[str, None] = {r.parent_id: None for r in out.finished}
         by_id = {}
+        drafts = out.draft_tokens
         for req, n in out.scheduled:
-            req.num_computed_tokens += n
+            req.num_computed_tokens += n - len(drafts.get(req.request_id, ()))   # drafts: once verified
             self.kv.cache_blocks(req)
             by_id[req.request_id] = req
             if req.num_computed_tokens == req.num_prompt_tokens and req.num_output_tokens == 0:
@@ -244,9 +313,15 @@ class Scheduler(RequestQueues):
                 continue
             if isinstance(result, BaseException):
                 self.finish(req, S.FINISHED_ERROR, f"{type(result).__name__}: {result}")
+            elif isinstance(result, list):
+                self._append_run(req, result)
             else:
                 self._append_token(req, result)
             touched[req.parent_id] = None
+        for rid in drafts:                     # rejected drafts' K/V: their blocks go back
+            req = by_id[rid]
+            if not req.is_finished:
+                self.kv.rollback(rid, req.num_computed_tokens)
         advanced = False
         for rid, group in list(self.beam_groups.items()):
             if group.ready():
@@ -280,6 +355,18 @@ class Scheduler(RequestQueues):
             return
         if status is not None:
             self.finish(req, status)
+
+    def _append_run(self, req: Request, tokens: list[int]) -> None:
+        """A verified speculative run: accepted drafts then the target's token. Each token
+        before the last was a draft the target ran, so its K/V is in the cache: the sequence's
+        computed tokens grow with it. A stop (token, string, max_tokens, length) ends the run."""
+        for i, t in enumerate(tokens):
+            if i:
+                req.num_computed_tokens += 1
+            self._append_token(req, t)
+            if req.is_finished:
+                return
+        self.kv.cache_blocks(req)              # label the full blocks the accepted drafts filled
 
     def _fail_stalled(self) -> list[str]:
         """The watchdog: no progress for `stall_steps` steps. Fail every unfinished request with

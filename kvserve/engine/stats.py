@@ -2,7 +2,7 @@
 gauges, the prefix cache's, the KV pool's, the swap space's and the step times'."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -36,6 +36,14 @@ class EngineStats:
     kv_cache_dtype: str = "auto"           # "auto" (the model dtype) | "int8" | "fp8_e4m3" | "fp8_e5m2"
     kv_bytes_per_token: int = 0            # K and V of every layer, scales included
     num_kv_tokens: int = 0                 # tokens the device pool holds: blocks * block_size
+    # Speculative decoding (kvserve/spec/; vLLM's spec_decode_* counters; 0 when off)
+    spec_decode_num_drafts: int = 0                  # sequences verified with drafts
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)   # [k]
+    # KV tiers (kv/connector.py; {} when off): per tier hits, bytes, measured bandwidth; the
+    # measured prefill throughput, seed 003's reload break-even and the reload/recompute decisions
+    kv_tiers: dict = field(default_factory=dict)
 
 
 def collect_stats(engine) -> EngineStats:
@@ -66,4 +74,13 @@ def collect_stats(engine) -> EngineStats:
     s.num_swap_in_blocks_total = kv.stats.swap_in_blocks
     s.num_repeatedly_preempted_total = c.num_repeatedly_preempted
     s.max_preemptions_per_request = c.max_preemptions_per_request
+    if getattr(kv, "connector", None) is not None:
+        s.kv_tiers = kv.connector.stats_dict()
+    spec = getattr(engine, "spec", None)
+    if spec is not None:
+        st = spec.stats
+        s.spec_decode_num_drafts = st.num_drafts
+        s.spec_decode_num_draft_tokens = st.num_draft_tokens
+        s.spec_decode_num_accepted_tokens = st.num_accepted_tokens
+        s.spec_decode_num_accepted_tokens_per_pos = list(st.accepted_per_pos)
     return EngineStats(**vars(s))

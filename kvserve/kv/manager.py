@@ -50,9 +50,12 @@ class PendingKVOps:
     swap_out: list[tuple[int, int]] = field(default_factory=list)   # (gpu block, cpu block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)    # (cpu block, gpu block)
     copies: list[tuple[int, int]] = field(default_factory=list)     # (src gpu block, dst gpu block)
+    # KV tiers (kv/connector.py): saves run first (they read blocks the batch may reuse), loads last
+    saves: list[tuple[int, bytes, bool]] = field(default_factory=list)   # (gpu block, hash, evicted)
+    loads: list[tuple[int, bytes]] = field(default_factory=list)         # (gpu block, verified data)
 
     def __bool__(self) -> bool:
-        return bool(self.swap_out or self.swap_in or self.copies)
+        return bool(self.swap_out or self.swap_in or self.copies or self.saves or self.loads)
 
     def check(self) -> None:
         """No block is written twice, and none is read after the batch wrote it (a swap-in
@@ -68,6 +71,10 @@ class PendingKVOps:
                 if dst in written[dst_dev]:
                     raise AssertionError(f"{name} writes {dst_dev} block {dst} twice in one batch")
                 written[dst_dev].add(dst)
+        for dst, _ in self.loads:
+            if dst in written["gpu"]:
+                raise AssertionError(f"load writes gpu block {dst} twice in one batch")
+            written["gpu"].add(dst)
 
 
 @dataclass
@@ -83,7 +90,7 @@ class KVStats:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, prefix_cache: str | None = None,
-                 cache_namespace: str = "", num_cpu_blocks: int = 0):
+                 cache_namespace: str = "", num_cpu_blocks: int = 0, kv_connector=None):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[KVBlock]] = {}
@@ -94,6 +101,9 @@ class KVCacheManager:
         self._pending = PendingKVOps()
         self._copy_sources: list[KVBlock] = []           # held until the copies have run
         self.stats = KVStats()
+        self.connector = kv_connector                    # KV tiers below the pool (kv/connector.py)
+        if kv_connector is not None:
+            kv_connector.bind(self)
 
     # -- questions ---------------------------------------------------------------------------
     @property
@@ -151,6 +161,22 @@ class KVCacheManager:
             table.extend(self.pool.allocate(need))
         return True
 
+    def rollback(self, request_id: str, num_computed: int) -> int:
+        """Speculative decoding: the request's verified K/V ends at `num_computed` tokens.
+        Blocks past `cdiv(num_computed, block_size)` hold only rejected drafts' K/V: they go
+        back to the pool, tail first. A rejected slot in the last kept block is simply
+        overwritten later (nothing reads past `num_computed`). Never labelled: the prefix
+        cache labels only blocks full of computed (verified) tokens. Returns blocks freed."""
+        table = self.block_tables.get(request_id)
+        keep = cdiv(num_computed, self.block_size)
+        if not table or len(table) <= keep:
+            return 0
+        dropped = table[keep:]
+        del table[keep:]
+        assert all(b.block_hash is None for b in dropped), "a block of unverified tokens was labelled"
+        self.pool.free(reversed(dropped))
+        return len(dropped)
+
     # -- prefix cache ------------------------------------------------------------------------
     def lookup(self, req) -> PrefixHit:
         """The cached prefix a request without blocks could start from (changes no block).
@@ -158,7 +184,10 @@ class KVCacheManager:
         if (self.cache is None or req.num_computed_tokens or self.block_tables.get(req.request_id)
                 or req.must_compute_prompt):
             return NO_HIT
-        return self.cache.match(req, self._state(req))
+        hit = self.cache.match(req, self._state(req))
+        if self.connector is not None:                   # then the lower tiers, by copy
+            hit = self.connector.extend_hit(req, self._state(req), hit, self.cache)
+        return hit
 
     def allocate_prefill(self, req, hit: PrefixHit, num_tokens: int, reserve: int = 0) -> PrefixHit | None:
         """Admit a request without blocks: share the hit's blocks, copy its partial block,
@@ -176,6 +205,8 @@ class KVCacheManager:
             self.pool.touch(hit.copy_src)
             self._copy_sources.append(hit.copy_src)
         new = self.pool.allocate(cdiv(num_tokens, self.block_size) - len(hit.blocks))
+        if self.connector is not None:                   # tier blocks: verified, queued as loads
+            hit = self.connector.stage_loads(hit, new)
         if hit.copy_src is not None:
             self._pending.copies.append((hit.copy_src.block_id, new[0].block_id))
             self.stats.partial_copies += 1
@@ -202,7 +233,11 @@ class KVCacheManager:
         if self.cache is not None:
             table = self.block_tables.get(req.request_id)
             if table:
-                self.cache.cache_full_blocks(req, self._state(req), table)
+                st = self._state(req)
+                before = st.num_labelled_blocks
+                self.cache.cache_full_blocks(req, st, table)
+                if self.connector is not None and st.num_labelled_blocks > before:
+                    self.connector.on_labelled(table[before:st.num_labelled_blocks])
 
     # -- sharing -----------------------------------------------------------------------------
     def fork(self, parent_id: str, child_id: str) -> None:
@@ -287,6 +322,8 @@ class KVCacheManager:
         """The block moves queued since the last call, checked; the caller runs them before the
         next forward pass (and before the next schedule). Releases the copy sources."""
         ops, self._pending = self._pending, PendingKVOps()
+        if self.connector is not None:
+            ops.saves, ops.loads = self.connector.take()
         ops.check()
         if self._copy_sources:
             self.pool.free(self._copy_sources)

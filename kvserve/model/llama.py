@@ -45,8 +45,9 @@ class LlamaModel:
 
     def __init__(self, cfg: ModelConfig, weights: dict, attn: AttentionBackend,
                  device: torch.device, dtype: torch.dtype, quantization: str | None = None,
-                 quantization_group_size: int | None = None):
+                 quantization_group_size: int | None = None, tp=None):
         self.cfg, self.attn, self.device, self.dtype = cfg, attn, device, dtype
+        self.tp = tp            # a dist.tensor_parallel.TPGroup: cfg and weights are this rank's slice
         quantization, quantization_group_size = parse_quantization(quantization, quantization_group_size)
         own = {k for k in weights if k.endswith("proj.weight") or k in ("lm_head.weight", EMBED)}
         w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items() if k not in own}
@@ -88,7 +89,8 @@ class LlamaModel:
         T = input_ids.shape[0]
         cos = self.rope_cos[positions].to(self.dtype).unsqueeze(1)   # [T, 1, D]
         sin = self.rope_sin[positions].to(self.dtype).unsqueeze(1)
-        x = embedding_rows(self.embed, input_ids)                     # [T, hidden]
+        tp = self.tp
+        x = embedding_rows(self.embed, input_ids) if tp is None else tp.embed(self.embed, input_ids)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = linear(h, layer.qkv, layer.qkv_bias)                # [T, (H + 2KV) * D]
@@ -100,8 +102,11 @@ class LlamaModel:
             qk = apply_rope(qk, cos, sin)                             # q and k heads at once
             q, k = qk[:, :H], qk[:, H:]
             o = self.attn.forward(q, k, v, k_cache, v_cache, meta)    # [T, H, D]
-            x = x + linear(o.reshape(T, H * D), layer.o)
+            attn_out = linear(o.reshape(T, H * D), layer.o)           # [T, hidden] (partial if tp)
+            x = x + (attn_out if tp is None else tp.all_reduce(attn_out))
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            x = x + linear(swiglu(linear(h, layer.gate_up)), layer.down)
+            mlp_out = linear(swiglu(linear(h, layer.gate_up)), layer.down)
+            x = x + (mlp_out if tp is None else tp.all_reduce(mlp_out))
         x = rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps)  # [S, hidden]
-        return linear(x, self.lm_head).float()                         # [S, V]
+        logits = linear(x, self.lm_head)                               # [S, V] ([S, V'] if tp)
+        return (logits if tp is None else tp.gather_logits(logits)).float()

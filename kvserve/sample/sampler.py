@@ -138,6 +138,17 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int):
     return chosen.squeeze(1).tolist(), ranks.tolist(), top_ids, top_lp
 
 
+def request_generator(r: Request, device: torch.device) -> torch.Generator:
+    """A seeded request's own generator, made on first use from its seed: its draws do not
+    depend on the rest of the batch (speculative verification draws from it too)."""
+    if r.generator is None:
+        r.generator = torch.Generator(device=device)
+        # params allow seed + n - 1 <= 2**64 - 1; the modulo keeps any other int
+        # (torch takes [-2**63, 2**64 - 1] and maps negatives the same way) from raising
+        r.generator.manual_seed(int(r.seed) % 2**64)
+    return r.generator
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device, seed: int | None = None):
         self.vocab_size = vocab_size
@@ -176,12 +187,7 @@ class Sampler:
         for j, i in enumerate(rows):
             r = reqs[i]
             if r.seed is not None:
-                if r.generator is None:
-                    r.generator = torch.Generator(device=x.device)
-                    # params allow seed + n - 1 <= 2**64 - 1; the modulo keeps any other int
-                    # (torch takes [-2**63, 2**64 - 1] and maps negatives the same way) from raising
-                    r.generator.manual_seed(int(r.seed) % 2**64)
-                noise[j].exponential_(generator=r.generator)
+                noise[j].exponential_(generator=request_generator(r, x.device))
             else:
                 unseeded.append(j)
         if unseeded:

@@ -1,0 +1,2 @@
+"""Past one process: tensor parallelism (tensor_parallel.py, executor.py) and data-parallel
+replicas behind a cache-aware router."""

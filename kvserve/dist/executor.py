@@ -1,0 +1,196 @@
+"""Executors for tensor parallelism: rank 0 (the driver) runs in the engine's process, ranks 1..N-1
+run as workers -- local processes (`distributed_executor_backend="mp"`) or Ray actors ("ray"),
+with the same worker code.
+
+The scheduler runs once, on the driver. Every forward pass and every block move (copy on write,
+swap) the driver's runner makes is first broadcast to the workers (`broadcast_object_list` over
+the torch.distributed group: the step's token ids, positions and attention metadata, or the
+block pairs); every rank then runs its slice of the same pass, meeting at the all-reduces of
+kvserve/dist/tensor_parallel.py. Workers keep no scheduling state: each has a `ModelRunner` over
+its slice of the model and its own KV pools, with the driver's block numbering.
+
+A worker that dies is noticed before the next broadcast (mp: its process sentinel) or by the
+collective itself (its peer's connection closes; every collective has a deadline,
+COLLECTIVE_TIMEOUT): the step raises, which fails the engine's requests, and the server reports
+unhealthy. Nothing waits for ever.
+"""
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import multiprocessing
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from kvserve.dist.tensor_parallel import TPGroup, shard_config, shard_weights
+from kvserve.engine.model_runner import ModelRunner, make_attention_backend
+
+logger = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def threads_per_rank(size: int) -> int:
+    return max(1, (os.cpu_count() or 1) // size)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_group(rank: int, size: int, init_method: str, device: torch.device) -> None:
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method,
+                            rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
+
+
+def _recv():
+    box = [None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def build_rank_model(config, model_cfg, weights, rank: int, size: int, device: torch.device):
+    """This rank's slice of the model (weights sliced as tensor_parallel.py says)."""
+    from kvserve.model.llama import LlamaModel
+
+    run_cfg = shard_config(model_cfg, size)
+    weights = shard_weights(weights, model_cfg, rank, size)
+    attn = make_attention_backend(run_cfg, config.block_size, config.kv_cache_dtype)
+    return LlamaModel(run_cfg, weights, attn, device, config.torch_dtype, config.quantization,
+                      config.quantization_group_size, tp=TPGroup(rank, size, model_cfg.vocab_size))
+
+
+def run_worker(config, rank: int, size: int, init_method: str) -> None:
+    """A worker's life: load and slice the model, join the group, then run what rank 0 sends."""
+    from kvserve.model.loader import load_model_dir
+
+    torch.set_num_threads(threads_per_rank(size))
+    device = torch.device(f"cuda:{rank}") if torch.device(config.device).type == "cuda" else torch.device("cpu")
+    model_cfg, weights, _ = load_model_dir(config.model, native=config.quantization != "dequant",
+                                           dtype=config.torch_dtype, device=device)
+    model = build_rank_model(config, model_cfg, weights, rank, size, device)
+    del weights
+    _init_group(rank, size, init_method, device)
+    try:
+        _, num_blocks, num_cpu_blocks = _recv()
+        runner = ModelRunner(model, num_blocks, config.block_size)
+        runner.init_swap_space(num_cpu_blocks)
+        while True:
+            msg = _recv()
+            if msg[0] == "forward":
+                runner.forward(*msg[1:])
+            elif msg[0] == "kv_ops":
+                runner.apply_kv_ops(msg[1])
+            else:
+                break
+    finally:
+        dist.destroy_process_group()
+
+
+class TPWorkers:
+    """Ranks 1..N-1, started on `backend` ("mp" or "ray"); rank 0 joins the group here."""
+
+    def __init__(self, config, size: int, backend: str = "mp"):
+        self.size, self.backend = size, backend
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self.procs, self.actors = [], []
+        if backend == "mp":
+            ctx = multiprocessing.get_context("spawn")
+            for rank in range(1, size):
+                p = ctx.Process(target=run_worker, args=(config, rank, size, init_method),
+                                name=f"kvserve-tp-worker-{rank}", daemon=True)
+                p.start()
+                self.procs.append(p)
+        elif backend == "ray":
+            self.actors = _start_ray_workers(config, size, init_method)
+        else:
+            raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', got {backend!r}.")
+        torch.set_num_threads(threads_per_rank(size))
+        _init_group(0, size, init_method, torch.device(config.device))
+        self.closed = False
+        atexit.register(self.close)
+
+    def check_alive(self) -> None:
+        for rank, p in enumerate(self.procs, start=1):
+            if not p.is_alive():
+                raise RuntimeError(f"tensor-parallel worker {rank} died (exit code {p.exitcode}); "
+                                   "the engine cannot run its forward pass")
+
+    def broadcast(self, msg) -> None:
+        if self.closed:
+            raise RuntimeError("the tensor-parallel workers were shut down")
+        self.check_alive()
+        dist.broadcast_object_list([msg], src=0)
+
+    def close(self) -> None:
+        """Stop the workers and leave the group (idempotent)."""
+        if getattr(self, "closed", True):
+            return
+        self.closed = True
+        try:
+            self.check_alive()
+            dist.broadcast_object_list([("stop",)], src=0)
+        except Exception:  # noqa: BLE001 -- a dead worker: kill the rest below
+            pass
+        for p in self.procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+        for a in self.actors:
+            _ray_kill(a)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class TPDriverRunner(ModelRunner):
+    """Rank 0's runner: every forward pass and block move goes to the workers first."""
+
+    def __init__(self, model, num_blocks: int, block_size: int, workers: TPWorkers):
+        super().__init__(model, num_blocks, block_size)
+        self.workers, self.num_blocks = workers, num_blocks
+
+    def init_swap_space(self, num_cpu_blocks: int) -> None:
+        super().init_swap_space(num_cpu_blocks)
+        self.workers.broadcast(("init", self.num_blocks, num_cpu_blocks))
+
+    def forward(self, input_ids, positions, meta, logits_indices) -> torch.Tensor:
+        self.workers.broadcast(("forward", input_ids, positions, meta, logits_indices))
+        return super().forward(input_ids, positions, meta, logits_indices)
+
+    def apply_kv_ops(self, ops) -> None:
+        self.workers.broadcast(("kv_ops", ops))
+        super().apply_kv_ops(ops)
+
+
+def _start_ray_workers(config, size: int, init_method: str) -> list:
+    try:
+        import ray
+    except ImportError as e:
+        raise ValueError("distributed_executor_backend='ray' needs Ray: pip install ray") from e
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
+
+    @ray.remote(num_cpus=0)
+    class Worker:
+        def run(self, config, rank, size, init_method):
+            run_worker(config, rank, size, init_method)
+
+    actors = [Worker.remote() for _ in range(1, size)]
+    for rank, a in enumerate(actors, start=1):
+        a.run.remote(config, rank, size, init_method)
+    return actors
+
+
+def _ray_kill(actor) -> None:
+    import ray
+
+    try:
+        ray.kill(actor)
+    except Exception:  # noqa: BLE001
+        pass

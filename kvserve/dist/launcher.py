@@ -1,0 +1,233 @@
+"""Data-parallel replicas: N `kvserve serve` processes with the same engine flags, each on a free
+port, started here (`LocalReplicas`) or as Ray actors (`RayReplicas`), for the router in front
+(dist/router.py; seed 003, "Radix trees": replicas of one model behind a prefix-aware router).
+
+A replica is a whole `kvserve serve` -- HTTP server, engine process, its own KV cache -- so the
+router talks to it over the same OpenAI API a client would, and a replica that dies takes
+nothing else with it. Local replicas run in a session of their own (a replica and its engine
+process are stopped together, by process group) and get SIGTERM if the launcher dies
+(PR_SET_PDEATHSIG), so none outlives `kvserve serve --data-parallel-size N`.
+
+Under Ray (`--distributed-executor-backend ray`) each replica is a `ServeReplica` actor that runs
+the same `kvserve serve` on the node Ray placed it on, bound to loopback when that is the
+launcher's node and to the node's address otherwise; `ray.init` joins `$RAY_ADDRESS` (a cluster
+from `ray start --head`) or starts a local instance, which is shut down with the replicas.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import suppress
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+PR_SET_PDEATHSIG = 1
+
+# Flags of `kvserve serve` that belong to the data-parallel launcher and the router, not to replicas.
+LAUNCHER_DESTS = {"data_parallel_size", "host", "port", "help", "func", "command",
+                  "router_policy", "router_balance_threshold", "router_health_interval",
+                  "ray_replica_num_cpus"}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def replica_argv(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                 skip: set[str] = frozenset()) -> list[str]:
+    """The flags of `args` that differ from `parser`'s defaults, as a command line: what every
+    replica is started with (launcher and router flags left out)."""
+    out: list[str] = []
+    for a in parser._actions:
+        if a.dest in LAUNCHER_DESTS or a.dest in skip or not a.option_strings or not hasattr(args, a.dest):
+            continue
+        value = getattr(args, a.dest)
+        if value == a.default:
+            continue
+        opt = next((o for o in a.option_strings if o.startswith("--")), a.option_strings[0])
+        if isinstance(a, argparse.BooleanOptionalAction):
+            out.append(opt if value else "--no-" + opt[2:])
+        elif isinstance(a, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            out.append(opt)
+        elif isinstance(value, (list, tuple)):
+            out += [opt, *map(str, value)]
+        elif value is not None:
+            out += [opt, str(value)]
+    return out
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):       # not Linux: stop() still stops it
+        pass
+
+
+def spawn_server(argv: list[str], host: str, port: int, env: dict | None = None,
+                 log_path: str | None = None) -> subprocess.Popen:
+    """`kvserve serve ARGV --host HOST --port PORT` in a session of its own."""
+    cmd = [sys.executable, "-m", "kvserve.cli", "serve", *argv, "--host", host, "--port", str(port)]
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), full_env.get("PYTHONPATH")) if p)
+    full_env.update(env or {})
+    out = open(log_path, "ab") if log_path else None
+    try:
+        return subprocess.Popen(cmd, env=full_env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                start_new_session=True, preexec_fn=_die_with_parent)
+    finally:
+        if out is not None:
+            out.close()
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 30.0, sig: int = signal.SIGTERM) -> int:
+    """Signal the replica's process group; SIGKILL it after `timeout` seconds."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    # the engine process of a replica that was killed outright
+    with suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode
+
+
+def wait_healthy(urls: list[str], alive=lambda i: True, timeout: float = 300.0) -> None:
+    """Until every replica's /health answers 200; RuntimeError if one exits or time runs out."""
+    pending = set(range(len(urls)))
+    deadline = time.monotonic() + timeout
+    with httpx.Client(trust_env=False, timeout=2.0) as client:
+        while pending:
+            for i in sorted(pending):
+                if not alive(i):
+                    raise RuntimeError(f"replica {i} ({urls[i]}) exited during startup; its log says why")
+                try:
+                    if client.get(urls[i] + "/health").status_code == 200:
+                        pending.discard(i)
+                except httpx.HTTPError:
+                    pass
+            if pending and time.monotonic() > deadline:
+                raise RuntimeError(f"replicas {[urls[i] for i in sorted(pending)]} were not healthy "
+                                   f"within {timeout:.0f} s")
+            if pending:
+                time.sleep(0.2)
+
+
+class LocalReplicas:
+    """N local `kvserve serve` subprocesses on free loopback ports."""
+
+    def __init__(self, n: int, argv: list[str], host: str = "127.0.0.1", env: dict | None = None,
+                 log_dir: str | None = None):
+        self.host = host
+        self.ports = [free_port(host) for _ in range(n)]
+        self.procs = [spawn_server(argv, host, p, env,
+                                   os.path.join(log_dir, f"replica-{i}.log") if log_dir else None)
+                      for i, p in enumerate(self.ports)]
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://{self.host}:{p}" for p in self.ports]
+
+    def wait_healthy(self, timeout: float = 300.0) -> None:
+        wait_healthy(self.urls, lambda i: self.procs[i].poll() is None, timeout)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        for p in self.procs:            # all at once, then wait for each
+            if p.poll() is None:
+                with suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            stop_server(p, timeout)
+
+
+class ServeReplica:
+    """A Ray actor running one `kvserve serve` on its node (decorated in `RayReplicas`)."""
+
+    def __init__(self, argv: list[str], driver_node_id: str, env: dict):
+        import ray
+
+        ctx = ray.get_runtime_context()
+        local = ctx.get_node_id() == driver_node_id
+        self.host = "127.0.0.1" if local else ray.util.get_node_ip_address()
+        self.port = free_port(self.host)
+        # A replica's own Ray use (tensor-parallel workers) joins this cluster, not a new one.
+        env = {"RAY_ADDRESS": ctx.gcs_address, **env}
+        self.proc = spawn_server(argv, self.host, self.port, env)
+
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        return stop_server(self.proc, timeout)
+
+
+class RayReplicas:
+    """N replicas as Ray actors, `num_cpus` each (0 places them regardless of CPU count)."""
+
+    def __init__(self, n: int, argv: list[str], env: dict | None = None, num_cpus: float = 1.0):
+        try:
+            import ray
+        except ImportError as e:
+            raise ValueError("--distributed-executor-backend ray needs Ray: pip install ray") from e
+        self.ray = ray
+        self.started_ray = not ray.is_initialized()
+        if self.started_ray:
+            # "local": a fresh instance of our own, never someone else's that happens to run here
+            ray.init(address=os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False,
+                     log_to_driver=False)
+        driver = ray.get_runtime_context().get_node_id()
+        actor_cls = ray.remote(num_cpus=num_cpus, max_restarts=0)(ServeReplica)
+        self.actors = [actor_cls.remote(argv, driver, env or {}) for _ in range(n)]
+        try:
+            self.url_list = ray.get([a.url.remote() for a in self.actors], timeout=300)
+        except ray.exceptions.GetTimeoutError:
+            self.stop()
+            raise RuntimeError(f"Ray did not place {n} replicas of {num_cpus} CPUs each within 300 s "
+                               f"(cluster resources: {ray.cluster_resources()})") from None
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self.url_list)
+
+    def wait_healthy(self, timeout: float = 300.0) -> None:
+        def alive(i: int) -> bool:
+            try:
+                return self.ray.get(self.actors[i].alive.remote(), timeout=10)
+            except Exception:   # noqa: BLE001  (a dead actor is a dead replica)
+                return False
+
+        wait_healthy(self.urls, alive, timeout)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        ray = self.ray
+        try:
+            ray.get([a.stop.remote(timeout) for a in self.actors], timeout=timeout + 10)
+        except Exception:   # noqa: BLE001  (actors already gone)
+            pass
+        for a in self.actors:
+            with suppress(Exception):
+                ray.kill(a)
+        if self.started_ray:
+            ray.shutdown()

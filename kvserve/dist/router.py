@@ -1,0 +1,341 @@
+"""`kvserve router`: an OpenAI-compatible front door over data-parallel `kvserve serve` replicas
+that sends each request to the replica most likely to hold its prefix (seed 003, "Radix trees":
+a prefix-aware router; Mooncake's cache-centric scheduling), balanced against load.
+
+    POST /v1/completions, /v1/chat/completions   routed (dist/replicas.py), the replica's answer
+                                                 relayed byte for byte, SSE chunk by chunk
+    GET  /v1/models                              from a healthy replica
+    GET  /health                                 200 while some replica is healthy, else 503
+    GET  /metrics                                the router's Prometheus metrics (router_metrics.py)
+    GET  /router/replicas                        each replica's state, as JSON
+
+A request's routing key is its leading block hashes, computed with the engine's own hash
+function and its `cache_salt` (dist/prefix_key.py). The key is matched against the block hashes
+the router has sent each replica; after routing, the chosen replica's LRU records the key.
+
+Failures: a replica that refuses the connection, breaks it, or answers 5xx before the router has
+relayed anything is taken out (`ReplicaSet.mark_down`) and the request is sent to another one.
+The router relays nothing until the replica's first body bytes are in hand, so a request that
+dies on its replica before its first SSE chunk -- or, unstreamed, before its answer -- is
+retried and never lost. A stream that breaks after its first chunk cannot be replayed: it ends
+with an SSE error event and `[DONE]`. A health check every `health_interval` seconds brings
+replicas back (and takes out ones whose /health fails). Each response names its replica and
+routing match in `x-kvserve-replica` and `x-kvserve-prefix-blocks` (hit/query).
+
+HTTP goes through httpx (one pooled `AsyncClient`) and FastAPI/uvicorn: no RPC layer of our own.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from contextlib import asynccontextmanager, suppress
+
+import anyio
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from kvserve.dist.prefix_key import RequestHasher
+from kvserve.dist.replicas import Replica, ReplicaSet
+from kvserve.dist.router_metrics import RouterMetrics
+
+logger = logging.getLogger("kvserve.router")
+
+DEFAULT_MAX_BODY_BYTES = 32 << 20
+HEALTH_TIMEOUT_S = 5.0
+INLINE_HASH_BYTES = 2048        # bodies up to this size are hashed on the event loop
+_FORWARD_REQUEST_HEADERS = ("authorization", "content-type", "accept", "user-agent")
+_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server",
+               "upgrade", "proxy-authenticate", "proxy-authorization", "te", "trailer"}
+
+
+class ClientGone(Exception):
+    """The client disconnected while the router waited for a replica's first bytes."""
+
+
+def error_response(status: int, message: str, code: str, type_: str = "server_error",
+                   headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": None, "code": code}},
+                        status, headers=headers)
+
+
+class Router:
+    def __init__(self, replicas: ReplicaSet, hasher: RequestHasher | None,
+                 health_interval: float = 2.0, connect_timeout: float = 5.0,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 transport: httpx.AsyncBaseTransport | None = None):
+        self.transport = transport          # tests: an httpx.MockTransport in place of the network
+        self.replicas = replicas
+        self.hasher = hasher
+        self.health_interval = health_interval
+        self.connect_timeout = connect_timeout
+        self.max_body_bytes = max_body_bytes
+        self.metrics = RouterMetrics(replicas)
+        self.client: httpx.AsyncClient | None = None
+        self._health_task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        # Generations run as long as they run: no read timeout; connecting must be quick.
+        timeout = httpx.Timeout(None, connect=self.connect_timeout)
+        self.client = httpx.AsyncClient(timeout=timeout, trust_env=False, transport=self.transport,
+                                        limits=httpx.Limits(max_connections=None,
+                                                            max_keepalive_connections=256))
+        await self.check_health()
+        self._health_task = asyncio.create_task(self._health_loop())
+
+    async def stop(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._health_task
+        if self.client is not None:
+            await self.client.aclose()
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval)
+            try:
+                await self.check_health()
+            except Exception:   # noqa: BLE001  (a broken check must not end the loop)
+                logger.exception("health check failed")
+
+    async def check_health(self) -> None:
+        """GET /health of every replica at once: 200 brings a replica back, anything else takes it out."""
+        timeout = HEALTH_TIMEOUT_S      # a busy replica answers late, not never
+
+        async def one(r: Replica) -> None:
+            try:
+                resp = await self.client.get(r.url + "/health", timeout=timeout)
+                ok, why = resp.status_code == 200, f"/health answered {resp.status_code}"
+            except httpx.HTTPError as e:
+                ok, why = False, f"/health: {type(e).__name__}: {e}"
+            if ok and not r.healthy:
+                logger.info("replica %s is back", r.url)
+                self.replicas.mark_up(r)
+            elif not ok and r.healthy:
+                logger.warning("replica %s taken out (%s)", r.url, why)
+                self.replicas.mark_down(r, why)
+
+        await asyncio.gather(*(one(r) for r in self.replicas.replicas))
+
+    def _fail(self, r: Replica, why: str) -> None:
+        if r.healthy:
+            logger.warning("replica %s taken out (%s)", r.url, why)
+        self.replicas.mark_down(r, why)
+        self.metrics.retried(r.url)
+
+    # ------------------------------------------------------------------ routing
+
+    async def routing_key(self, path: str, body: bytes) -> list[bytes]:
+        if self.hasher is None:
+            return []
+        try:
+            parsed = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            return []           # the replica answers the 400
+        if not isinstance(parsed, dict):
+            return []
+        try:
+            if len(body) <= INLINE_HASH_BYTES:
+                return self.hasher.request_hashes(path, parsed)
+            return await anyio.to_thread.run_sync(self.hasher.request_hashes, path, parsed)
+        except Exception:   # noqa: BLE001  (a key we cannot compute routes by load alone)
+            logger.exception("no routing key for a request to %s", path)
+            return []
+
+    async def read_body(self, request: Request) -> bytes | None:
+        """The request body, or None once it grows past max_body_bytes (nothing more is read)."""
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > self.max_body_bytes:
+                return None
+            parts.append(part)
+        return b"".join(parts)
+
+    async def proxy_post(self, request: Request, path: str) -> Response:
+        body = await self.read_body(request)
+        if body is None:
+            return error_response(413, f"the request body is over {self.max_body_bytes} bytes",
+                                  "request_too_large", "invalid_request_error")
+        return await self.forward(request, path, body, await self.routing_key(path, body))
+
+    async def forward(self, request: Request, path: str, body: bytes, hashes: list[bytes]) -> Response:
+        """Send `body` to the replica `hashes` pick, relay its answer; retried elsewhere while
+        nothing has been relayed (see the module docstring)."""
+        headers = forward_headers(request)
+        tried: list[Replica] = []
+        last_5xx: Response | None = None
+        while True:
+            pick = self.replicas.pick(hashes, exclude=tried)
+            if pick is None:
+                if last_5xx is not None:
+                    return last_5xx
+                return error_response(503, "no healthy replica can take the request; retry later",
+                                      "no_healthy_replica", headers={"Retry-After": "1"})
+            r = pick.replica
+            tried.append(r)
+            self.replicas.begin(pick, hashes)
+            self.metrics.routed(r.url, len(hashes), pick.matched_blocks, len(tried) == 1)
+            relaying = False
+            try:
+                upstream = await self.client.send(
+                    self.client.build_request("POST", r.url + path, content=body, headers=headers),
+                    stream=True)
+                if upstream.status_code >= 500:
+                    content = await upstream.aread()
+                    await upstream.aclose()
+                    last_5xx = Response(content, upstream.status_code, _response_headers(upstream))
+                    self._fail(r, f"{path} answered {upstream.status_code}")
+                    continue
+                chunks = upstream.aiter_raw()
+                try:
+                    first = await _first_chunk(chunks, request)
+                except BaseException:
+                    await upstream.aclose()
+                    raise
+                relaying = True
+            except httpx.HTTPError as e:
+                self._fail(r, f"{type(e).__name__}: {e}")
+                continue
+            except ClientGone:
+                return Response(status_code=499)
+            finally:
+                if not relaying:
+                    self.replicas.end(r)
+            out_headers = _response_headers(upstream)
+            out_headers["x-kvserve-replica"] = r.url
+            out_headers["x-kvserve-prefix-blocks"] = f"{pick.matched_blocks}/{len(hashes)}"
+            # Cleanup runs once, from the relay's end or -- if the client left before the relay
+            # even started -- from the response's background task.
+            done = _Once(self._release, r, upstream)
+            return StreamingResponse(self._relay(r, upstream, first, chunks, done),
+                                     status_code=upstream.status_code, headers=out_headers,
+                                     background=BackgroundTask(done))
+
+    async def _release(self, r: Replica, upstream: httpx.Response) -> None:
+        self.replicas.end(r)
+        await upstream.aclose()
+
+    async def _relay(self, r: Replica, upstream: httpx.Response, first: bytes, chunks, done):
+        sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        try:
+            if first:
+                yield first
+            async for chunk in chunks:
+                yield chunk
+        except httpx.HTTPError as e:
+            # Bytes already reached the client: no replay. Say so in the stream's own terms.
+            self.replicas.mark_down(r, f"stream broke: {type(e).__name__}: {e}")
+            logger.warning("replica %s broke a stream (%s)", r.url, e)
+            if sse:
+                err = {"error": {"message": "the replica serving this stream failed; retry the "
+                                 "request", "type": "server_error", "param": None,
+                                 "code": "replica_failed"}}
+                yield f"\n\ndata: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+        finally:
+            await done()
+
+    async def proxy_get(self, path: str, request: Request) -> Response:
+        headers = forward_headers(request)
+        for r in self.replicas.healthy():
+            try:
+                resp = await self.client.get(r.url + path, headers=headers)
+            except httpx.HTTPError as e:
+                self._fail(r, f"{type(e).__name__}: {e}")
+                continue
+            if resp.status_code < 500:
+                return Response(resp.content, resp.status_code, _response_headers(resp))
+        return error_response(503, "no healthy replica", "no_healthy_replica", headers={"Retry-After": "1"})
+
+
+class _Once:
+    """An async callable that runs `fn(*args)` on its first call only."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args, self.called = fn, args, False
+
+    async def __call__(self) -> None:
+        if not self.called:
+            self.called = True
+            await self.fn(*self.args)
+
+
+async def _first_chunk(chunks, request: Request) -> bytes:
+    """The replica's first body bytes, or ClientGone if the client leaves first."""
+    nxt = asyncio.ensure_future(chunks.__anext__())
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not nxt.done():
+            nxt.cancel()
+            with suppress(BaseException):
+                await nxt
+    if not nxt.done() or nxt.cancelled():
+        raise ClientGone
+    try:
+        return nxt.result()
+    except StopAsyncIteration:
+        return b""
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def forward_headers(request: Request) -> dict:
+    return {k: v for k in _FORWARD_REQUEST_HEADERS if (v := request.headers.get(k)) is not None}
+
+
+def _response_headers(resp: httpx.Response) -> dict:
+    return {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_BY_HOP}
+
+
+def build_router_app(router: Router) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = FastAPI(title="kvserve router", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.router = router
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await router.proxy_post(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await router.proxy_post(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        return await router.proxy_get("/v1/models", request)
+
+    @app.get("/health")
+    async def health():
+        states = [r.state() for r in router.replicas.replicas]
+        ok = any(s["healthy"] for s in states)
+        return JSONResponse({"status": "ok" if ok else "error", "replicas": states}, 200 if ok else 503)
+
+    @app.get("/router/replicas")
+    async def replicas():
+        return {"policy": router.replicas.policy, "replicas": [r.state() for r in router.replicas.replicas],
+                "prefix_hit_rate": router.metrics.hit_rate()}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(router.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

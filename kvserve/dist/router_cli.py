@@ -1,0 +1,202 @@
+"""`kvserve router` and `kvserve serve --data-parallel-size N` (seed 003, "Radix trees": replicas
+behind a prefix-aware router; Mooncake's cache-centric scheduling).
+
+    kvserve router --backends URL1,URL2,... [--model PATH] [--chat-template FILE] [--block-size 16]
+                   [--policy cache-aware|round-robin|least-loaded] [--balance-threshold 4]
+                   [--health-interval 2] [--host 127.0.0.1] [--port 8000]
+
+`--model` gives the tokenizer (and chat template) the routing key is computed with; without it
+the router routes token-id prompts by prefix and everything else by load. `--block-size` must be
+the replicas' (default 16, the engine's), or no key will ever match their blocks' boundaries.
+
+    kvserve serve --data-parallel-size N [--distributed-executor-backend mp|ray] [engine flags...]
+
+starts N replicas (`kvserve serve` with the same engine flags on free loopback ports, or Ray
+actors) and the router on --host/--port; SIGTERM or Ctrl-C stops the router (in-flight requests
+finish, up to --shutdown-timeout), then every replica.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+from kvserve.dist.replicas import DEFAULT_BALANCE_THRESHOLD, DEFAULT_LRU_BLOCKS, POLICIES, ReplicaSet
+
+log = logging.getLogger("kvserve.router")
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backends", required=True,
+                   help="comma-separated base URLs of the kvserve serve replicas")
+    p.add_argument("--model", default=None, help="model path whose tokenizer computes routing keys")
+    p.add_argument("--chat-template", default=None, help="the replicas' --chat-template, if they use one")
+    p.add_argument("--block-size", type=int, default=16, help="the replicas' KV block size")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _add_policy_args(p, "")
+
+
+def _add_policy_args(p, prefix: str) -> None:
+    p.add_argument(f"--{prefix}policy", default="cache-aware", choices=POLICIES,
+                   help="cache-aware: longest matching prefix among replicas not overloaded; "
+                        "round-robin; least-loaded (fewest requests in flight)")
+    p.add_argument(f"--{prefix}balance-threshold", type=int, default=DEFAULT_BALANCE_THRESHOLD,
+                   help="cache-aware: skip a replica with this many more requests in flight than "
+                        "the least-loaded one")
+    p.add_argument(f"--{prefix}health-interval", type=float, default=2.0,
+                   help="seconds between /health checks of every replica")
+    if not prefix:
+        p.add_argument("--lru-blocks", type=int, default=DEFAULT_LRU_BLOCKS,
+                       help="block hashes remembered per replica")
+
+
+def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
+    """The flags `kvserve serve` takes for data parallelism (server/cli.py calls this)."""
+    g = p.add_argument_group("data parallel (kvserve/dist/router_cli.py)")
+    g.add_argument("--data-parallel-size", type=int, default=1,
+                   help="serve N replicas of the engine behind a cache-aware router")
+    if "--distributed-executor-backend" not in p._option_string_actions:
+        a = g.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"],
+                           help="where replicas run: local processes (mp) or Ray actors (ray)")
+        a.data_parallel_only = True     # not an engine flag: replicas are not given it
+    g.add_argument("--ray-replica-num-cpus", type=float, default=1.0,
+                   help="Ray: CPUs each replica actor reserves")
+    _add_policy_args(g, "router-")
+
+
+def build_hasher(model: str | None, block_size: int, chat_template: str | None):
+    from kvserve.dist.prefix_key import RequestHasher, load_tokenizer
+
+    tok = load_tokenizer(model) if model else None
+    return RequestHasher(tok, block_size, namespace=model or "", chat_template=chat_template)
+
+
+def run_router(urls: list[str], hasher, policy: str, balance_threshold: int, health_interval: float,
+               host: str, port: int, log_level: str, lru_blocks: int = DEFAULT_LRU_BLOCKS,
+               shutdown_timeout: float = 30.0) -> bool:
+    """Serve the router until SIGTERM/SIGINT; False if it could not start (e.g. port taken)."""
+    import uvicorn
+
+    from kvserve.dist.router import Router, build_router_app
+
+    replicas = ReplicaSet(urls, policy, balance_threshold, lru_blocks)
+    app = build_router_app(Router(replicas, hasher, health_interval))
+    log.info("routing %s over %d replicas (%s) on http://%s:%d", policy, len(urls), ", ".join(urls),
+             host, port)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           access_log=False,
+                                           timeout_graceful_shutdown=shutdown_timeout))
+    # uvicorn re-raises the signal that stopped it; a no-op handler makes that harmless.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    server.run()
+    return bool(server.started)
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)      # no line per health check
+
+
+def cmd_router(args) -> int:
+    _logging(args.log_level)
+    urls = [u.strip() for u in args.backends.split(",") if u.strip()]
+    hasher = build_hasher(args.model, args.block_size, args.chat_template)
+    ok = run_router(urls, hasher, args.policy, args.balance_threshold, args.health_interval,
+                    args.host, args.port, args.log_level, args.lru_blocks)
+    return 0 if ok else 1
+
+
+def _sigterm_exit(*_):
+    raise SystemExit(143)
+
+
+def serve_data_parallel(args) -> int:
+    """`kvserve serve --data-parallel-size N`: N replicas and the router in front of them."""
+    from kvserve.dist.launcher import LocalReplicas, RayReplicas, replica_argv
+    from kvserve.server.cli import add_cli_args
+
+    _logging(args.log_level)
+    n = args.data_parallel_size
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    backend = getattr(args, "distributed_executor_backend", None) or "mp"
+    dp_only = getattr(parser._option_string_actions["--distributed-executor-backend"],
+                      "data_parallel_only", False)
+    argv = replica_argv(args, parser, {"distributed_executor_backend"} if dp_only else set())
+    env = {}
+    if not args.engine_threads and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))   # no oversubscription
+    signal.signal(signal.SIGTERM, _sigterm_exit)       # stop the replicas if told to during startup
+    replicas = None
+    try:
+        if backend == "ray":
+            replicas = RayReplicas(n, argv, env, num_cpus=args.ray_replica_num_cpus)
+        else:
+            replicas = LocalReplicas(n, argv, env=env)
+        log.info("starting %d replicas: %s", n, ", ".join(replicas.urls))
+        replicas.wait_healthy()
+        from kvserve.model.default import default_model_path
+
+        hasher = build_hasher(args.model or default_model_path(), args.block_size, args.chat_template)
+        ok = run_router(replicas.urls, hasher, args.router_policy, args.router_balance_threshold,
+                        args.router_health_interval, args.host, args.port, args.log_level,
+                        shutdown_timeout=args.shutdown_timeout)
+        return 0 if ok else 1
+    except RuntimeError as e:
+        log.error("%s", e)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)    # stopping: finish stopping
+        if replicas is not None:
+            replicas.stop(timeout=args.shutdown_timeout)
+        log.info("stopped the router and %d replicas", n)
+
+
+def cmd_proxy(args) -> int:
+    """`kvserve proxy --prefill URLS --decode URLS`: disaggregated prefill/decode (dist/pd_proxy.py)."""
+    import uvicorn
+
+    from kvserve.dist.pd_proxy import build_proxy_app, make_proxy
+
+    _logging(args.log_level)
+    prefill = [u.strip() for u in args.prefill.split(",") if u.strip()]
+    decode = [u.strip() for u in args.decode.split(",") if u.strip()]
+    hasher = build_hasher(args.model, args.block_size, args.chat_template)
+    app = build_proxy_app(make_proxy(prefill, decode, hasher, args.policy, args.health_interval))
+    log.info("disaggregated serving on http://%s:%d: prefill %s, decode %s", args.host, args.port,
+             ", ".join(prefill), ", ".join(decode))
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           access_log=False))
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    server.run()
+    return 0 if server.started else 1
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("router", help="route OpenAI requests over kvserve replicas, cache-aware",
+                              description=__doc__.splitlines()[0])
+    add_router_args(p)
+    p.set_defaults(func=cmd_router)
+    q = subparsers.add_parser("proxy", help="disaggregated prefill/decode in front of --role prefill and "
+                              "--role decode servers", description=cmd_proxy.__doc__)
+    q.add_argument("--prefill", required=True, help="comma-separated URLs of `kvserve serve --role prefill`")
+    q.add_argument("--decode", required=True, help="comma-separated URLs of `kvserve serve --role decode`")
+    q.add_argument("--model", default=None, help="model path whose tokenizer computes routing keys")
+    q.add_argument("--chat-template", default=None)
+    q.add_argument("--block-size", type=int, default=16)
+    q.add_argument("--policy", default="cache-aware", choices=POLICIES)
+    q.add_argument("--health-interval", type=float, default=2.0)
+    q.add_argument("--host", default="127.0.0.1")
+    q.add_argument("--port", type=int, default=8000)
+    q.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    q.set_defaults(func=cmd_proxy)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="kvserve router")
+    add_router_args(parser)
+    sys.exit(cmd_router(parser.parse_args()))

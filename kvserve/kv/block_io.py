@@ -1,0 +1,99 @@
+"""The payload of one KV block outside the pool (kv/connector.py, seed 003 "Tiers of KV storage"):
+its bytes out of and into the per-layer pools, its checksummed envelope, and the scope of the
+store keys.
+
+Payload: b"KVB1" | key (32 bytes) | len (u64) | data | crc32(key + data). A payload that is
+truncated, carries another key or fails the checksum reads as a miss (`unpack_block`), so a
+corrupt block is recomputed, never served.
+data = every pool tensor of every layer (K, V; values then scales when quantized) for that
+block, as raw bytes, in `ModelRunner._pools` order: [n_layers x 2 x (1 or 2)] slices of
+[n_kv_heads, block_size, head_dim] (scales [n_kv_heads, block_size]).
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+import zlib
+from pathlib import Path
+
+import torch
+
+MAGIC = b"KVB1"
+_HEAD = len(MAGIC) + 32 + 8
+
+
+def pack_block(key: bytes, data: bytes) -> bytes:
+    crc = zlib.crc32(data, zlib.crc32(key))
+    return b"".join((MAGIC, key, struct.pack("<Q", len(data)), data, struct.pack("<I", crc)))
+
+
+def unpack_block(key: bytes, payload: bytes | None, size: int) -> bytes | None:
+    """The block's data, or None when missing, for another key, truncated or corrupt."""
+    if payload is None or len(payload) != _HEAD + size + 4 or payload[:4] != MAGIC:
+        return None
+    if payload[4:36] != key or struct.unpack_from("<Q", payload, 36)[0] != size:
+        return None
+    data = memoryview(payload)[_HEAD:_HEAD + size]
+    if zlib.crc32(data, zlib.crc32(key)) != struct.unpack_from("<I", payload, _HEAD + size)[0]:
+        return None
+    return data
+
+
+# -- the runner side: block bytes in and out of the per-layer pools ----------------------------
+def read_blocks(runner, block_ids: list[int]) -> torch.Tensor:
+    """[n, block_bytes] uint8 on the CPU: the blocks' slices of every pool tensor, concatenated."""
+    idx = torch.tensor(block_ids, dtype=torch.long, device=runner.device)
+    parts = [t.index_select(0, idx).reshape(len(block_ids), -1).view(torch.uint8)
+             for t in runner._pools(runner.kv_caches)]
+    return torch.cat(parts, dim=1).cpu()
+
+
+def write_blocks(runner, block_ids: list[int], data: torch.Tensor) -> None:
+    """data [n, block_bytes] uint8 -> the blocks `block_ids` of every pool tensor."""
+    idx = torch.tensor(block_ids, dtype=torch.long, device=runner.device)
+    data = data.to(runner.device, non_blocking=True)
+    n, off = len(block_ids), 0
+    for t in runner._pools(runner.kv_caches):
+        per = t[0].numel() * t.element_size()
+        chunk = data[:, off:off + per].contiguous().view(t.dtype).reshape((n,) + tuple(t.shape[1:]))
+        t.index_copy_(0, idx, chunk)
+        off += per
+
+
+def block_bytes(runner) -> int:
+    return sum(t[0].numel() * t.element_size() for t in runner._pools(runner.kv_caches))
+
+
+PAYLOAD_OVERHEAD = _HEAD + 4
+
+
+def load_into(runner, loads: list[tuple[int, bytes]], size: int) -> None:
+    """loads: (pool block, verified data of `size` bytes) -> written into the pool."""
+    data = torch.frombuffer(bytearray(b"".join(d for _, d in loads)), dtype=torch.uint8)
+    write_blocks(runner, [b for b, _ in loads], data.view(len(loads), size))
+
+
+def _sample_digest(path: Path, h) -> None:
+    """Size and three 1 MiB samples (head, middle, tail) of a weights file: cheap at start for
+    any size, and different for any fine-tune of the same shape."""
+    size = path.stat().st_size
+    h.update(f"{path.name}:{size}".encode())
+    with open(path, "rb") as f:
+        for at in (0, max(0, size // 2 - (1 << 19)), max(0, size - (1 << 20))):
+            f.seek(at)
+            h.update(f.read(1 << 20))
+
+
+def store_scope(config) -> bytes:
+    """A fingerprint of what K/V depend on beyond the prefix-cache namespace (model path, dtype,
+    kv_cache_dtype): the weight files' contents (sampled), the weight quantization and the
+    block size. Store keys are sha256(scope + chained block hash)."""
+    h = hashlib.sha256()
+    h.update(repr((config.model, config.dtype, config.kv_cache_dtype, config.quantization,
+                   config.quantization_group_size, config.block_size)).encode())
+    path = Path(config.model)
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else []
+    for f in files:
+        if f.suffix in (".safetensors", ".bin", ".gguf", ".pt", ".pth") or f.name == "config.json":
+            _sample_digest(f, h)
+    return h.digest()

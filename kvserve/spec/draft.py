@@ -1,0 +1,111 @@
+"""The draft-model proposer (seed 004: "a small model guesses, the large one checks"):
+any model kvserve loads (HF, llama2.c, GGUF) with the target's vocabulary, or the target's own
+weights quantized ("self-int8", "self-int4": no second model, a fraction of the bytes; "self":
+the target itself, for tests), with its own paged KV cache in the same engine.
+
+Per engine step, over all speculating sequences at once: one packed pass catches each draft
+sequence up with the target's tokens (the prompt on first sight, then the one or two tokens of
+the last verified run) and gives draft 1; then k - 1 one-token passes give the rest. Drafts
+are the draft model's argmax (a point-mass proposal: spec/verify.py's rejection sampling
+needs no draft probabilities).
+
+Rollback, the same way as the target's: the draft's K/V are valid for the longest common
+prefix of the tokens it ran and the sequence's tokens now; `num_computed_tokens` rewinds to
+it and blocks past it go back to the draft pool (`KVCacheManager.rollback`). A sequence that
+leaves the running batch (finished, preempted, swapped) drops its draft cache (`release`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.engine.model_runner import ModelRunner, make_attention_backend
+from kvserve.kv.manager import KVCacheManager
+from kvserve.model.llama import LlamaModel
+from kvserve.model.loader import load_model_dir
+from kvserve.spec.config import SELF_DRAFTS, SpeculativeConfig
+from kvserve.spec.ngram import Proposer
+
+PROBE = "The quick brown fox jumps over the lazy dog. 1234 \u00e9t\u00e9"
+
+
+@dataclass
+class DraftSeq:
+    """One sequence as the draft model knows it (what ModelRunner.execute reads)."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def _common_prefix(a: list[int], b: list[int], n: int) -> int:
+    n = min(n, len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class DraftModelProposer(Proposer):
+    def __init__(self, cfg: SpeculativeConfig, engine):
+        ec = engine.config
+        path, quant = cfg.model, cfg.quantization
+        if path in SELF_DRAFTS:
+            path, quant = ec.model, quant or SELF_DRAFTS[path]
+        native = quant is None          # a GGUF draft runs in its own types unless asked otherwise
+        model_cfg, weights, tok = load_model_dir(path, native=native, dtype=ec.torch_dtype,
+                                                 device=engine.device)
+        target_vocab = engine.model_config.vocab_size
+        if model_cfg.vocab_size != target_vocab:
+            raise ValueError(f"the draft model {cfg.model!r} has a vocabulary of {model_cfg.vocab_size} "
+                             f"tokens, the target {target_vocab}: a draft must share the target's tokenizer.")
+        if tok is not None and engine.tokenizer is not None and tok.encode(PROBE) != engine.tokenizer.encode(PROBE):
+            raise ValueError(f"the draft model {cfg.model!r} tokenizes text differently from the target: "
+                             "a draft must share the target's tokenizer.")
+        bs = ec.block_size
+        attn = make_attention_backend(model_cfg, bs)
+        self.model = LlamaModel(model_cfg, weights, attn, engine.device, ec.torch_dtype, quant,
+                                ec.quantization_group_size if quant == ec.quantization else None)
+        del weights
+        self.max_positions = model_cfg.max_position_embeddings
+        num_blocks = engine.kv.pool.num_blocks            # as many token slots as the target's pool
+        self.kv = KVCacheManager(num_blocks, bs)           # no prefix cache: draft K/V are private
+        self.runner = ModelRunner(self.model, num_blocks, bs)
+        self.seqs: dict[str, DraftSeq] = {}
+
+    def release(self, live_ids: set[str]) -> None:
+        for rid in [r for r in self.seqs if r not in live_ids]:
+            del self.seqs[rid]
+            self.kv.free(rid)
+
+    def propose(self, requests, num_drafts):
+        drafts: dict[str, list[int]] = {r.request_id: [] for r in requests}
+        active: dict[str, int] = {}
+        for req, k in zip(requests, num_drafts):
+            rid = req.request_id
+            s = self.seqs.get(rid)
+            if s is None:
+                s = self.seqs[rid] = DraftSeq(rid)
+            # rollback: keep the K/V of the longest prefix the draft ran that is still the
+            # sequence's, less its last token (run again: its logits give draft 1)
+            s.num_computed_tokens = _common_prefix(s.token_ids, req.token_ids,
+                                                   min(s.num_computed_tokens, req.num_tokens - 1))
+            self.kv.rollback(rid, s.num_computed_tokens)
+            s.token_ids = list(req.token_ids)
+            k = min(k, self.max_positions - s.num_tokens + 1)
+            # positions run: [num_computed, num_tokens + k - 1): the k-th draft is never run
+            if k > 0 and self.kv.allocate_slots(rid, s.num_tokens + k - 1):
+                active[rid] = k
+        while active:
+            batch = [(self.seqs[rid], self.seqs[rid].num_tokens - self.seqs[rid].num_computed_tokens,
+                      self.kv.block_ids(rid)) for rid in active]
+            logits, samplers, _ = self.runner.execute(batch)                 # [S, V]
+            for s, t in zip(samplers, logits.argmax(dim=-1).tolist()):
+                s.num_computed_tokens = s.num_tokens
+                s.token_ids.append(t)
+                drafts[s.request_id].append(t)
+            active = {rid: k for rid, k in active.items() if len(drafts[rid]) < k}
+        return [drafts[r.request_id] for r in requests]
