@@ -93,19 +93,23 @@ def cmd_specs(args) -> int:
 
 
 def cmd_roofline(args) -> int:
-    hw = _hw(args)
-    P, Bw = hw.peak(args.dtype), hw.bandwidth
-    m = get_model(args.model)
     ops = [roofline.vector_op(1_000_000, dtype="fp32")]
     if args.vector_time:
         ops[0] = ops[0].timed(args.vector_time)
+    if args.engine:   # kvserve's measured steps on the measured roofline of this machine
+        from .cli_engine import roofline_engine
+        hw, args.dtype, m, engine_ops = roofline_engine(args)
+        ops += engine_ops
+    else:
+        hw, m = _hw(args), get_model(args.model)
+    P, Bw = hw.peak(args.dtype), hw.bandwidth
     for n in args.matmul:
         ops.append(roofline.matmul(n, n, n, args.dtype))
-    for b in args.batch:
+    for b in ([] if args.engine else args.batch):
         ops.append(roofline.decode_step(m, b, args.context, args.dtype, args.kv_dtype))
-    for t in args.prefill:
+    for t in ([] if args.engine else args.prefill):
         ops.append(roofline.prefill_step(m, t, args.dtype, args.kv_dtype))
-    print(f"{hw.name} {args.dtype}: peak {P / 1e12:.1f} TFLOP/s, bandwidth {Bw / 1e12:.3g} TB/s, "
+    print(f"{hw.name} {args.dtype}: peak {P / 1e12:.3g} TFLOP/s, bandwidth {Bw / 1e12:.3g} TB/s, "
           f"ridge point {P / Bw:.2f} FLOP/byte")
     rows = []
     for op in ops:
@@ -113,8 +117,10 @@ def cmd_roofline(args) -> int:
         rows.append({"op": op.name, "GFLOP": op.flops / 1e9, "GB moved": op.bytes / GB,
                      "FLOP/byte": op.intensity, "bound": roofline.bound(op, P, Bw),
                      "attainable_TFLOP/s": att / 1e12, "min_time_ms": roofline.min_time(op, P, Bw) * 1e3,
-                     "achieved_GFLOP/s": op.achieved / 1e9 if op.achieved else None})
-    print(table(rows))
+                     "achieved_GFLOP/s": op.achieved / 1e9 if op.achieved else None,
+                     "of_roof": op.achieved / att if op.achieved else None})
+    timed = any(op.achieved for op in ops)   # the measured columns only when something was timed
+    print(table(rows, [c for c in rows[0] if timed or c not in ("achieved_GFLOP/s", "of_roof")]))
     if args.plot:
         roofline.plot_roofline(hw, ops, args.plot, args.dtype, f"Roofline: {hw.name} ({args.dtype}), {m.name}")
         print(f"wrote {args.plot}")
@@ -151,11 +157,22 @@ def cmd_ceiling(args) -> int:
     wb = n_params * dtype_bytes(args.dtype)
     rows = []
     for b in args.batch:
-        rows.append({"batch": b, "seq_len": args.seq_len,
-                     "weights_only_tok/s": kvmath.decode_ceiling_weights_only(n_params, bw, args.dtype, b),
-                     "weights+KV_tok/s": kvmath.decode_ceiling_tps(wb, bw, b, args.seq_len, m, args.kv_dtype),
-                     "KV/weights bytes": kvmath.kv_cache_bytes(m, args.seq_len, b, args.kv_dtype) / wb})
+        row = {"batch": b, "seq_len": args.seq_len,
+               "weights_only_tok/s": kvmath.decode_ceiling_weights_only(n_params, bw, args.dtype, b),
+               "weights+KV_tok/s": kvmath.decode_ceiling_tps(wb, bw, b, args.seq_len, m, args.kv_dtype),
+               "KV/weights bytes": kvmath.kv_cache_bytes(m, args.seq_len, b, args.kv_dtype) / wb}
+        if args.active_params:   # a mixture of experts reads only the weights its tokens route to
+            read = kvmath.moe_params_read(n_params, args.active_params, b, args.experts, args.top_k)
+            row["MoE_params_read_B"] = read / 1e9
+            row["MoE_weights_only_tok/s"] = kvmath.moe_decode_ceiling(n_params, args.active_params, bw, args.dtype,
+                                                                      b, args.experts, args.top_k)
+            row["MoE_weights+KV_tok/s"] = kvmath.decode_ceiling_tps(read * dtype_bytes(args.dtype), bw, b,
+                                                                    args.seq_len, m, args.kv_dtype)
+        rows.append(row)
     print(f"{n_params / 1e9:.3g}B parameters in {args.dtype} ({wb / GB:.1f} GB), {bw / 1e12:.3g} TB/s")
+    if args.active_params and not (args.experts and args.top_k):
+        print(f"MoE: {args.active_params / 1e9:.3g}B active parameters read per step at every batch "
+              "(give --experts and --top-k for the experts a batch's tokens touch)")
     print(table(rows))
     return 0
 
@@ -193,26 +210,8 @@ def cmd_step(args) -> int:
         plot_step_times(sm, bs, [0, args.T_in, 4 * args.T_in], args.plot, f"{sm.model.name} on {hw.name}")
         print(f"wrote {args.plot}")
     if args.calibrate:
-        return _calibrate(args)
-    return 0
-
-
-def _calibrate(args) -> int:
-    from .stepmodel import calibrate_engine
-    try:
-        fit, samples = calibrate_engine(args.calibrate)
-    except ImportError as e:
-        print(f"--calibrate needs the kvserve engine (from kvserve import LLM): {e}")
-        return 2
-    print(f"\ncalibration on {args.calibrate}: {len(samples)} engine steps "
-          f"({fit.n_memory} memory-branch, {fit.n_compute} compute-branch)")
-    print(kv_table([("t_0 (ms)", fit.t0 * 1e3), ("t_W (ms)", fit.t_W * 1e3),
-                    ("t_K per cached token (us)", fit.t_kv * 1e6), ("per-token cost (us)", fit.t_tok * 1e6),
-                    ("fit error, relative RMSE", fit.rel_rmse), ("fit error, max relative", fit.max_rel_err)]))
-    if args.calibrate_plot:
-        from .plots import plot_fit
-        plot_fit(fit, samples, args.calibrate_plot)
-        print(f"wrote {args.calibrate_plot}")
+        from .cli_engine import calibrate
+        return calibrate(args)
     return 0
 
 
@@ -254,89 +253,6 @@ def cmd_disagg(args) -> int:
     return 0
 
 
-# -- simulate -----------------------------------------------------------------------------------------
-def cmd_sim_batching(args) -> int:
-    from .simulate import batching_experiment, static_utilization_theory
-    res = {r: batching_experiment(r, args.requests, args.slots, args.mean_output, args.seed) for r in args.rate}
-    rows = []
-    for rate, runs in res.items():
-        for pol, run in runs.items():
-            rows.append({"rate/step": rate, "policy": pol, "utilisation": run["utilization"],
-                         "mean_wait": run["mean_wait"], "p99_wait": run["p99_wait"],
-                         "admitted_at_once": run["frac_admitted_at_once"], "total_steps": run["total_steps"]})
-    print(f"{args.requests} requests, {args.slots} slots, exponential outputs of mean {args.mean_output} steps; "
-          f"static saturates at 1/H_{args.slots} = {static_utilization_theory(args.slots):.1%}")
-    print(table(rows))
-    if args.plot:
-        from .plots import plot_batching
-        plot_batching(res, args.plot)
-        print(f"wrote {args.plot}")
-    return 0
-
-
-def cmd_sim_serving(args) -> int:
-    from .simulate import make_requests, simulate_serving
-    from .stepmodel import StepModel
-    sm = StepModel(get_model(args.model), _hw(args), args.n_gpu, args.dtype, args.kv_dtype, mfu=args.mfu,
-                   t0=args.t0_ms / 1e3)
-    reqs = make_requests(args.requests, args.rate, args.mean_prompt, args.mean_output, args.seed)
-    runs = [("static", "static", None), ("continuous", "continuous", None)] + [
-        (f"chunked {b}", "chunked", b) for b in args.budget]
-    rows = []
-    for name, pol, b in runs:
-        s = simulate_serving(reqs, sm, args.slots, pol, b)
-        rows.append({"policy": name, "finished": s["finished"], "ttft_p50_s": s["ttft_p50_s"],
-                     "ttft_p99_s": s["ttft_p99_s"], "itl_p50_ms": s["itl_p50_s"] * 1e3,
-                     "itl_p99_ms": s["itl_p99_s"] * 1e3, "longest_gap_s": s["longest_gap_s"],
-                     "slot_util": s["utilization"], "tok/s": s["output_tokens_per_s"], "makespan_s": s["makespan_s"]})
-    print(f"{args.requests} requests at {args.rate}/s on {args.slots} slots, prompts ~{args.mean_prompt}, "
-          f"outputs ~{args.mean_output} tokens; {sm.model.name} on {sm.hw.name}, MFU {args.mfu}, t_0 {args.t0_ms} ms")
-    print(table(rows))
-    if args.plot:
-        from .plots import plot_serving
-        plot_serving(rows, args.plot)
-        print(f"wrote {args.plot}")
-    return 0
-
-
-def cmd_sim_paging(args) -> int:
-    from .paging import simulate_paging, widget_trace
-    tr = widget_trace(args.seed, n_steps=max(args.steps))
-    rows, plot_runs = [], {}
-    for n in args.samples:
-        for steps in args.steps:
-            for pol in ("reserve", "paged", "shared"):
-                r = simulate_paging(tr, pol, n, memory_slots=args.memory, block_size=args.block_size, n_steps=steps)
-                rows.append({"samples": n, "step": steps, "policy": pol, "running_seqs": r["running_sequences"],
-                             "running_reqs": r["running_requests"], "finished": r["finished"],
-                             "rejected": r["rejected"], "preemptions": r["preemptions"],
-                             "token_share": r["token_share"]})
-                if steps == max(args.steps):
-                    plot_runs[f"{pol}, n={n}"] = r
-    print(f"toy memory of {args.memory} token slots, blocks of {args.block_size}, seed {args.seed}")
-    print(table(rows))
-    if args.plot:
-        from .plots import plot_paging
-        plot_paging(plot_runs, args.plot)
-        print(f"wrote {args.plot}")
-    return 0
-
-
-def cmd_sim_prefix(args) -> int:
-    from .prefix import chat_trace, hit_rate_curve
-    tr = chat_trace(args.conversations, seed=args.seed)
-    pools = [float(p) for p in args.pools] + [math.inf]
-    rows = hit_rate_curve(tr, pools, args.block_size)
-    print(f"{args.conversations} conversations, {len(tr)} prompts, "
-          f"{sum(len(p) for p, _ in tr):,} prompt tokens")
-    print(table(rows))
-    if args.plot:
-        from .plots import plot_prefix
-        plot_prefix(rows, args.plot)
-        print(f"wrote {args.plot}")
-    return 0
-
-
 # -- wiring -------------------------------------------------------------------------------------------
 def register(subparsers) -> None:
     """Add `plan` and `simulate` to the kvserve CLI."""
@@ -354,6 +270,11 @@ def register(subparsers) -> None:
     p.add_argument("--prefill", type=int, nargs="*", default=[512, 4096], help="prefill lengths")
     p.add_argument("--matmul", type=int, nargs="*", default=[], help="square matmul sizes N")
     p.add_argument("--vector-time", type=float, default=None, help="measured seconds of the 1M vector add")
+    p.add_argument("--engine", default=None, metavar="MODEL",
+                   help="run kvserve on MODEL and place its measured prefill (--prefill) and decode (--batch, "
+                        "--context) steps on this machine's measured roofline")
+    p.add_argument("--engine-dtype", default=None, help="engine dtype for --engine (float32, bfloat16)")
+    p.add_argument("--engine-threads", type=int, default=None, help="torch CPU threads for --engine")
     p.add_argument("--plot", default=None, help="write the roofline PNG here")
     p.set_defaults(func=cmd_roofline)
 
@@ -373,6 +294,10 @@ def register(subparsers) -> None:
     p.add_argument("--params", type=float, default=None, help="parameter count (default: the model's)")
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--batch", type=int, nargs="*", default=[1, 32]); p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--active-params", type=float, default=None,
+                   help="mixture of experts: parameters active per token (trunk + top-k experts)")
+    p.add_argument("--experts", type=int, default=None, help="MoE: experts per layer")
+    p.add_argument("--top-k", type=int, default=None, help="MoE: experts routed per token")
     p.set_defaults(func=cmd_ceiling)
 
     p = ps.add_parser("little", help="Little's law throughput (seed 001 exercise 4)")
@@ -386,10 +311,10 @@ def register(subparsers) -> None:
     p.add_argument("--batch", type=int, nargs="*", default=[1, 8, 32, 128, 256, 512])
     p.add_argument("--T-in", type=int, default=1000); p.add_argument("--T-out", type=int, default=250)
     p.add_argument("--plot", default=None)
-    p.add_argument("--calibrate", default=None, metavar="MODEL_DIR",
-                   help="time the real kvserve engine on MODEL_DIR and fit t_0, t_W, t_K, per-token cost")
-    p.add_argument("--calibrate-plot", default=None)
+    from .cli_engine import add_calibrate_args, register_budget
+    add_calibrate_args(p)
     p.set_defaults(func=cmd_step)
+    register_budget(ps)
 
     p = ps.add_parser("preempt", help="swap vs recompute break-even, KV tier reload (seed 003)")
     _add_model(p); p.add_argument("--hw", default="h100"); p.add_argument("--dtype", default="bf16")
@@ -408,39 +333,8 @@ def register(subparsers) -> None:
     p.add_argument("--t0-ms", type=float, default=0.0)
     p.set_defaults(func=cmd_disagg)
 
-    sim = subparsers.add_parser("simulate", help="seeded scheduling, paging and prefix-cache simulators")
-    ss = sim.add_subparsers(dest="sim_command", required=True)
-
-    p = ss.add_parser("batching", help="static vs continuous batching on slots (seed 003)")
-    p.add_argument("--rate", type=float, nargs="*", default=[0.03, 0.12], help="arrivals per step")
-    p.add_argument("--requests", type=int, default=1000); p.add_argument("--slots", type=int, default=32)
-    p.add_argument("--mean-output", type=float, default=200); p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--plot", default=None)
-    p.set_defaults(func=cmd_sim_batching)
-
-    p = ss.add_parser("serving", help="static / continuous / chunked prefill timed by the step model (seed 003)")
-    _add_hw(p); _add_model(p)
-    p.add_argument("--mfu", type=float, default=0.5); p.add_argument("--t0-ms", type=float, default=0.3)
-    p.add_argument("--slots", type=int, default=8); p.add_argument("--requests", type=int, default=48)
-    p.add_argument("--rate", type=float, default=6.0, help="requests per second")
-    p.add_argument("--mean-prompt", type=float, default=1500); p.add_argument("--mean-output", type=float, default=150)
-    p.add_argument("--budget", type=int, nargs="*", default=[64, 512, 4096], help="chunked-prefill token budgets")
-    p.add_argument("--seed", type=int, default=0); p.add_argument("--plot", default=None)
-    p.set_defaults(func=cmd_sim_serving)
-
-    p = ss.add_parser("paging", help="reserve vs paged vs shared KV memory with preemption (seed 003)")
-    p.add_argument("--samples", type=int, nargs="*", default=[1, 4]); p.add_argument("--steps", type=int, nargs="*",
-                                                                                     default=[160, 320])
-    p.add_argument("--memory", type=int, default=1024); p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0); p.add_argument("--plot", default=None)
-    p.set_defaults(func=cmd_sim_paging)
-
-    p = ss.add_parser("prefix", help="prefix-cache hit rate vs pool size, hash chain vs radix (seed 003)")
-    p.add_argument("--conversations", type=int, default=120)
-    p.add_argument("--pools", type=float, nargs="*", default=[4000, 8000, 16000, 32000, 64000, 128000])
-    p.add_argument("--block-size", type=int, default=16); p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--plot", default=None)
-    p.set_defaults(func=cmd_sim_prefix)
+    from .cli_simulate import register as register_simulate
+    register_simulate(subparsers)
 
 
 def main(argv=None) -> int:

@@ -105,3 +105,39 @@ def paging_waste_slots(block_size: int) -> float:
 def block_table_entries(tokens: int, block_size: int) -> int:
     """Seed 003: ceil(T / n_blk) block-table entries per sequence."""
     return math.ceil(tokens / block_size)
+
+
+def exponential_tail(x: float, mean: float) -> float:
+    """Seed 003: a length exponential with mean E[l] exceeds x steps with chance e^{-x / E[l]}; at mean
+    200, about 37% of answers run past 200 steps and about 5% past 600."""
+    return math.exp(-x / mean)
+
+
+def moe_split(n_params: float, n_active: float, n_experts: int, top_k: int) -> tuple[float, float]:
+    """(trunk, per-expert) parameters of a mixture of experts from its totals: N = trunk + E p and
+    N_act = trunk + k p, so p = (N - N_act) / (E - k) and trunk = N_act - k p."""
+    if not 0 < top_k < n_experts:
+        raise ValueError(f"top_k must be in [1, n_experts), got top_k={top_k}, n_experts={n_experts}")
+    per_expert = (n_params - n_active) / (n_experts - top_k)
+    return n_active - top_k * per_expert, per_expert
+
+
+def moe_params_read(n_params: float, n_active: float, batch: int = 1, n_experts: int | None = None,
+                    top_k: int | None = None) -> float:
+    """Seed 001: for a mixture of experts a decode step reads "every active weight -- the dense trunk plus
+    only the experts routed to this step's tokens". One token reads N_act. With E experts and top-k
+    routing, each layer's B tokens touch E (1 - (1 - k/E)^B) distinct experts in expectation (routing
+    uniform and independent, an assumption), so the step reads trunk + that many experts' weights,
+    growing from N_act at B = 1 towards N. Without E and k, N_act (the batch-1 figure)."""
+    if n_experts is None or top_k is None or batch <= 1:
+        return n_active
+    trunk, per_expert = moe_split(n_params, n_active, n_experts, top_k)
+    return trunk + n_experts * (1.0 - (1.0 - top_k / n_experts) ** batch) * per_expert
+
+
+def moe_decode_ceiling(n_params: float, n_active: float, bandwidth: float, weight_dtype: str | float = "bf16",
+                       batch: int = 1, n_experts: int | None = None, top_k: int | None = None) -> float:
+    """Seed 001's tokens/s ceiling for a mixture of experts: B * BW / (weights read per step * P), the
+    weights read being `moe_params_read` (only active weights at batch 1)."""
+    return batch * bandwidth / (moe_params_read(n_params, n_active, batch, n_experts, top_k) *
+                                dtype_bytes(weight_dtype))

@@ -122,12 +122,17 @@ def simulate_paging(trace, policy: str, n_samples: int = 1, memory_slots: int = 
         over the free gaps, so external fragmentation is real); a request whose samples cannot fit
         even in empty memory is turned away; otherwise it waits at the head of the queue.
     policy 'paged': blocks of block_size allocated on demand; each sample stores its own prompt.
-    policy 'shared': as 'paged', but the samples of a request fork one prompt (copy-on-write).
+    policy 'shared': as 'paged', but the samples of a request share one copy of the prompt: the first
+        live sample holds it and the others fork it (vLLM's parent sequence); the first write into the
+        shared partial last block copies it for every writer but the last (copy-on-write), so one
+        sample costs exactly what 'paged' costs.
     Paged policies admit a request when its prompt(s) fit with one spare block per running sequence
     (`watermark`, an assumption against thrash; vLLM keeps a similar reserve), and when a running sequence needs a block
     and none is free, preempt the newest request (all its samples), free its blocks, and put it back
     at the head of the queue to recompute its prompt and generated tokens later (seed 003).
-    Every running sample writes one token per step; a request finishes when all its samples have.
+    Every running sample writes one token per step; a sample that has written its answer frees its own
+    memory at once (blocks, or its reserved buffer), as vLLM frees a finished sequence of a group; a
+    request finishes when all its samples have.
     """
     if policy not in ("reserve", "paged", "shared"):
         raise ValueError("policy must be 'reserve', 'paged' or 'shared'")
@@ -160,16 +165,26 @@ def simulate_paging(trace, policy: str, n_samples: int = 1, memory_slots: int = 
                 merged.append(g)
         gaps[:] = merged
 
-    def release_reserve(r):
-        for k in range(len(r.answers)):
-            s, e = buffers.pop((r.rid, k))
-            gaps.append([s, e])
+    def release_reserve(r, samples=None):
+        for k in (range(len(r.answers)) if samples is None else samples):
+            if (r.rid, k) in buffers:
+                s, e = buffers.pop((r.rid, k))
+                gaps.append([s, e])
         merge_gaps()
 
-    def release_paged(r):
-        for k in range(len(r.answers)):
+    def release_paged(r, samples=None):
+        for k in (range(len(r.answers)) if samples is None else samples):
             alloc.free((r.rid, k))
-        alloc.free((r.rid, "prompt"))
+
+    def shared_need(prompt, gen_live) -> int:
+        """Blocks that admitting live samples at generated counts gen_live takes under 'shared': the
+        prompt once, each sample's blocks past the prompt, and one copy of a shared partial last block
+        per sample that has written into it, except the last holder (it writes in place)."""
+        full = math.ceil(prompt / block_size)
+        own = sum(math.ceil((prompt + g) / block_size) - full for g in gen_live)
+        writers = sum(1 for g in gen_live if g > 0)
+        copies = min(writers, len(gen_live) - 1) if prompt % block_size else 0
+        return full + own + copies
 
     def try_admit(r) -> bool:
         nonlocal order
@@ -196,22 +211,24 @@ def simulate_paging(trace, policy: str, n_samples: int = 1, memory_slots: int = 
             # watermark (an assumption): keep one free block per running sequence after admission, so
             # that the sequences already running can write their next token without a preemption
             reserve = sum(len(x.answers) for x in running) if watermark else 0
+            live = [k for k, g in enumerate(gen) if g < r.answers[k]]  # finished samples hold nothing
             if policy == "shared":
-                need = math.ceil(r.prompt / block_size) + sum(
-                    math.ceil((r.prompt + g) / block_size) - r.prompt // block_size for g in gen)
+                need = shared_need(r.prompt, [gen[k] for k in live])
                 if need + reserve > alloc.n_free:
                     return False
-                alloc.allocate((r.rid, "prompt"), r.prompt)
-                for k, g in enumerate(gen):
-                    alloc.fork((r.rid, "prompt"), (r.rid, k))
-                    if g:
-                        alloc.allocate((r.rid, k), r.prompt + g)
+                owner = live[0]
+                alloc.allocate((r.rid, owner), r.prompt)
+                for k in live[1:]:
+                    alloc.fork((r.rid, owner), (r.rid, k))
+                for k in live:
+                    if gen[k]:
+                        alloc.allocate((r.rid, k), r.prompt + gen[k])
             else:
-                need = sum(math.ceil((r.prompt + g) / block_size) for g in gen)
+                need = sum(math.ceil((r.prompt + gen[k]) / block_size) for k in live)
                 if need + reserve > alloc.n_free:
                     return False
-                for k, g in enumerate(gen):
-                    alloc.allocate((r.rid, k), r.prompt + g)
+                for k in live:
+                    alloc.allocate((r.rid, k), r.prompt + gen[k])
         if not r.generated:
             r.generated = [0] * len(r.answers)
         r.admitted_order = order
@@ -254,12 +271,17 @@ def simulate_paging(trace, policy: str, n_samples: int = 1, memory_slots: int = 
                         break
                     alloc.allocate(key, newlen)
                 r.generated[k] += 1
+                if r.generated[k] >= r.answers[k]:  # this sample is done: its memory goes back now
+                    (release_reserve if policy == "reserve" else release_paged)(r, [k])
         for r in list(running):
             if all(g >= a for g, a in zip(r.generated, r.answers)):
                 running.remove(r)
                 (release_reserve if policy == "reserve" else release_paged)(r)
                 finished.append(r)
-        held = sum(r.prompt * (1 if policy == "shared" else len(r.answers)) + sum(r.generated) for r in running)
+        held = 0
+        for r in running:
+            live = [g for g, a in zip(r.generated, r.answers) if g < a]
+            held += r.prompt * (min(1, len(live)) if policy == "shared" else len(live)) + sum(live)
         history.append({"step": step + 1, "running_requests": len(running),
                         "running_sequences": sum(sum(g < a for g, a in zip(r.generated, r.answers)) or 0
                                                  for r in running),

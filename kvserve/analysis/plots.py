@@ -108,7 +108,8 @@ def plot_fit(fit, samples: list[dict], path: str) -> str:
     import numpy as np
     plt = _plt()
     y = np.array([s["step_s"] for s in samples])
-    p = fit.predict([s["n_tokens"] for s in samples], [s["ctx_sum"] for s in samples])
+    p = fit.predict([s["n_tokens"] for s in samples], [s["ctx_sum"] for s in samples],
+                    [s.get("n_seqs", 0) for s in samples])
     fig, ax = plt.subplots(figsize=(5.5, 5))
     ax.loglog(y * 1e3, p * 1e3, ".", alpha=0.6)
     lo, hi = min(y.min(), p.min()) * 1e3, max(y.max(), p.max()) * 1e3

@@ -163,10 +163,12 @@ class StepFit:
     max_rel_err: float
     n_memory: int
     n_compute: int
+    t_seq: float = 0.0   # per scheduled sequence (fit_step_model(..., n_seqs=...)); 0 = seed 003's form
 
-    def predict(self, n_tokens, ctx_sum):
+    def predict(self, n_tokens, ctx_sum, n_seqs=0):
         n_tokens, ctx_sum = np.asarray(n_tokens, float), np.asarray(ctx_sum, float)
-        return self.t0 + np.maximum(self.t_W + self.t_kv * ctx_sum, self.t_tok * n_tokens)
+        return (self.t0 + self.t_seq * np.asarray(n_seqs, float)
+                + np.maximum(self.t_W + self.t_kv * ctx_sum, self.t_tok * n_tokens))
 
 
 def _nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -183,7 +185,7 @@ def _nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:
     return x
 
 
-def fit_step_model(n_tokens, ctx_sum, step_s, iters: int = 50) -> StepFit:
+def fit_step_model(n_tokens, ctx_sum, step_s, iters: int = 50, n_seqs=None) -> StepFit:
     """Fit seed 003's t(B) = max(t_W + B t_K, B t_F) + t_0 to measured steps, generalised to mixed
     steps as t = t_0 + max(t_W + t_kv * ctx_sum, t_tok * n_tokens).
 
@@ -192,12 +194,15 @@ def fit_step_model(n_tokens, ctx_sum, step_s, iters: int = 50) -> StepFit:
     memory or the compute branch of the max and solving the (then linear) non-negative least squares
     problem in relative error (each residual divided by its measured time), from several starting
     splits, and keeps the best. A branch with no samples has its
-    parameters reported as 0 (not identifiable from the data).
+    parameters reported as 0 (not identifiable from the data). With `n_seqs` (sequences scheduled in
+    each step [n]) the fit adds a per-sequence cost outside the max, t_seq * n_seqs (sampling, block
+    tables and per-sequence attention launches: an extension of the seed's form).
     """
     n = np.asarray(n_tokens, float)
     c = np.asarray(ctx_sum, float)
     y = np.asarray(step_s, float)
-    if not (len(n) == len(c) == len(y)) or len(y) < 3:
+    seqs = np.zeros_like(y) if n_seqs is None else np.asarray(n_seqs, float)
+    if not (len(n) == len(c) == len(y) == len(seqs)) or len(y) < 3:
         raise ValueError("fit_step_model needs at least 3 samples of equal-length n_tokens, ctx_sum, step_s")
     if np.any(y <= 0):
         raise ValueError("step times must be positive")
@@ -213,26 +218,32 @@ def fit_step_model(n_tokens, ctx_sum, step_s, iters: int = 50) -> StepFit:
             starts.append(s)
     for comp in starts:
         for _ in range(iters):
-            A = np.column_stack([np.ones_like(y), ~comp, np.where(comp, 0.0, c), np.where(comp, n, 0.0)])
+            A = np.column_stack([np.ones_like(y), ~comp, np.where(comp, 0.0, c), np.where(comp, n, 0.0)]
+                                + ([seqs] if n_seqs is not None else []))
             p = _nnls(A / w[:, None], y / w)  # relative least squares: every step counts alike
-            t0, tW, tkv, ttok = p
+            t0, tW, tkv, ttok = p[:4]
+            tseq = p[4] if n_seqs is not None else 0.0
             new = ttok * n > tW + tkv * c
             if np.array_equal(new, comp):
                 break
             comp = new
-        pred = t0 + np.maximum(tW + tkv * c, ttok * n)
+        pred = t0 + tseq * seqs + np.maximum(tW + tkv * c, ttok * n)
         sse = float(np.sum(((pred - y) / w) ** 2))
         if best is None or sse < best[0]:
             best = (sse, p, comp.copy(), pred)
-    _, (t0, tW, tkv, ttok), comp, pred = best
+    _, p, comp, pred = best
+    t0, tW, tkv, ttok = p[:4]
     rel = (pred - y) / y
     return StepFit(float(t0), float(tW), float(tkv), float(ttok), float(np.sqrt(np.mean(rel**2))),
-                   float(np.max(np.abs(rel))), int((~comp).sum()), int(comp.sum()))
+                   float(np.max(np.abs(rel))), int((~comp).sum()), int(comp.sum()),
+                   float(p[4]) if n_seqs is not None else 0.0)
 
 
 def calibrate_engine(model_path: str, batch_sizes=(1, 2, 4, 8, 16), prompt_lens=(8, 32, 128), n_decode: int = 12,
                      engine_kwargs: dict | None = None, seed: int = 0,
-                     repeats: int = 3) -> tuple[StepFit, list[dict]]:
+                     repeats: int = 3, llm=None, trim: float | None = None,
+                     envelope: float | None = None, statistic: str = "min",
+                     per_seq: bool = False) -> tuple[StepFit, list[dict]]:
     """Time real engine steps (kvserve.LLM / LLMEngine) and fit the step model to them.
 
     For each (batch, prompt length) it adds `batch` requests of random prompt tokens that generate
@@ -241,19 +252,25 @@ def calibrate_engine(model_path: str, batch_sizes=(1, 2, 4, 8, 16), prompt_lens=
     step reads (sum of num_computed_tokens before the step). The samples go to `fit_step_model`.
     Every configuration runs `repeats` times (same random prompts) and each distinct step keeps its
     fastest time. Imports kvserve lazily; raises ImportError if the engine is not importable.
+    `llm`: an already built kvserve.LLM to time instead of building one from model_path. `trim`: refit
+    without steps slower than (1 + trim) x the prediction (`trim_slow_steps`); `envelope`: keep the
+    fastest of nearly identical steps (`lower_envelope`). Both are for loaded machines. `statistic`
+    'median' keeps the median of identical (and, with `envelope`, nearly identical) steps instead of
+    the fastest: the engine as it runs under the machine's current load. `per_seq`: fit a cost per
+    scheduled sequence too (StepFit.t_seq).
     """
     import random
     import time as _time
 
     from kvserve import LLM, SamplingParams  # lazy: the engine is a separate part of kvserve
 
-    llm = LLM(model=model_path, **(engine_kwargs or {}))
+    llm = llm if llm is not None else LLM(model=model_path, **(engine_kwargs or {}))
     eng = llm.engine
     orig_schedule = eng.scheduler.schedule
     current: dict = {}
 
-    def recording_schedule():
-        out = orig_schedule()
+    def recording_schedule(*a, **kw):
+        out = orig_schedule(*a, **kw)
         current["n_tokens"] = sum(n for _, n in out.scheduled)
         current["ctx_sum"] = sum(req.num_computed_tokens for req, _ in out.scheduled)
         current["n_seqs"] = len(out.scheduled)
@@ -287,12 +304,65 @@ def calibrate_engine(model_path: str, batch_sizes=(1, 2, 4, 8, 16), prompt_lens=
         eng.scheduler.schedule = orig_schedule
     # the same step composition measured `repeats` times: keep the fastest (other load on the machine
     # only ever adds time)
-    best: dict = {}
+    groups: dict = {}
     for s in samples:
-        key = (s["n_tokens"], s["ctx_sum"], s["n_seqs"])
-        if key not in best or s["step_s"] < best[key]["step_s"]:
-            best[key] = s
-    samples = list(best.values())
+        groups.setdefault((s["n_tokens"], s["ctx_sum"], s["n_seqs"]), []).append(s)
+    samples = [_pick(g, statistic) for g in groups.values()]
+    if envelope:
+        samples = lower_envelope(samples, envelope, statistic)
     fit = fit_step_model([s["n_tokens"] for s in samples], [s["ctx_sum"] for s in samples],
-                         [s["step_s"] for s in samples])
+                         [s["step_s"] for s in samples],
+                         n_seqs=[s["n_seqs"] for s in samples] if per_seq else None)
+    if trim:
+        fit, samples = trim_slow_steps(fit, samples, trim, per_seq=per_seq)
     return fit, samples
+
+
+def _pick(group: list[dict], statistic: str) -> dict:
+    """The fastest step of a group ('min'), or its median step ('median')."""
+    ranked = sorted(group, key=lambda x: x["step_s"])
+    if statistic == "min":
+        return ranked[0]
+    if statistic == "median":
+        return ranked[(len(ranked) - 1) // 2]
+    raise ValueError(f"statistic must be 'min' or 'median', not {statistic!r}")
+
+
+def lower_envelope(samples: list[dict], rel: float, statistic: str = "min") -> list[dict]:
+    """Merge steps of the same composition (tokens scheduled, sequences) whose cached tokens read differ
+    by less than a factor 1 + rel (consecutive decode steps of one batch), keeping the fastest of each
+    group: the best of many nearly identical steps, where a loaded machine adds time to most of them
+    (statistic 'median': the group's median step instead, what the engine takes under the load)."""
+    out, group = [], []
+    for s in sorted(samples, key=lambda s: (s["n_tokens"], s.get("n_seqs", 0), s["ctx_sum"])):
+        if group and (s["n_tokens"], s.get("n_seqs", 0)) == (group[0]["n_tokens"], group[0].get("n_seqs", 0)) \
+                and s["ctx_sum"] <= (1 + rel) * group[0]["ctx_sum"]:
+            group.append(s)
+            continue
+        if group:
+            out.append(_pick(group, statistic))
+        group = [s]
+    if group:
+        out.append(_pick(group, statistic))
+    return out
+
+
+def trim_slow_steps(fit: StepFit, samples: list[dict], trim: float, rounds: int = 3,
+                    keep: float = 0.6, per_seq: bool = False) -> tuple[StepFit, list[dict]]:
+    """Refit without the steps that took more than (1 + trim) x the fit's prediction. On a shared
+    machine other processes only ever add time to a step, so such steps measure the neighbours, not the
+    engine; the error is one-sided and so is the trimming. Up to `rounds` rounds, never below `keep` of
+    the samples. Each kept sample gets "trimmed": False; the dropped ones are returned with True."""
+    kept, dropped = list(samples), []
+    for _ in range(rounds):
+        pred = fit.predict([s["n_tokens"] for s in kept], [s["ctx_sum"] for s in kept],
+                           [s.get("n_seqs", 0) for s in kept])
+        slow = [s for s, p in zip(kept, pred) if s["step_s"] > (1 + trim) * p]
+        if not slow or len(kept) - len(slow) < max(3, keep * len(samples)):
+            break
+        dropped += slow
+        kept = [s for s, p in zip(kept, pred) if s["step_s"] <= (1 + trim) * p]
+        fit = fit_step_model([s["n_tokens"] for s in kept], [s["ctx_sum"] for s in kept],
+                             [s["step_s"] for s in kept],
+                             n_seqs=[s["n_seqs"] for s in kept] if per_seq else None)
+    return fit, [dict(s, trimmed=False) for s in kept] + [dict(s, trimmed=True) for s in dropped]

@@ -20,8 +20,11 @@ being Poisson); `inf` sends everything at once. `--max-concurrency C` caps reque
 
 Sweep: `--sweep-rates 0.5,1,2,4,inf` runs one pass per rate and writes `--plot FILE.png`: p99
 TTFT and p99 ITL against achieved output throughput, the latency-throughput curve of seed 001,
-with its knee marked, plus a Markdown table. `--compare URL` runs the same sweep against a
-second server and draws both curves on the same axes:
+with its knee marked, plus a Markdown table. `--sweep-concurrency 1,8,32` (seed 004) runs one pass
+per cap on requests in flight instead and plots throughput and latency at the largest
+`--metric-percentiles` against concurrency; `--gpu-cost-per-hour` adds cost per million tokens, and
+every pass reads the server's /metrics (KV cache, memory) while it runs (bench/seed004.py).
+`--compare URL` runs the same sweep against a second server and draws both curves on the same axes:
 
     kvserve bench serve --base-url http://127.0.0.1:8000 --model stories260K-hf \\
         --dataset-name random --random-input-len 64 --random-output-len 64 --ignore-eos \\
@@ -45,6 +48,8 @@ import httpx
 from kvserve.bench.client import RequestResult, Target, send_request  # noqa: F401 (re-exported)
 from kvserve.bench.datasets import Conversation, Turn, build_dataset
 from kvserve.bench.prompts import PromptMaker, tokenizer_source
+from kvserve.bench.seed004 import (add_costs, format_concurrency_table, format_extras, parse_concurrencies,
+                                   pass_with_metrics, percentile_name, plot_concurrency)
 from kvserve.bench.report import format_summary, format_sweep_table, length_warning, plot_sweep, summarize
 
 
@@ -163,6 +168,14 @@ async def benchmark(args) -> dict:
             # by its own name.
             t.model = await resolve_model(t, args.timeout)
     rates = parse_rates(args.sweep_rates) if args.sweep_rates else [args.request_rate]
+    # seed 004: "at 1, 8 and 32 concurrent requests": one pass per cap, all at --request-rate
+    concurrencies = parse_concurrencies(args.sweep_concurrency) if args.sweep_concurrency else None
+    if concurrencies:
+        if args.sweep_rates:
+            raise ValueError("give --sweep-rates or --sweep-concurrency, not both")
+        rates = [args.request_rate] * len(concurrencies)
+    caps = concurrencies or [args.max_concurrency] * len(rates)
+    cost_per_hour = args.gpu_cost_per_hour if args.gpu_cost_per_hour is not None else args.machine_cost_per_hour
     # Fresh prompts for every pass (seed + pass index), so that a prefix cache cannot serve one
     # pass from the previous one; every server of a --compare gets the same prompts per rate.
     maker = PromptMaker(tokenizer_source(args), random.Random(args.seed))
@@ -177,25 +190,42 @@ async def benchmark(args) -> dict:
     }
     for t in targets:
         rows = []
-        for rate, conversations in zip(rates, datasets):
-            results, duration = await run_pass(t, conversations, args, rate)
+        for rate, cap, conversations in zip(rates, caps, datasets):
+            pass_args = argparse.Namespace(**{**vars(args), "max_concurrency": cap})
+            results, duration, server_metrics = await pass_with_metrics(run_pass, t, conversations, pass_args,
+                                                                        rate)
             s = summarize(results, duration, percentiles, args.slo_ttft_ms, args.slo_tpot_ms,
                           args.slo_e2e_ms)
             s["request_rate"] = rate if not math.isinf(rate) else "inf"
-            s["max_concurrency"] = args.max_concurrency
+            s["max_concurrency"] = cap
+            add_costs(s, cost_per_hour)
+            if server_metrics:
+                s["server_metrics"] = server_metrics
             s["label"] = t.label
             s["base_url"] = t.base_url
             s["model"] = t.model
             if args.save_detailed:
                 s["requests"] = [asdict(r) | {"tpot": r.tpot} for r in results]
             printable = dict(s, request_rate=rate)
-            print(format_summary(printable, f"{t.label} @ {_rate_str(rate)} req/s", percentiles))
+            print(format_summary(printable, f"{t.label} @ {_rate_str(rate)} req/s"
+                                 + (f", {cap} concurrent" if concurrencies else ""), percentiles))
+            extras = format_extras(s)
+            if extras:
+                print(extras, flush=True)
             warning = length_warning(s)
             if warning:
                 print(f"\n{t.label} @ {_rate_str(rate)} req/s: {warning}\n", file=sys.stderr, flush=True)
             rows.append(s)
         out["runs"][t.label] = rows
-    if len(rates) > 1 or args.compare:
+    if concurrencies:
+        pct = percentile_name(max(percentiles))
+        for label, rows in out["runs"].items():
+            print(f"\n{label}:\n" + format_concurrency_table(rows, pct))
+        plot_path = args.plot or (os.path.splitext(args.save_result)[0] + ".png"
+                                  if args.save_result else "bench_serve_concurrency.png")
+        out["plot"] = plot_concurrency(out["runs"], plot_path, pct)
+        print(f"plot written to {plot_path}")
+    elif len(rates) > 1 or args.compare:
         for label, rows in out["runs"].items():
             rows_f = [dict(r, request_rate=float(r["request_rate"])) for r in rows]
             print(f"\n{label}:\n" + format_sweep_table(rows_f))
@@ -312,6 +342,16 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sweep-rates", default=None,
                    help="comma-separated request rates (inf allowed): one pass each, plus a plot")
     g.add_argument("--plot", default=None, help="PNG path for the sweep plot")
+    g.add_argument("--sweep-concurrency", default=None, metavar="1,8,32",
+                   help="comma-separated caps on requests in flight: one pass each (at --request-rate), "
+                        "a table and a plot of throughput and latency at the largest --metric-percentiles")
+    g.add_argument("--gpu-cost-per-hour", type=float, default=None,
+                   help="report cost per million input and output tokens at this price per hour")
+    g.add_argument("--machine-cost-per-hour", type=float, default=None,
+                   help="as --gpu-cost-per-hour, for the whole machine")
+    g.add_argument("--metrics-interval", type=float, default=0.5,
+                   help="scrape the server's /metrics every this many seconds during a pass "
+                        "(KV-cache usage, memory); 0 = off")
     g.add_argument("--compare", default=None, metavar="URL",
                    help="a second server: run the same passes against it and plot both curves")
     g.add_argument("--compare-model", default=None, help="model name on the --compare server")

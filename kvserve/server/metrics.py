@@ -26,9 +26,20 @@ after every step, because the engine is not thread-safe) at scrape time:
     kvserve:prefix_cache_queries_total, kvserve:prefix_cache_hits_total (counters; the prefix
     cache pair counts tokens, and is present when the engine reports it);
     kvserve:engine_steps_total, kvserve:engine_forward_time_seconds_total,
-    kvserve:engine_step_time_seconds_total (counters: divide by steps for the mean step time).
+    kvserve:engine_step_time_seconds_total (counters: divide by steps for the mean step time);
+    kvserve:spec_decode_num_drafts_total, kvserve:spec_decode_num_draft_tokens_total,
+    kvserve:spec_decode_num_accepted_tokens_total and
+    kvserve:spec_decode_num_accepted_tokens_per_pos_total{position} (speculative decoding,
+    vLLM's names: acceptance rate = accepted / draft tokens; 0 with speculation off).
+
+Memory, at scrape time (memory_metrics.py): kvserve:resident_memory_bytes (the server and its
+engine processes); on CUDA kvserve:cuda_memory_used_bytes and kvserve:cuda_memory_total_bytes.
 
 Server: kvserve:http_requests_rejected_total{reason=overloaded|bad_request|unauthorized}.
+Tenants and answer caches register theirs in the same registry (server/tenants.py:
+kvserve:tenant_{requests,prompt_tokens,generation_tokens,rate_limited}_total{tenant};
+server/answers.py: kvserve:answer_cache_lookups_total{tenant,cache,result},
+kvserve:semantic_cache_similarity, kvserve:semantic_cache_embedding_seconds).
 Every series carries `model_name`.
 """
 from __future__ import annotations
@@ -38,6 +49,8 @@ import math
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for app.py)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvserve.server.memory_metrics import MemoryCollector
 
 # Fine at the low end: on a small model a decode step takes a millisecond or two.
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2,
@@ -67,6 +80,12 @@ _STATS_METRICS = (
      "Time spent in model forward passes."),
     ("step_time_total", "kvserve:engine_step_time_seconds", "counter",
      "Time spent in engine steps (scheduling, forward, sampling, detokenizing)."),
+    ("spec_decode_num_drafts", "kvserve:spec_decode_num_drafts", "counter",
+     "Speculative decoding: sequences whose drafts were verified."),
+    ("spec_decode_num_draft_tokens", "kvserve:spec_decode_num_draft_tokens", "counter",
+     "Speculative decoding: draft tokens verified."),
+    ("spec_decode_num_accepted_tokens", "kvserve:spec_decode_num_accepted_tokens", "counter",
+     "Speculative decoding: draft tokens accepted."),
 )
 
 
@@ -89,6 +108,14 @@ class _EngineStatsCollector:
             fam = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
                 name, doc, labels=["model_name"])
             fam.add_metric([self.model_name], float(value))
+            yield fam
+        per_pos = getattr(snap, "spec_decode_num_accepted_tokens_per_pos", None) if snap is not None else None
+        if per_pos:
+            fam = CounterMetricFamily("kvserve:spec_decode_num_accepted_tokens_per_pos",
+                                      "Speculative decoding: draft tokens accepted, by draft position.",
+                                      labels=["model_name", "position"])
+            for pos, value in enumerate(per_pos):
+                fam.add_metric([self.model_name, str(pos)], float(value))
             yield fam
 
 
@@ -135,6 +162,7 @@ class ServerMetrics:
                                 labels + ["reason"], registry=r)
         self.stats = _EngineStatsCollector(model_name)
         r.register(self.stats)
+        r.register(MemoryCollector(model_name))   # resident memory; device memory on CUDA
 
     def update_stats(self, snapshot) -> None:
         self.stats.snapshot = snapshot

@@ -72,3 +72,59 @@ def test_calibrate_runs_on_the_engine_when_it_exists(tmp_path, capsys):
     fit, samples = calibrate_engine(str(model), batch_sizes=(1, 4), prompt_lens=(8, 64), n_decode=4)
     assert len(samples) >= 8 and all(s["step_s"] > 0 for s in samples)
     assert fit.t_tok > 0 or fit.t_W > 0
+
+
+def test_plan_ceiling_moe_reads_active_weights(capsys):
+    # seed 001: a mixture of experts reads only its active weights: 46.7B total, 12.9B active, H100 bf16
+    rc, out = run(["plan", "ceiling", "--hw", "h100", "--params", "46.7e9", "--active-params", "12.9e9",
+                   "--experts", "8", "--top-k", "2", "--batch", "1"], capsys)
+    row = out.strip().splitlines()[-1].split()
+    assert rc == 0 and "MoE_weights_only_tok/s" in out
+    assert float(row[2]) == pytest.approx(3.35e12 / (46.7e9 * 2), rel=0.01)     # dense, every weight
+    assert float(row[6]) == pytest.approx(3.35e12 / (12.9e9 * 2), rel=0.01)     # active weights only
+
+
+def test_plan_budget_and_simulate_with_a_saved_fit(tmp_path, capsys):
+    from kvserve.analysis.calibrated import save_fit
+    from kvserve.analysis.stepmodel import StepFit
+    fit = tmp_path / "fit.json"
+    save_fit(StepFit(2e-3, 5e-3, 1e-6, 0.5e-3, 0.1, 0.2, 5, 5), str(fit))
+    rc, out = run(["plan", "budget", "--itl-ms", "50.1", "--fit", str(fit), "--decodes", "0"], capsys)
+    # floor((50.1 - 2) / 0.5) = 96
+    assert rc == 0 and "--max-num-batched-tokens 96" in out and "closed form from the fit" in out
+    rc, out = run(["plan", "budget", "--itl-ms", "20"], capsys)
+    assert rc == 0 and "Llama 3.1 8B on H100" in out
+    rc, out = run(["simulate", "serving", "--fit", str(fit), "--requests", "6", "--rate", "2", "--mean-prompt",
+                   "100", "--mean-output", "10", "--budget", "256"], capsys)
+    assert rc == 0 and "calibrated fit" in out and "chunked 256" in out
+
+
+def test_plan_roofline_places_the_engines_measured_steps(tmp_path, capsys):
+    from pathlib import Path
+    model = Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K-hf"
+    pytest.importorskip("kvserve.llm")
+    if not model.exists():
+        pytest.skip("stories260K-hf not found")
+    png = tmp_path / "roof.png"
+    rc, out = run(["plan", "roofline", "--engine", str(model), "--batch", "1", "--context", "32",
+                   "--prefill", "64", "--plot", str(png)], capsys)
+    assert rc == 0 and "measured" in out and png.exists()
+    assert "kvserve prefill T=64" in out and "model prefill T=64" in out and "kvserve decode B=1" in out
+
+
+def test_plan_step_calibrate_saves_a_fit_that_loads(tmp_path, capsys):
+    from pathlib import Path
+    model = Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K-hf"
+    pytest.importorskip("kvserve.llm")
+    if not model.exists():
+        pytest.skip("stories260K-hf not found")
+    from kvserve.analysis.calibrated import load_fit
+    fit = tmp_path / "fit.json"
+    rc, out = run(["plan", "step", "--batch", "1", "--calibrate", str(model), "--calibrate-batches", "1", "4",
+                   "--calibrate-prompts", "8", "32", "--calibrate-repeats", "1", "--calibrate-decode", "3",
+                   "--calibrate-trim", "0.5", "--calibrate-per-seq", "--save-fit", str(fit),
+                   "--calibrate-plot", str(tmp_path / "fit.png")], capsys)
+    assert rc == 0 and "fit error, relative RMSE" in out and f"wrote {fit}" in out
+    assert "per-sequence cost (us)" in out and (tmp_path / "fit.png").exists()
+    f = load_fit(str(fit))
+    assert f.t0 >= 0 and (f.t_tok > 0 or f.t_W > 0)
