@@ -4,11 +4,12 @@
 machine every token streamed costs the API process a little CPU. torch's OpenMP threads spin
 while they wait for each other (libgomp's default): when one of the two is descheduled, the
 other spins and every parallel region waits a scheduler slice. `OMP_WAIT_POLICY=PASSIVE` makes
-waiting threads sleep instead. This measures the engine's decode step (batch 1, 8, 32) and a
-prefill step on the ~100M benchmark Llama in bf16, with 2 threads (default policy, PASSIVE) and
-1 thread, alone and beside a competitor that works half the time (2 ms busy, 2 ms asleep, as an
-API process streaming tokens does). Each cell is a fresh process; cells alternate over repeats;
-figures are medians of ms per step.
+waiting threads sleep at once; `GOMP_SPINCOUNT=20000` spins a little, then sleeps. This
+measures the engine's decode step (batch 1, 8, 32) and a 512-token prefill step on the ~100M
+benchmark Llama in bf16, with 2 threads under each policy and with 1 thread, alone and beside a
+competitor that works half the time (2 ms busy, 2 ms asleep, as an API process streaming tokens
+does). Each cell is a fresh process; cells alternate over repeats; figures are medians of ms
+per step.
 
     python benchmarks/bench_omp_wait.py --repeats 3 --out benchmarks/results/omp_wait.json
 """
@@ -27,7 +28,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import bench_model_dir  # noqa: E402
 
-CELLS = [("2 threads", 2, None), ("2 threads PASSIVE", 2, "PASSIVE"), ("1 thread", 1, None)]
+CELLS = [("2 threads", 2, {}), ("2 threads PASSIVE", 2, {"OMP_WAIT_POLICY": "PASSIVE"}),
+         ("2 threads spin 20k", 2, {"GOMP_SPINCOUNT": "20000"}), ("1 thread", 1, {})]
 COMPETITOR = "import time\nwhile True:\n    t = time.perf_counter()\n    while time.perf_counter() - t < 0.002: pass\n    time.sleep(0.002)\n"
 
 
@@ -60,11 +62,9 @@ def one(model: Path, threads: int) -> dict:
     return out
 
 
-def measure(threads: int, policy: str | None, competitor: bool) -> dict:
-    env = dict(os.environ)
-    env.pop("OMP_WAIT_POLICY", None)
-    if policy:
-        env["OMP_WAIT_POLICY"] = policy
+def measure(threads: int, omp_env: dict, competitor: bool) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update(omp_env)
     comp = subprocess.Popen([sys.executable, "-c", COMPETITOR]) if competitor else None
     try:
         r = subprocess.run([sys.executable, __file__, "--one", str(threads)], env=env, check=True,
@@ -89,9 +89,9 @@ def main() -> None:
     runs: dict[str, list[dict]] = {}
     for rep in range(args.repeats):
         order = [(c, comp) for comp in (False, True) for c in CELLS]
-        for (name, threads, policy), comp in (order if rep % 2 == 0 else order[::-1]):
+        for (name, threads, omp_env), comp in (order if rep % 2 == 0 else order[::-1]):
             key = f"{name}{' + competitor' if comp else ''}"
-            r = measure(threads, policy, comp)
+            r = measure(threads, omp_env, comp)
             runs.setdefault(key, []).append(r)
             print(f"[{rep}] {key:32s} " + "  ".join(f"{k} {v:.1f}" for k, v in r.items()), flush=True)
     shapes = list(next(iter(runs.values()))[0])

@@ -7,8 +7,8 @@ rate it reports the client's figures (`kvserve bench serve`: output tok/s, TTFT 
 and the server's own step and forward-pass times per step (from /metrics:
 `kvserve:engine_step_time_seconds_total` and `kvserve:engine_forward_time_seconds_total` over
 `kvserve:engine_steps_total`). Offline, `LLM.generate` runs all the requests at once (what rate
-inf asks of a server) with the same prompt and output lengths, threads and OpenMP wait policy
-as the engine core (PASSIVE unless OMP_WAIT_POLICY says otherwise). Layouts alternate, the order
+inf asks of a server) with the same prompt and output lengths and threads, after a warm-up
+pass over other prompts of the same shapes. Layouts alternate, the order
 flipping each repeat; every server and the offline run are fresh processes; figures are medians.
 
     python benchmarks/bench_serve_layout.py --repeats 3 --out benchmarks/results/serve_layout.json
@@ -44,9 +44,11 @@ model, dtype, n, inp, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.
 llm = LLM(model, dtype=dtype, max_num_seqs=max(n, 32))
 rng = random.Random(0)
 vocab = llm.engine.model_config.vocab_size
-prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(inp)]} for _ in range(n)]
+def make():
+    return [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(inp)]} for _ in range(n)]
 params = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
-llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))   # warm up
+llm.generate(make(), params)        # warm up on other prompts: every batch shape seen once
+prompts = make()
 s0 = llm.engine.stats()
 t = time.perf_counter()
 outs = llm.generate(prompts, params)
@@ -112,11 +114,9 @@ def one_pass(url: str, model: Path, rate: str, args) -> dict:
 
 
 def offline(model: Path, args) -> dict:
-    # the engine core's OpenMP wait policy (server/engine_client.py), for the same arithmetic
-    env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
     out = subprocess.run([sys.executable, "-c", OFFLINE, str(model), args.dtype, str(args.num_prompts),
                           str(args.input_len), str(args.output_len)],
-                         check=True, capture_output=True, text=True, env=env)
+                         check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

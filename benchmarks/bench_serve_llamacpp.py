@@ -145,7 +145,7 @@ def start_servers(args, gguf: Path, log_dir: Path, servers: dict[str, Server]) -
     """Start both into `servers` (filled as they start, so that a failure still stops the first)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), NO_PROXY="*")
     kv_cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(gguf), "--host", "127.0.0.1",
-              "--log-level", "warning"]
+              "--log-level", "warning", "--dtype", args.kvserve_dtype]
     help_text = subprocess.run(kv_cmd[:4] + ["--help"], capture_output=True, text=True, cwd=ROOT).stdout
     if "--engine-threads" in help_text:
         kv_cmd += ["--engine-threads", str(args.threads)]
@@ -283,6 +283,8 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=32, help="llama-server slots (-np)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--startup-timeout", type=float, default=300.0)
+    ap.add_argument("--kvserve-dtype", default="bfloat16",
+                    help="kvserve's activation dtype (bf16 weights stream as bf16, as llama.cpp's do)")
     ap.add_argument("--kvserve-arg", action="append", default=[], help="extra argument of kvserve serve")
     ap.add_argument("--llama-arg", action="append", default=[], help="extra argument of llama-server")
     ap.add_argument("--out-dir", default=str(HERE / "results"))

@@ -19,7 +19,6 @@ import asyncio
 import atexit
 import logging
 import multiprocessing
-import os
 import threading
 import time
 
@@ -73,10 +72,6 @@ class ProcessEngine(EngineFrontend):
     def __init__(self, config, num_threads: int | None = None, log_level: str = "info",
                  startup_timeout: float = 900.0):
         super().__init__()
-        # The core's OpenMP threads share the cores with this process (and its streams): let
-        # them sleep while they wait instead of spinning (benchmarks/bench_omp_wait.py). Read by
-        # libgomp when the core imports torch; an explicit OMP_WAIT_POLICY wins.
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         ctx = multiprocessing.get_context("spawn")
         core_inbox, self._to_core = ctx.Pipe(duplex=False)
         self._from_core, core_outbox = ctx.Pipe(duplex=False)
