@@ -34,6 +34,7 @@ class EngineConfig:
     prefix_cache: str = "hash"             # "hash" (chained SHA-256 block hashes) | "radix" (radix tree)
     cache_aware_scheduling: bool | None = None   # longest cached prefix first (None: on with radix)
     max_wait_steps: int = 64               # starvation bound of cache-aware ordering, in steps
+    scheduling_policy: str = "fcfs"        # "fcfs" | "priority" | "vtc" (engine/fairness.py)
     preemption_mode: str = "recompute"     # "recompute" | "swap"
     swap_space: int = 1 << 30              # bytes of CPU memory for swapped-out blocks
     share_blocks: bool = True              # n > 1 samples and beams share blocks (copy on write)
@@ -87,6 +88,8 @@ class EngineConfig:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}.")
         if self.max_wait_steps < 0:
             raise ValueError(f"max_wait_steps must be >= 0, got {self.max_wait_steps}.")
+        if self.scheduling_policy not in ("fcfs", "priority", "vtc"):
+            raise ValueError(f"scheduling_policy must be fcfs, priority or vtc, got {self.scheduling_policy!r}.")
         check_kv_cache_dtype(self.kv_cache_dtype)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}.")
@@ -158,6 +161,9 @@ class EngineConfig:
                             help="serve the longest cached prefix first (default: on with --prefix-cache radix)")
         parser.add_argument("--max-wait-steps", type=int, default=64,
                             help="starvation bound of cache-aware scheduling, in engine steps")
+        parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "vtc"],
+                            help="admission order: arrival, the request's priority (lower first), or "
+                                 "per-tenant fairness (Virtual Token Counter)")
         parser.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
         parser.add_argument("--swap-space", type=int, default=1 << 30, help="bytes of CPU swap space")
         parser.add_argument("--quantization", default=None,

@@ -48,6 +48,7 @@ import httpx
 from kvserve.bench.client import RequestResult, Target, send_request  # noqa: F401 (re-exported)
 from kvserve.bench.datasets import Conversation, Turn, build_dataset
 from kvserve.bench.prompts import PromptMaker, tokenizer_source
+from kvserve.bench.tenants import add_cli_args as add_tenant_args, run_tenants
 from kvserve.bench.seed004 import (add_costs, format_concurrency_table, format_extras, parse_concurrencies,
                                    pass_with_metrics, percentile_name, plot_concurrency)
 from kvserve.bench.report import format_summary, format_sweep_table, length_warning, plot_sweep, summarize
@@ -182,6 +183,8 @@ async def benchmark(args) -> dict:
     datasets = [build_dataset(argparse.Namespace(**{**vars(args), "seed": args.seed + i}), maker)
                 for i in range(len(rates))]
     print(describe_prompts(args, maker, targets[0]), flush=True)
+    if getattr(args, "tenant", None):          # several tenants at once (bench/tenants.py)
+        return await run_tenants(args, targets[0], maker, run_pass, summarize, format_summary)
 
     out: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -324,6 +327,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of inter-arrival gaps: 1 = Poisson, <1 burstier, >1 steadier")
     g.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    add_tenant_args(g)          # --tenant KEY:RATE[:N] (bench/tenants.py)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=None)

@@ -37,6 +37,7 @@ from kvserve.engine.kv_sizing import num_kv_blocks
 from kvserve.engine.model_runner import ModelRunner, make_attention_backend
 from kvserve.engine.output import OutputProcessor
 from kvserve.engine.beam_search import BeamGroup
+from kvserve.engine.fairness import PROMPT_FIELDS, make_policy, prompt_fields
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.stats import EngineStats, collect_stats
@@ -110,6 +111,7 @@ class LLMEngine:
                                    stop_checker=self.output.process_token,
                                    eos_token_id=eos, max_model_len=max_len,
                                    **SpecDecoder.scheduler_kwargs(config.speculative))
+        self.scheduler.policy = make_policy(config.scheduling_policy)     # engine/fairness.py
         self.spec = SpecDecoder(config.speculative, self) if config.speculative is not None else None
         self.groups: dict[str, list[Request]] = {}      # user request id -> its sequences
         self.prompts: dict[str, str | None] = {}
@@ -140,13 +142,14 @@ class LLMEngine:
             raise ValueError("cache_salt must be a non-empty string.")
         prompt_text, token_ids = self._tokenize(prompt, prompt_text)
         self._validate(token_ids, params)
+        fair = prompt_fields(prompt)       # priority, tenant, tenant_weight (engine/fairness.py)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         seq = next(self._arrivals)
 
         def new_seq(seq_id: str, index: int = 0, seed: int | None = None) -> Request:
             return Request(seq_id, token_ids, params, arrival, eos_token_id=self.eos_token_id,
                            parent_id=request_id, index=index, seed=seed, cache_salt=cache_salt,
-                           arrival_seq=seq)
+                           arrival_seq=seq, **fair)
 
         self.prompts[request_id] = prompt_text
         if params.use_beam_search:
@@ -203,7 +206,7 @@ class LLMEngine:
 
     def _tokenize(self, prompt, prompt_text):
         if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt", *PROMPT_FIELDS}
             if unknown:
                 raise ValueError(f"unknown prompt field(s) {sorted(unknown)}: a prompt dict has "
                                  "'prompt' or 'prompt_token_ids', and optionally 'cache_salt'.")

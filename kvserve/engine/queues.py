@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvserve.engine.beam_search import BeamGroup
+from kvserve.engine.fairness import FCFSPolicy
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.kv.manager import KVCacheManager
 
@@ -49,10 +50,12 @@ class RequestQueues:
         self.beam_groups: dict[str, BeamGroup] = {}
         self.step_count = 0
         self.counters = SchedulerCounters()
+        self.policy = FCFSPolicy()      # who waits first, who is preempted first (engine/fairness.py)
 
     # -- queue -------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         req.enqueue_step = self.step_count
+        self.policy.on_arrival(req, self)
         self.waiting.append(req)
 
     def add_samples(self, seqs: list[Request]) -> None:

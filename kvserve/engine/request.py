@@ -101,7 +101,8 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float | None = None, *, eos_token_id: int | None = None,
                  parent_id: str | None = None, index: int = 0, seed: int | None = None,
-                 cache_salt: str | None = None, arrival_seq: int = 0):
+                 cache_salt: str | None = None, arrival_seq: int = 0, priority: int = 0,
+                 tenant: str | None = None, tenant_weight: float = 1.0):
         self.request_id = request_id
         self.parent_id = parent_id or request_id
         self.index = index
@@ -126,6 +127,9 @@ class Request:
         self.seed = seed
         self.generator: torch.Generator | None = None  # made by the sampler on its device
         self.cache_salt = cache_salt
+        self.priority = priority              # lower runs first (--scheduling-policy priority)
+        self.tenant = tenant                  # VTC's client (server/tenants.py) and its weight
+        self.tenant_weight = tenant_weight
         self.extra_seats = 0      # seats reserved for forks to come (n - 1 samples, beam_width - 1)
         self.enqueue_step = 0
         # Beam search: this beam's top candidates (token ids, logprobs) once its logits are in.

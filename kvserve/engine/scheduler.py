@@ -85,7 +85,7 @@ class Scheduler(RequestQueues):
         self._drafts: dict[str, list[int]] = {}
 
     def _latest(self, candidates) -> Request | None:
-        return max(candidates, key=lambda r: r.arrival_key, default=None)
+        return max(candidates, key=self.policy.victim_key, default=None)   # fcfs: the latest arrival
 
     def _make_room(self, req: Request, num_tokens: int, out: SchedulerOutput, done: set[str]) -> bool:
         """Give `req` slots for `num_tokens` tokens in all (copying a shared block first),
@@ -129,6 +129,7 @@ class Scheduler(RequestQueues):
         if stuck and self.running and (self.waiting or self.swapped):
             self._break_idle_deadlock(out)
         out.num_batched_tokens = self.max_num_batched_tokens - self._budget
+        self.policy.on_scheduled(out)
         return out
 
     def _schedule(self, out: SchedulerOutput, done: set[str], req: Request, n: int) -> None:
@@ -238,6 +239,7 @@ class Scheduler(RequestQueues):
     def _admit(self, out: SchedulerOutput, done: set[str]) -> None:
         if self.cache_aware and len(self.waiting) > 1 and self.kv.cache is not None:
             self._order_waiting()
+        self.policy.order(self)     # priority / VTC, stable over the order above (engine/fairness.py)
         while self.waiting and self._budget > 0:
             req = self.waiting[0]
             if not self.kv.fits_alone(req.num_tokens):       # recomputed past the pool's size

@@ -28,6 +28,7 @@ response schemas (server/openapi.py).
 """
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import time
@@ -38,7 +39,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.sample.params import SamplingParams
-from kvserve.server.body import check_auth, parse_body
+from kvserve.server.answers import install as install_front
 from kvserve.server.errors import install_error_handlers
 from kvserve.server.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from kvserve.server.openapi import ROUTES, install_openapi
@@ -75,21 +76,27 @@ class ServerState:
 def build_app(engine, served_model_name: str, api_key: str | None = None,
               max_waiting: int | None = None, chat_template: str | None = None,
               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
-              stream_stall_timeout: float | None = None) -> FastAPI:
+              stream_stall_timeout: float | None = None, api_keys: str | None = None,
+              answer_cache: dict | None = None) -> FastAPI:
     """The FastAPI app serving `engine`: an `LLMEngine` (run by a thread of this process) or a
     `ProcessEngine` (an engine core process). The engine loop starts with the app."""
     state = ServerState(engine, served_model_name, api_key, max_waiting, chat_template,
                         stream_stall_timeout)
     bound_state(state, max_prompts_per_request, max_waiting)
+    install_front(state, api_keys, answer_cache)    # tenants, answer caches (server/answers.py)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.async_engine.start()
+        # What startup made lives as long as the server: out of the collector's way, so that a
+        # full collection (say, after one body of 300,000 small lists) walks only new objects.
+        gc.freeze()
         try:
             yield
         finally:
             state.async_engine.shutdown()
             state.tokenization.shutdown()
+            state.front.shutdown()
 
     app = FastAPI(title="kvserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.kvserve = state
@@ -109,21 +116,17 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
 
     @app.get("/v1/models")
     async def models(request: Request):
-        check_auth(state, request)
+        state.tenancy.authenticate(request, limit=False)
         return ModelList(data=[ModelCard(id=state.model_name, root=engine.config.model,
                                          max_model_len=state.max_model_len)]).model_dump()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        check_auth(state, request)
-        req = await parse_body(state, request, CompletionRequest)
-        return await _completions(state, req, request)
+        return await state.front.handle(request, CompletionRequest, "completion", _completions)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        check_auth(state, request)
-        req = await parse_body(state, request, ChatCompletionRequest)
-        return await _chat(state, req, request)
+        return await state.front.handle(request, ChatCompletionRequest, "chat", _chat)
 
     return app
 

@@ -3,6 +3,8 @@
     kvserve serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
                   [--served-model-name NAME] [--max-waiting N] [--chat-template FILE]
                   [--shutdown-timeout S] [--engine-layout process|thread] [--engine-threads N]
+                  [--api-keys FILE] [--answer-cache none|exact|semantic] [--semantic-threshold 0.85]
+                  [--scheduling-policy fcfs|priority|vtc]
                   [engine flags: --max-num-seqs, --block-size, ...]
 
 The engine runs in its own process by default (server/engine_core.py), so HTTP, tokenization,
@@ -32,6 +34,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KVSERVE_API_KEY)")
+    from kvserve.server.answers import add_cli_args as add_tenant_cache_args
+
+    add_tenant_cache_args(g)        # --api-keys FILE, --answer-cache, --semantic-threshold, ...
     g.add_argument("--served-model-name", default=None,
                    help="model name in requests and /v1/models (default: the model directory's base "
                         "name; SmolLM2-135M-Instruct for the default model)")
@@ -74,6 +79,7 @@ def cmd_serve(args) -> int:
 
     from kvserve.config import EngineConfig
     from kvserve.engine.engine import LLMEngine
+    from kvserve.server.answers import answer_cache_options
     from kvserve.server.app import build_app
     from kvserve.server.engine_client import ProcessEngine
     from kvserve.server.shutdown import ANSWER_GRACE_S, DeadlineServer
@@ -100,7 +106,8 @@ def cmd_serve(args) -> int:
                     max_waiting=args.max_waiting if args.max_waiting > 0 else None,
                     chat_template=args.chat_template,
                     max_prompts_per_request=args.max_prompts_per_request,
-                    stream_stall_timeout=args.stream_stall_timeout or None)
+                    stream_stall_timeout=args.stream_stall_timeout or None,
+                    api_keys=args.api_keys, answer_cache=answer_cache_options(args))
     log.info("serving %s as %r on http://%s:%d (max_model_len %d)", engine.config.model, name, args.host,
              args.port, engine.config.max_model_len)
     # uvicorn's own deadline comes a little after ours: by then every handler has answered.

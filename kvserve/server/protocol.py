@@ -126,6 +126,8 @@ class _SamplingFields(BaseModel):
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
     cache_salt: Optional[str] = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)  # vLLM's
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)     # vLLM's: lower runs first (--scheduling-policy priority)
+    semantic_cache: bool = True         # false: this request skips the semantic answer cache
 
     @field_validator("stop")
     @classmethod
