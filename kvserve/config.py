@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass, fields
 
 import torch
@@ -9,6 +10,8 @@ import torch
 from kvserve.model.kv_quant import KV_CACHE_DTYPES, check_kv_cache_dtype
 from kvserve.model.quant import parse_quantization
 from kvserve.spec.config import SpeculativeConfig
+
+CPU_SPEC_DISABLE_BY_BATCH_SIZE = 4    # speculative decoding's default load threshold on CPU
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16}
@@ -102,6 +105,11 @@ class EngineConfig:
             self.quantization, self.quantization_group_size)
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        spec = self.speculative
+        if spec is not None and spec.disable_by_batch_size is None and self.device == "cpu":
+            # A CPU step is compute-bound from a few sequences on: verifying k + 1 rows each then
+            # costs more than it saves (benchmarks/results/spec.md: batch 8 at 0.74x, batch 1 up to 1.6x).
+            self.speculative = dataclasses.replace(spec, disable_by_batch_size=CPU_SPEC_DISABLE_BY_BATCH_SIZE)
 
     def _check_kv_tiers(self) -> None:
         from kvserve.kv.tiers import parse_tier_spec, split_tier_specs

@@ -5,6 +5,7 @@ speculation off and against transformers are in tests/reference/test_spec_exactn
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.config import EngineConfig
+from kvserve.config import CPU_SPEC_DISABLE_BY_BATCH_SIZE, EngineConfig
 from kvserve.spec.config import SpeculativeConfig
 from kvserve.spec.ngram import ngram_lookup
 from kvserve.spec.verify import accept_greedy, rejection_sample
@@ -55,7 +56,11 @@ def test_config_defaults_and_cli_flag():
     p = argparse.ArgumentParser()
     EngineConfig.add_cli_args(p)
     args = p.parse_args(["--model", str(STORIES_C), "--speculative-config", json.dumps(NGRAM)])
-    assert EngineConfig.from_cli_args(args).speculative == SpeculativeConfig.parse(NGRAM)
+    got = EngineConfig.from_cli_args(args).speculative
+    # on CPU an unset load threshold becomes CPU_SPEC_DISABLE_BY_BATCH_SIZE; the rest as given
+    assert got == dataclasses.replace(SpeculativeConfig.parse(NGRAM), disable_by_batch_size=CPU_SPEC_DISABLE_BY_BATCH_SIZE)
+    explicit = EngineConfig(model="m", device="cpu", speculative_config={**NGRAM, "disable_by_batch_size": 32})
+    assert explicit.speculative.disable_by_batch_size == 32
 
 
 def test_draft_with_another_vocabulary_is_refused(tmp_path, random_model_dir):
@@ -148,7 +153,8 @@ def test_sampled_distribution_is_unchanged_on_a_model(tiny_vocab_model):
         toks = torch.tensor([o.outputs[0].token_ids for o in outs])                # [n, 3]
         return toks, llm.engine.stats()
 
-    on, stats = run({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1})
+    on, stats = run({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
+                     "disable_by_batch_size": 1024})          # 256 at once: speculate anyway
     off, _ = run(None)
     assert stats.spec_decode_num_drafts > n // 2
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
