@@ -32,6 +32,10 @@ after every step, because the engine is not thread-safe) at scrape time:
     kvserve:spec_decode_num_accepted_tokens_per_pos_total{position} (speculative decoding,
     vLLM's names: acceptance rate = accepted / draft tokens; 0 with speculation off).
 
+KV tiers (kv/connector.py): kvserve:kv_tier_{hit_blocks,bytes_loaded,saved_blocks,bytes_saved,
+corrupt_blocks,failures}_total{tier}, kvserve:kv_tier_bandwidth_bytes_per_second{tier},
+kvserve:kv_tier_{reload,recompute}_decisions_total.
+
 Memory, at scrape time (memory_metrics.py): kvserve:resident_memory_bytes (the server and its
 engine processes); on CUDA kvserve:cuda_memory_used_bytes and kvserve:cuda_memory_total_bytes.
 
@@ -117,6 +121,38 @@ class _EngineStatsCollector:
             for pos, value in enumerate(per_pos):
                 fam.add_metric([self.model_name, str(pos)], float(value))
             yield fam
+        yield from _kv_tier_metrics(self.model_name, getattr(snap, "kv_tiers", None))
+
+
+# engine.stats().kv_tiers per tier (kv/connector.py) -> kvserve:kv_tier_*_total{model_name,tier}
+_TIER_COUNTERS = (("hit_blocks", "blocks loaded from the tier instead of computed"),
+                  ("bytes_loaded", "bytes fetched from the tier and verified"),
+                  ("saved_blocks", "blocks written into the tier"),
+                  ("bytes_saved", "bytes written into the tier"),
+                  ("corrupt_blocks", "payloads that failed their checksum (recomputed)"),
+                  ("failures", "store errors (the tier is skipped for a while)"))
+
+
+def _kv_tier_metrics(model_name: str, tiers: dict | None):
+    """KV tiers' counters, the reload/recompute decisions and each tier's measured bandwidth."""
+    if not tiers:
+        return
+    for key, doc in _TIER_COUNTERS:
+        fam = CounterMetricFamily(f"kvserve:kv_tier_{key}", f"KV tiers: {doc}.", labels=["model_name", "tier"])
+        for t in tiers["tiers"]:
+            fam.add_metric([model_name, t["name"]], float(t[key]))
+        yield fam
+    bw = GaugeMetricFamily("kvserve:kv_tier_bandwidth_bytes_per_second",
+                           "KV tiers: measured fetch bandwidth.", labels=["model_name", "tier"])
+    for t in tiers["tiers"]:
+        if t.get("bandwidth") is not None:
+            bw.add_metric([model_name, t["name"]], float(t["bandwidth"]))
+    yield bw
+    for key in ("reload_decisions", "recompute_decisions"):
+        fam = CounterMetricFamily(f"kvserve:kv_tier_{key}", "KV tiers: requests whose tier hit was "
+                                  f"{key.split('_')[0]}ed (seed 003's break-even).", labels=["model_name"])
+        fam.add_metric([model_name], float(tiers.get(key, 0)))
+        yield fam
 
 
 class ServerMetrics:
