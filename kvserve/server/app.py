@@ -3,28 +3,23 @@
     POST /v1/completions          text completion, streaming (SSE) or not
     POST /v1/chat/completions     chat, rendered with the model's chat template (server/chat.py)
     GET  /v1/models               the served model, named --served-model-name
-    GET  /health                  200 while the engine loop is alive, 500 once it failed
+    GET  /health                  200 while the engine is alive, 500 once it failed
     GET  /metrics                 Prometheus text format (server/metrics.py)
 
-Every HTTP request turns into one engine request per prompt (`n` samples of a prompt are one
-engine request with `n` sequences), all fed to the single engine loop of server/async_engine.py,
-so requests of every client are batched into the same steps. Outputs come back cumulative and
-coalesced (a handler's `RequestOutputCollector` holds only the latest output of each request, so a
-slow reader costs no memory backlog); a streaming handler sends the difference since the last
-chunk, one chunk per engine step that the output stands for, so a slow reader gets the same
-chunks as a fast one.
+Every HTTP request is one engine request per prompt (`n` samples of a prompt: one request with
+`n` sequences), all sent to one engine -- in its own process by default (server/engine_core.py)
+-- so the requests of every client share its steps. Outputs come back cumulative and coalesced
+(server/collector.py: the latest output per request, so a slow reader costs no backlog); a
+stream sends one chunk per engine step the output stands for, as a fast reader would get.
 
-Errors a client can cause are HTTP 4xx in OpenAI's shape `{"error": {message, type, param,
-code}}`, and never reach other clients: the body is read and validated (server/body.py:
-Content-Type, size, UTF-8, JSON, list lengths, the pydantic schema) and the work it asks for
-bounded (server/limits.py, server/prompts.py: prompts per request, prompt bytes before
-tokenizing, the context length) before anything is queued; tokenizing runs off the event loop.
-What the engine itself rejects (`ValueError` in `add_request`) comes back as 400 before the
-response starts. A full waiting queue (`--max-waiting`) is 503 with `Retry-After`. A client that
-disconnects has its requests aborted and their KV blocks freed at once, and the prompts of a
-large batch not yet added are never added. Failures inside the server are 500/503 bodies that
-name an error id, never the exception (server/errors.py); /openapi.json carries the request and
-response schemas (server/openapi.py).
+Errors a client can cause are HTTP 4xx in OpenAI's shape and never reach other clients: the body
+is read and validated (server/body.py) and the work it asks for bounded (server/limits.py,
+server/prompts.py) before anything is queued; tokenizing runs off the event loop. What the
+engine rejects (`ValueError` in `add_request`) is a 400 before the response starts; a full
+queue (`--max-waiting`) a 503 with `Retry-After`. A client that disconnects has its requests
+aborted and their blocks freed, and a large batch's remaining prompts are never added.
+Failures inside the server are 500/503 bodies naming an error id, never the exception
+(server/errors.py); /openapi.json carries the request and response schemas (server/openapi.py).
 """
 from __future__ import annotations
 
