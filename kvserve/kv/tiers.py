@@ -123,7 +123,24 @@ class CpuStore(KVStore):
         return len(self._lru), self.nbytes
 
 
-class DiskStore(KVStore):
+class _WrittenInBackground(KVStore):
+    """A store whose writes a background thread runs from `_queue` (`_write_loop`; None stops it)."""
+
+    def _start_writer(self, name: str) -> None:
+        self._queue: queue.Queue = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name=name, daemon=True)
+        self._writer.start()
+
+    def flush(self):
+        self._queue.join()
+
+    def close(self):
+        self.flush()
+        self._queue.put(None)
+        self._writer.join(timeout=5)
+
+
+class DiskStore(_WrittenInBackground):
     """One file per block under `root`, written in the background, LRU by file time."""
 
     kind = "disk"
@@ -140,9 +157,7 @@ class DiskStore(KVStore):
         self._pending: dict[bytes, bytes] = {}                   # queued, not yet on disk
         self.nbytes = 0
         self._scan()
-        self._queue: queue.Queue = queue.Queue()
-        self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
-        self._writer.start()
+        self._start_writer("kv-disk-writer")
 
     def _path(self, key: bytes) -> str:
         h = key.hex()
@@ -254,16 +269,8 @@ class DiskStore(KVStore):
         with self._lock:
             return len(self._index), self.nbytes
 
-    def flush(self):
-        self._queue.join()
 
-    def close(self):
-        self.flush()
-        self._queue.put(None)
-        self._writer.join(timeout=5)
-
-
-class RedisStore(KVStore):
+class RedisStore(_WrittenInBackground):
     """Blocks in a Redis server shared by several kvserve instances (written through, by a
     background thread in pipelined batches; reads see the queued writes at once)."""
 
@@ -285,9 +292,7 @@ class RedisStore(KVStore):
                                            retry=Retry(NoBackoff(), 1))
         self._lock = threading.Lock()
         self._pending: dict[bytes, bytes] = {}
-        self._queue: queue.Queue = queue.Queue()
-        self._writer = threading.Thread(target=self._write_loop, name="kv-redis-writer", daemon=True)
-        self._writer.start()
+        self._start_writer("kv-redis-writer")
 
     def _k(self, key: bytes) -> bytes:
         return self.PREFIX + key.hex().encode()
@@ -354,13 +359,8 @@ class RedisStore(KVStore):
             self._pending.pop(key, None)
         self.client.delete(self._k(key))
 
-    def flush(self):
-        self._queue.join()
-
     def close(self):
-        self.flush()
-        self._queue.put(None)
-        self._writer.join(timeout=5)
+        super().close()
         self.client.close()
 
 
