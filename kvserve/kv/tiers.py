@@ -14,8 +14,8 @@ or instances never serves one salt's KV to another.
 - `DiskStore`: one file per block under a directory (`<dir>/<hh>/<hash hex>.kvb`), written by a
   background thread (temporary file, then an atomic rename), LRU by file time and bounded in
   bytes. It scans the directory at start, so a restarted server hits on what it served before.
-- `RedisStore`: SET/GET/EXISTS on `kvserve:kv:<hash hex>` keys (pipelined), optionally with a
-  TTL; capacity is the server's own `maxmemory` policy.
+- `RedisStore` (kv/redis_store.py): SET/GET/EXISTS on `kvserve:kv:<hash hex>` keys (pipelined),
+  optionally with a TTL; capacity is the server's own `maxmemory` policy.
 
 `parse_tier_specs` reads `kv_tiers` (`["cpu:4GiB", "disk:/path:20GiB", "redis://127.0.0.1:6379"]`).
 No store decides anything: `kv/connector.py` chooses what to save where and what to load.
@@ -270,100 +270,6 @@ class DiskStore(_WrittenInBackground):
             return len(self._index), self.nbytes
 
 
-class RedisStore(_WrittenInBackground):
-    """Blocks in a Redis server shared by several kvserve instances (written through, by a
-    background thread in pipelined batches; reads see the queued writes at once)."""
-
-    kind = "redis"
-    write_through = True
-    PREFIX = b"kvserve:kv:"
-
-    def __init__(self, url: str, ttl_s: int | None = None, name: str | None = None):
-        import redis   # the `redis` package: pip install redis
-
-        super().__init__(name or url)
-        self.url = url
-        self.ttl_s = ttl_s
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-
-        # One quick retry, no backoff: an unreachable store is a miss (kv/connector.py skips it a while)
-        self.client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2,
-                                           retry=Retry(NoBackoff(), 1))
-        self._lock = threading.Lock()
-        self._pending: dict[bytes, bytes] = {}
-        self._start_writer("kv-redis-writer")
-
-    def _k(self, key: bytes) -> bytes:
-        return self.PREFIX + key.hex().encode()
-
-    def _write_loop(self) -> None:
-        while True:
-            keys, items = self._queue.get(), []
-            try:
-                if keys is None:
-                    return
-                with self._lock:
-                    items = [(k, self._pending[k]) for k in keys if k in self._pending]
-                pipe = self.client.pipeline(transaction=False)
-                for key, payload in items:
-                    pipe.set(self._k(key), payload, ex=self.ttl_s)
-                pipe.execute()
-            except Exception:  # noqa: BLE001 -- a failed write is a miss later, never an error
-                pass
-            finally:
-                with self._lock:
-                    for k, p in items:
-                        if self._pending.get(k) is p:
-                            del self._pending[k]
-                self._queue.task_done()
-
-    def contains_many(self, keys):
-        if not keys:
-            return []
-        with self._lock:
-            local = [k in self._pending for k in keys]
-        remote = [k for k, here in zip(keys, local) if not here]
-        found = iter([])
-        if remote:
-            pipe = self.client.pipeline(transaction=False)
-            for k in remote:
-                pipe.exists(self._k(k))
-            found = iter([bool(x) for x in pipe.execute()])
-        return [True if here else next(found) for here in local]
-
-    def get(self, key):
-        return self.get_many([key])[0]
-
-    def get_many(self, keys):
-        if not keys:
-            return []
-        with self._lock:
-            out = [self._pending.get(k) for k in keys]
-        missing = [i for i, p in enumerate(out) if p is None]
-        if missing:
-            for i, p in zip(missing, self.client.mget([self._k(keys[i]) for i in missing])):
-                out[i] = p
-        return out
-
-    def put_many(self, items):
-        if items:
-            with self._lock:
-                for key, payload in items:
-                    self._pending[key] = payload
-            self._queue.put([k for k, _ in items])
-        return []
-
-    def delete(self, key):
-        with self._lock:
-            self._pending.pop(key, None)
-        self.client.delete(self._k(key))
-
-    def close(self):
-        super().close()
-        self.client.close()
-
-
 def parse_tier_spec(spec: str, open_store: bool = True) -> KVStore | None:
     """'cpu:4GiB' | 'disk:/path[:20GiB]' | 'redis://host:port[/db][?ttl=3600]'. With
     open_store=False only the syntax is checked (config time) and None is returned."""
@@ -389,7 +295,10 @@ def parse_tier_spec(spec: str, open_store: bool = True) -> KVStore | None:
         if m:
             ttl = int(m.group(1))
             url = re.sub(r"[?&]ttl=\d+", "", s)
-        return RedisStore(url, ttl) if open_store else None
+        if not open_store:
+            return None
+        from kvserve.kv.redis_store import RedisStore
+        return RedisStore(url, ttl)
     raise ValueError(f"unknown kv tier {spec!r}: use cpu:SIZE, disk:/path:SIZE or redis://host:port.")
 
 
