@@ -91,6 +91,22 @@ def run_step(sched: Scheduler, shadow: ShadowKV, budget: int, max_seqs: int) -> 
     sched.check_integrity()
 
 
+def abort_or_preempt(op: str, a: int, sched, kv, shadow, groups) -> None:
+    """The "abort" (a whole group) and "preempt" (a running sequence) ops of the random
+    interleavings, each followed by the integrity checks."""
+    if op == "abort" and groups:
+        for r in list(groups[a % len(groups)]):
+            if not r.is_finished:
+                sched.finish(r, RequestStatus.FINISHED_ABORTED)
+    elif op == "preempt" and sched.running:
+        sched._preempt(sched.running[a % len(sched.running)])
+        shadow.apply(kv.take_pending())
+    else:
+        return
+    kv.check_integrity()
+    sched.check_integrity()
+
+
 @settings(max_examples=120, deadline=None)
 @given(ops=st.lists(st.one_of(
            st.tuples(st.just("add"), st.integers(0, 2), st.integers(0, 12), st.integers(1, 24),
@@ -136,17 +152,8 @@ def test_random_interleavings(ops, max_seqs, extra_budget, block_size, num_block
             groups.append(seqs)
         elif op == "step":
             run_step(sched, shadow, budget, max_seqs)
-        elif op == "abort" and groups:
-            for r in list(groups[a % len(groups)]):
-                if not r.is_finished:
-                    sched.finish(r, RequestStatus.FINISHED_ABORTED)
-            kv.check_integrity()
-            sched.check_integrity()
-        elif op == "preempt" and sched.running:
-            sched._preempt(sched.running[a % len(sched.running)])
-            shadow.apply(kv.take_pending())
-            kv.check_integrity()
-            sched.check_integrity()
+        elif op in ("abort", "preempt"):
+            abort_or_preempt(op, a, sched, kv, shadow, groups)
     for _ in range(5000):
         if not sched.has_unfinished():
             break

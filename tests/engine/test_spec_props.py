@@ -156,17 +156,8 @@ def test_random_drafts_and_acceptance(ops, k, max_seqs, extra_budget, block_size
             groups.append(seqs)
         elif op == "step":
             spec_step(sched, shadow, rng, budget)
-        elif op == "abort" and groups:
-            for r in list(groups[a % len(groups)]):
-                if not r.is_finished:
-                    sched.finish(r, RequestStatus.FINISHED_ABORTED)
-            kv.check_integrity()
-            sched.check_integrity()
-        elif op == "preempt" and sched.running:
-            sched._preempt(sched.running[a % len(sched.running)])
-            shadow.apply(kv.take_pending())
-            kv.check_integrity()
-            sched.check_integrity()
+        elif op in ("abort", "preempt"):
+            base.abort_or_preempt(op, a, sched, kv, shadow, groups)
     for _ in range(3000):
         if not sched.has_unfinished():
             break
