@@ -14,7 +14,8 @@ import pytest
 from kvserve import LLM, SamplingParams
 from tests.conftest import STORIES_HF
 from tests.reference.hf_reference import hf_greedy
-from tests.reference.test_differential import CONSTRAINED, PREFIXES, check_against, make_workload, run, unconstrained
+from tests.reference.test_differential import (CONSTRAINED, PREFIXES, check_against, check_greedy_against_transformers,
+                                               make_workload, run, unconstrained)
 
 K = 3
 
@@ -78,15 +79,7 @@ def test_greedy_with_speculation_equals_transformers(random_model_dir, name):
     assert stats.num_preemptions_total > 0 and stats.spec_decode_num_drafts > 0
     if name == "never":
         assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens // 4
-    for w in workload:
-        out = got[w["id"]].outputs[0]
-        ref, ref_lp = hf_greedy(str(STORIES_HF), w["prompt"], len(out.token_ids))
-        stop = w["params"].stop_token_ids
-        if stop and stop[0] in ref:
-            ref = ref[:ref.index(stop[0]) + 1]
-        assert out.token_ids == ref, (w["id"], name)
-        for lp, t, r in zip(out.logprobs, ref, ref_lp, strict=True):
-            assert abs(lp[t].logprob - r) < 1e-4
+    check_greedy_against_transformers(got, workload, name)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
