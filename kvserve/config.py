@@ -46,6 +46,7 @@ class EngineConfig:
     quantization: str | None = None        # None | "int8" (per channel) | "int4" (groups; "int4-g32") |
                                            # "dequant"; None runs a GGUF file's tensors in their own types
     quantization_group_size: int | None = None   # int4: 32, 64, 128 or 256 (default 128 where it divides)
+    quantize_activations: bool = False     # int8 weights: steps over 8 rows run W8A8 (faster, less exact)
     # KV-cache quantization (kvserve/model/kv_quant.py): one byte per element + a scale per token-head
     kv_cache_dtype: str = "auto"           # "auto" (the model dtype) | "int8" | "fp8_e4m3" | "fp8_e5m2"
     # Speculative decoding (kvserve/spec/): a dict or its JSON, e.g. {"method": "ngram",
@@ -103,6 +104,9 @@ class EngineConfig:
         self._check_kv_tiers()
         self.quantization, self.quantization_group_size = parse_quantization(
             self.quantization, self.quantization_group_size)
+        if self.quantize_activations and self.quantization in ("int4", "dequant"):
+            raise ValueError(f"quantize_activations applies to int8 weights; quantization="
+                             f"{self.quantization!r} has none (use 'int8', or None on a GGUF file).")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         spec = self.speculative
@@ -181,6 +185,11 @@ class EngineConfig:
                                  "(every tensor in --dtype)")
         parser.add_argument("--quantization-group-size", type=int, default=None,
                             help="int4 group size: 32, 64, 128 or 256")
+        parser.add_argument("--quantize-activations", action="store_true",
+                            help="int8 weights (--quantization int8, a GGUF file's Q8_0/Q5/Q6 "
+                                 "tensors): steps of more than 8 rows quantize the activations "
+                                 "per row and run an int8 GEMM (W8A8): faster prefill and big "
+                                 "batches, a little less exact")
         parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                             help="KV cache storage: auto (the model dtype) or one byte per element "
                                  "with a scale per token and KV head (about 2x the tokens of bf16)")

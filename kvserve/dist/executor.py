@@ -63,7 +63,8 @@ def build_rank_model(config, model_cfg, weights, rank: int, size: int, device: t
     weights = shard_weights(weights, model_cfg, rank, size)
     attn = make_attention_backend(run_cfg, config.block_size, config.kv_cache_dtype)
     return LlamaModel(run_cfg, weights, attn, device, config.torch_dtype, config.quantization,
-                      config.quantization_group_size, tp=TPGroup(rank, size, model_cfg.vocab_size))
+                      config.quantization_group_size, tp=TPGroup(rank, size, model_cfg.vocab_size),
+                      quantize_activations=config.quantize_activations)
 
 
 def run_worker(config, rank: int, size: int, init_method: str) -> None:

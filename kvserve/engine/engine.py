@@ -77,7 +77,8 @@ class LLMEngine:
         else:
             attn = make_attention_backend(model_cfg, config.block_size, config.kv_cache_dtype)
             self.model = LlamaModel(model_cfg, weights, attn, self.device, config.torch_dtype,
-                                    config.quantization, config.quantization_group_size)
+                                    config.quantization, config.quantization_group_size,
+                                    quantize_activations=config.quantize_activations)
         del weights
         num_blocks = num_kv_blocks(config, self.model.cfg, model_cfg, self.device)
         per_block = ModelRunner.kv_bytes_per_block(self.model.cfg, config.block_size, config.torch_dtype,

@@ -6,15 +6,17 @@ attention backend keeps sequences apart, and logits are computed only at `logits
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kvserve.model.attention import AttentionBackend, AttentionMetadata
 from kvserve.model.config import ModelConfig
 from kvserve.model.fusion import embedding_rows, embedding_weight, linear_weight
 from kvserve.model.layers import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
-from kvserve.model.quant import QuantizedWeight, linear, parse_quantization
+from kvserve.model.quant import Int8Weight, QuantizedWeight, linear, parse_quantization
 
-
+logger = logging.getLogger(__name__)
 EMBED = "model.embed_tokens.weight"
 
 
@@ -41,11 +43,12 @@ class LlamaModel:
     """`quantization` ("int8", "int4" or None) quantizes every linear weight and an untied
     lm_head at load (kvserve/model/quant.py); the embedding and norms stay in `dtype`. With None,
     weights that arrive quantized (a GGUF file, gguf_quant.py) keep their format, the embedding
-    too (it is then also the tied lm_head); "dequant" turns them into `dtype`."""
+    too (it is then also the tied lm_head); "dequant" turns them into `dtype`.
+    `quantize_activations`: int8 weights run W8A8 on steps of more than 8 rows (quant.py)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict, attn: AttentionBackend,
                  device: torch.device, dtype: torch.dtype, quantization: str | None = None,
-                 quantization_group_size: int | None = None, tp=None):
+                 quantization_group_size: int | None = None, tp=None, quantize_activations: bool = False):
         self.cfg, self.attn, self.device, self.dtype = cfg, attn, device, dtype
         self.tp = tp            # a dist.tensor_parallel.TPGroup: cfg and weights are this rank's slice
         quantization, quantization_group_size = parse_quantization(quantization, quantization_group_size)
@@ -66,6 +69,17 @@ class LlamaModel:
         self.rope_sin = sin.to(device)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        if quantize_activations and self._use_w8a8() == 0:
+            logger.warning("quantize_activations: this model has no int8 linear weights; nothing changes")
+
+    def _use_w8a8(self) -> int:
+        """int8 linear weights run W8A8 on big steps (quant.Int8Weight.use_w8a8); returns how many."""
+        weights = {id(w): w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)}
+        weights[id(self.lm_head)] = self.lm_head
+        int8 = [w for w in weights.values() if isinstance(w, Int8Weight)]
+        for w in int8:
+            w.use_w8a8()
+        return len(int8)
 
     def weight_bytes(self) -> int:
         """Resident bytes of the weights; a quantized weight counts its packed bytes and scales."""

@@ -15,12 +15,19 @@ slower than bfloat16 here), so on the CPU every quantized matmul computes in bfl
 the model dtype: a float32 model casts the activations in and the result back out. Scales are
 stored in bfloat16 too. Other devices have no kernel: they dequantize, in the model dtype.
 
-Kernel per step shape, by a threshold measured on the development machine (2 cores, AVX-512
-with BF16, torch 2.13), not by a startup benchmark, so runs are reproducible: a step of at most
-`KERNEL_MAX_ROWS[method]` rows (decode batches) runs the quantized kernel; a bigger one (prefill,
-big batches) dequantizes the weight for that one call and runs the dense GEMM, which is
-compute-bound there, so the dequantization is paid once for many rows. No dequantized copy is
-kept.
+Kernel per step shape, by thresholds measured on the development machine (2 cores, AVX-512
+with BF16 and VNNI, torch 2.13), not by a startup benchmark, so runs are reproducible:
+  int8: at most `KERNEL_MAX_ROWS["int8"]` rows (decode batches) run the weight-only kernel; a
+        bigger step dequantizes (below). With `use_w8a8()` (`quantize_activations=True`) a step
+        of more than `W8A8_KERNEL_MAX_ROWS` rows quantizes the activations too, per row
+        (symmetric int8; llama.cpp's Q8_0 matmuls quantize theirs in blocks of 32) and runs the
+        integer GEMM `torch._int_mm`, `W8A8_ROWS` rows at a time, scaling the int32 sums in
+        float32: 1.3-1.4x faster than a dense bfloat16 GEMM, at a measured cost in perplexity
+        (README, Quantization).
+  int4: at most `KERNEL_MAX_ROWS["int4"]` rows run the kernel.
+A bigger step (prefill, big batches) dequantizes the weight for that one call and runs the dense
+GEMM, which is compute-bound there, so the dequantization is paid once for many rows. No
+dequantized copy is kept.
 
 int4 needs K to be a multiple of the group and N of 64 (the packed layout); a matrix that is
 not (stories260K's 172-wide MLP) is stored as int8. Embeddings stay in the model dtype (a lookup
@@ -45,9 +52,9 @@ INT4_ROW_BLOCK = 64                   # the packed int4 layout interleaves rows 
 
 KERNEL_DTYPE = torch.bfloat16         # the only activation dtype the CPU kernels vectorize
 
-# Largest number of activation rows that runs the quantized kernel; more rows dequantize.
-# Measured with the engine's 2 threads, bfloat16, best of 21 calls, in microseconds, on the
-# benchmark Llama's matrices: kernel / dequantize + GEMM (a dense bfloat16 GEMM for reference).
+# Largest number of activation rows that runs the weight-only kernel; more rows dequantize (or
+# run W8A8). Measured with the engine's 2 threads, bfloat16, best of 21 calls, in microseconds, on
+# the benchmark Llama's matrices: kernel / dequantize + GEMM (a dense bfloat16 GEMM for reference).
 #   rows               16               32               64               128              256
 #   int8 gate_up  304/411 (227)    592/584 (357)   1208/775 (556)
 #   int8 qkv      101/163 (103)    190/213 (142)    383/282 (211)
@@ -58,6 +65,18 @@ KERNEL_DTYPE = torch.bfloat16         # the only activation dtype the CPU kernel
 # several times dearer for int4 (unpacking nibbles), so int4 crosses over later. (With one
 # thread the int8 crossover moves to 16-32 rows.)
 KERNEL_MAX_ROWS = {"int8": 32, "int4": 128}
+# W8A8 on SmolLM2's matrices (gate_up 3072x576, qkv 960x576, down 576x1536), same conditions:
+# weight-only kernel / W8A8 (activation quantization included) / dense bfloat16 GEMM:
+#   rows          1             8             16             64              256
+#   gate_up    23/28/67     92/65/-      185/87/-      718/204/270      -/636/898
+#   qkv         9/19/27     31/34/-       58/42/-      221/84/109
+#   down       12/21/39     42/48/-       82/67/-      314/134/161      -/368/481
+# W8A8 stays 1.3-1.4x under the dense GEMM from 9 to 384 rows; torch._int_mm slows past that
+# (2048 rows of the benchmark Llama's 4096 x 768 gate_up: 42.6 ms as one GEMM against 14.6 ms
+# dense), so bigger steps run blocks of W8A8_ROWS rows into one output: 11.2 ms there (blocks of
+# 64 / 256 rows: 12.1 / 14.1 ms; 3072 x 576 at 2048 rows: 6.2 against 8.0 ms dense).
+W8A8_KERNEL_MAX_ROWS = 8
+W8A8_ROWS = 128
 # Weights dequantized at a time on the dequantize path, in row blocks, so that the transient
 # stays small enough for the allocator to reuse: glibc maps anything over 32 MB afresh, and
 # the 32000 x 768 lm_head at 64 rows took 21.6 ms whole against 5.3 ms in 3M-weight blocks.
@@ -171,6 +190,7 @@ class Int8Weight(QuantizedWeight):
         self._setup("int8", q.shape, dtype, device, kernel_ok=q.shape[1] % 32 == 0)
         self.q = q.contiguous().to(device)
         self.scale = scale.to(device=device, dtype=self.compute_dtype)
+        self.w8a8 = False                           # more rows than the kernel's: W8A8 (use_w8a8)
 
     @classmethod
     def cat(cls, parts: list["Int8Weight"], dtype: torch.dtype, device) -> "Int8Weight":
@@ -192,12 +212,32 @@ class Int8Weight(QuantizedWeight):
         # The per-channel scale commutes with the GEMM: one pass over q, not two.
         return F.linear(xc, self.q[start:stop].to(xc.dtype)) * self.scale[start:stop]
 
+    def use_w8a8(self) -> None:
+        """Steps of more than W8A8_KERNEL_MAX_ROWS rows quantize the activations (the CPU only)."""
+        if self.q.device.type == "cpu":
+            self.w8a8 = True
+            self.kernel_max_rows = min(self.kernel_max_rows, W8A8_KERNEL_MAX_ROWS)
+
+    def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] -> [T, N] float32: x quantized per row to int8, an int32 GEMM, both scales."""
+        xf = x.float()
+        sx = xf.abs().amax(dim=1, keepdim=True).clamp_min(1e-30) / 127        # [T, 1]
+        qx = torch.round(xf / sx).clamp_(-127, 127).to(torch.int8)
+        return torch._int_mm(qx, self.q.t()).float().mul_(sx).mul_(self.scale)
+
     def linear(self, x, bias=None):
-        xc = x.to(self.compute_dtype)
-        if x.shape[0] <= self.kernel_max_rows:
-            y = torch.ops.aten._weight_int8pack_mm(xc.contiguous(), self.q, self.scale)   # [T, N]
+        T = x.shape[0]
+        if T <= self.kernel_max_rows:
+            y = torch.ops.aten._weight_int8pack_mm(
+                x.to(self.compute_dtype).contiguous(), self.q, self.scale)   # [T, N]
+        elif self.w8a8 and T <= W8A8_ROWS:
+            y = self._w8a8(x)
+        elif self.w8a8:                  # row blocks written into one output in the model dtype
+            y = torch.empty(T, self.shape[0], dtype=x.dtype, device=x.device)
+            for a in range(0, T, W8A8_ROWS):
+                y[a:a + W8A8_ROWS] = self._w8a8(x[a:a + W8A8_ROWS])
         else:
-            y = self._dense(xc)
+            y = self._dense(x.to(self.compute_dtype))
         y = y.to(x.dtype)
         return y if bias is None else y + bias
 
