@@ -58,3 +58,21 @@ def random_model_dir(tmp_path_factory):
         return cache[arch]
 
     return get
+
+
+@pytest.fixture(params=["auto", "int8"])
+def kv_cache_dtype(request, monkeypatch):
+    """Runs a test twice: with the model-dtype KV cache, then with every engine it builds on an
+    int8 cache (issue 11: prefix caching, sharing, preemption and swap keep working on quantized
+    blocks). Modules opt in with `pytestmark = pytest.mark.usefixtures("kv_cache_dtype")`."""
+    if request.param != "auto":
+        from kvserve.config import EngineConfig
+        post_init = EngineConfig.__post_init__
+
+        def quantized_cache(self):
+            if self.kv_cache_dtype == "auto":
+                self.kv_cache_dtype = request.param
+            post_init(self)
+
+        monkeypatch.setattr(EngineConfig, "__post_init__", quantized_cache)
+    return request.param

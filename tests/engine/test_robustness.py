@@ -15,6 +15,9 @@ from tests.conftest import STORIES_HF
 from tests.reference.hf_reference import hf_greedy
 from tests.reference.test_differential import make_workload, run
 
+# Every test here runs on the model-dtype KV cache and again on an int8 one (conftest.kv_cache_dtype).
+pytestmark = pytest.mark.usefixtures("kv_cache_dtype")
+
 GREEDY = dict(temperature=0.0, ignore_eos=True, logprobs=0)
 
 
@@ -41,12 +44,13 @@ def drive(llm: LLM, requests: list[tuple[str, list[int], SamplingParams, int]], 
 
 
 @pytest.mark.parametrize("seed, defect", [(11, "greedy outputs corrupted"), (3, "engine spins")])
-def test_swap_with_beams_is_exact_and_finishes(seed, defect):
+def test_swap_with_beams_is_exact_and_finishes(seed, defect, kv_cache_dtype):
     """Defects 1 and 2, on the issue's configuration: under swap, a group swapped in and out in
     one step corrupted KV (seed 11: beam, sampled and greedy outputs wrong, greedy unlike
     transformers), and an idle beam group swapped out and back never advanced (seed 3: the
     engine spun for ever). Workloads from the differential harness: beams of widths 2-3,
-    greedy and sampled requests, some arriving late."""
+    greedy and sampled requests, some arriving late. (An int8 cache is not transformers'
+    model: there the check is the big-pool engine on the same cache.)"""
     workload = [dict(w, abort=None) for w in make_workload(random.Random(seed), 10)]
     small = LLM(str(STORIES_HF), block_size=4, num_kv_blocks=15, watermark=0.0, preemption_mode="swap",
                 max_num_batched_tokens=64, max_num_seqs=8)
@@ -59,7 +63,7 @@ def test_swap_with_beams_is_exact_and_finishes(seed, defect):
             continue
         out = got[w["id"]]
         assert [c.token_ids for c in out.outputs] == [c.token_ids for c in want[w["id"]].outputs], w
-        if w["kind"] == "greedy" and not w["params"].stop_token_ids:
+        if w["kind"] == "greedy" and not w["params"].stop_token_ids and kv_cache_dtype == "auto":
             ref, _ = hf_greedy(str(STORIES_HF), w["prompt"], len(out.outputs[0].token_ids))
             assert out.outputs[0].token_ids == ref
 

@@ -13,6 +13,9 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.kv.manager import KVCacheManager
 from tests.conftest import STORIES_HF
 
+# Every test here runs on the model-dtype KV cache and again on an int8 one (conftest.kv_cache_dtype).
+pytestmark = pytest.mark.usefixtures("kv_cache_dtype")
+
 PROMPT = "Once upon a time, there was a little girl named Lily. She loved to play outside"
 
 
@@ -148,3 +151,9 @@ def test_cache_aware_order_and_its_starvation_bound(max_wait_steps, first):
     assert [r.request_id for r, _ in out.scheduled] == [first]
     if first == "cached":
         assert cached.num_cached_tokens == 20
+
+
+def test_engines_here_run_on_the_cache_the_fixture_names(kv_cache_dtype):
+    llm = LLM(str(STORIES_HF), block_size=4, num_kv_blocks=16)
+    assert llm.engine.config.kv_cache_dtype == kv_cache_dtype
+    assert isinstance(llm.engine.runner.kv_caches[0][0], tuple) == (kv_cache_dtype == "int8")
