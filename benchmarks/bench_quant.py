@@ -1,8 +1,9 @@
 """Quantized execution against its own baseline, in one run (seed 000: fewer bytes per token).
 
-1. The ~100M benchmark Llama (`common.bench_model_dir`) in bf16, int8 and int4 weights
-   (`quantization=`): decode tokens/s at batch 1, 8 and 32 (prompt 128, 128 new tokens, the
-   prefill's time taken out) and resident weight bytes.
+1. The ~100M benchmark Llama (`common.bench_model_dir`) in bf16, int8, int4 and int8 weights with
+   `quantize_activations` (W8A8 above 8 rows): decode tokens/s at batch 1, 8 and 32 (prompt 128,
+   128 new tokens, the prefill's time taken out), prefill tokens/s of 32 prompts of 128 tokens at
+   once, and resident weight bytes.
 2. SmolLM2-135M-Instruct Q4_1 (the default model): GGUF tensors in their own types (native int4)
    against `quantization="dequant"` (float32): single-stream decode tokens/s, load time, weights.
 
@@ -52,6 +53,7 @@ res = {{"load_s": load_s, "weight_bytes": llm.engine.model.weight_bytes()}}
 for b in batches:
     prefill = min(timed(b, 1) for _ in range(2))
     res[f"decode_b{{b}}"] = b * 127 / (timed(b, 128) - prefill)
+    res[f"prefill_b{{b}}"] = b * 128 / prefill
 print(json.dumps(res))
 """
 
@@ -79,7 +81,8 @@ def run_group(title: str, configs: dict, model: str, batches: list[int], repeats
     for name, m in med.items():
         cells = "  ".join(f"b{b} {m[f'decode_b{b}']:7.1f} ({m[f'decode_b{b}'] / med[base][f'decode_b{b}']:.2f}x)"
                           for b in batches)
-        print(f"  {name:8s} {cells}  weights {m['weight_bytes'] / 1e6:6.1f} MB  load {m['load_s']:.2f} s")
+        print(f"  {name:9s} {cells}  prefill b{batches[-1]} {m[f'prefill_b{batches[-1]}']:7.1f} tok/s  "
+              f"weights {m['weight_bytes'] / 1e6:6.1f} MB  load {m['load_s']:.2f} s")
     print()
     return {"medians": med, "runs": runs}
 
@@ -93,7 +96,9 @@ def main() -> None:
         "llama_100m_bf16": run_group("~100M Llama", {
             "bf16": {"dtype": "bfloat16"},
             "int8": {"dtype": "bfloat16", "quantization": "int8"},
-            "int4": {"dtype": "bfloat16", "quantization": "int4"}}, "bench", [1, 8, 32], args.repeats),
+            "int4": {"dtype": "bfloat16", "quantization": "int4"},
+            "int8-w8a8": {"dtype": "bfloat16", "quantization": "int8", "quantize_activations": True}},
+            "bench", [1, 8, 32], args.repeats),
         "smollm2_q4_1": run_group("SmolLM2-135M Q4_1", {
             "dequant": {"quantization": "dequant"},
             "native": {}}, "default", [1], args.repeats),
