@@ -10,9 +10,11 @@ from kvserve import LLM, SamplingParams
 from tests.conftest import STORIES_HF
 
 
-@pytest.fixture
-def llm():
-    return LLM(str(STORIES_HF), max_model_len=64, block_size=4, num_kv_blocks=12)
+@pytest.fixture(params=[{}, {"quantization": "int8", "quantize_activations": True}, {"quantization": "int4"}],
+                ids=["float", "int8-w8a8", "int4"])
+def llm(request):
+    """The same small engine unquantized and quantized: bad input is handled alike (issue 11)."""
+    return LLM(str(STORIES_HF), max_model_len=64, block_size=4, num_kv_blocks=12, **request.param)
 
 
 BAD_PROMPTS = {
