@@ -1,6 +1,6 @@
 """GGUF tensors in their own types (the default, quantization=None, on a .gguf file): the raw
 blocks are decoded with numpy straight into quant.py's int4 and int8 forms, one tensor at a
-time, so no float copy of the model is ever made.
+time (Q4 tensors when they are fused and packed), so no float copy of the model is ever made.
 
   type  block of (bytes)                                  w =                 held as
   Q4_0  32: fp16 d, 16 B of nibbles (18)                  d (q - 8)           int4 g32: scale d, zero 0
@@ -148,9 +148,11 @@ def native_weight(t, shape: tuple[int, ...], heads: int | None, dtype: torch.dty
         q, d = unpack_q8_0(t.data, *shape)
         return Int8BlockWeight(torch.from_numpy(q), torch.from_numpy(d), dtype, device, t.name)
     if len(shape) == 2 and kind in UNPACK_INT4:
-        q, scale, zero = UNPACK_INT4[kind](t.data, *shape)
-        arrays = [a if a is None or heads is None else unpermute_rope_rows(a, heads) for a in (q, scale, zero)]
-        return Int4Values(*[None if a is None else torch.from_numpy(np.ascontiguousarray(a)) for a in arrays])
+        def load():
+            arrays = UNPACK_INT4[kind](t.data, *shape)
+            arrays = [a if a is None or heads is None else unpermute_rope_rows(a, heads) for a in arrays]
+            return tuple(None if a is None else torch.from_numpy(np.ascontiguousarray(a)) for a in arrays)
+        return Int4Values.lazy(load, shape, QK)       # Q4_0, Q4_1 and Q4_K all have groups of 32
     if len(shape) == 2 and kind in REQUANTIZED:
         N, K = shape
         step = max(1, INT8_ROWS_AT_ONCE // K)

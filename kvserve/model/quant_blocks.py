@@ -24,37 +24,58 @@ from kvserve.model.quant import (GROUP_SIZES, INT4_ROW_BLOCK, Int4Weight, Quanti
 logger = logging.getLogger(__name__)
 
 QK8 = 32     # weights per Q8_0 block
+PLANE_ROWS = 4096   # rows split into int4 planes at a time
 
 
 class Int4Values:
     """Int4 weights not yet packed: q [N, K] uint8 in 0..15, scale and zero [N, K / G] float32
     (zero None: 0); W = (q - 8) * scale + zero. A GGUF file's Q4 tensors load as this: the kernel
-    packs rows in blocks of 64, which a 32-row k_proj fits only once fused with q and v."""
+    packs rows in blocks of 64, which a 32-row k_proj fits only once fused with q and v.
+    `Int4Values.lazy` decodes the values only when they are fused or packed, and keeps nothing:
+    unpacked (1.25 bytes a weight), a whole model waiting to be fused would be its biggest
+    transient at load."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None):
-        self.q, self.scale, self.zero = q, scale, zero
+        self._values, self._load = (q, scale, zero), None
         self.shape = tuple(q.shape)
         self.group_size = q.shape[1] // scale.shape[1]
 
     @classmethod
+    def lazy(cls, load, shape: tuple[int, int], group_size: int) -> "Int4Values":
+        """Values that `load()` -> (q, scale, zero) decodes afresh on each use."""
+        self = cls.__new__(cls)
+        self._values, self._load = None, load
+        self.shape, self.group_size = tuple(shape), group_size
+        return self
+
+    def values(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return self._values if self._load is None else self._load()
+
+    q = property(lambda self: self.values()[0])
+    scale = property(lambda self: self.values()[1])
+    zero = property(lambda self: self.values()[2])
+
+    @classmethod
     def cat(cls, parts: list["Int4Values"]) -> "Int4Values":
+        values = [p.values() for p in parts]
         zeros = None
-        if any(p.zero is not None for p in parts):
-            zeros = torch.cat([torch.zeros_like(p.scale) if p.zero is None else p.zero for p in parts])
-        return cls(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), zeros)
+        if any(z is not None for _, _, z in values):
+            zeros = torch.cat([torch.zeros_like(s) if z is None else z for _, s, z in values])
+        return cls(torch.cat([q for q, _, _ in values]), torch.cat([s for _, s, _ in values]), zeros)
 
     def dequantize(self) -> torch.Tensor:
         """W [N, K] float32, each weight (q - 8) * scale + zero in one float32 rounding."""
         N, K = self.shape
-        w = (self.q.float().view(N, -1, self.group_size) - 8) * self.scale[..., None]
-        return (w if self.zero is None else w + self.zero[..., None]).view(N, K)
+        q, scale, zero = self.values()
+        w = (q.float().view(N, -1, self.group_size) - 8) * scale[..., None]
+        return (w if zero is None else w + zero[..., None]).view(N, K)
 
     def pack(self, dtype: torch.dtype, device, name: str = "weight") -> QuantizedWeight:
         """An Int4Weight, or where the packed layout cannot hold the rows, int8 from the values
         (as `quantize` falls back)."""
         N, K = self.shape
         if N % INT4_ROW_BLOCK == 0 and self.group_size in GROUP_SIZES:
-            return Int4Weight(self.q, self.scale, self.zero, dtype=dtype, device=device, name=name)
+            return Int4Weight(*self.values(), dtype=dtype, device=device, name=name)
         logger.info("%s [%d, %d] does not fit int4 blocks of %d rows; stored as int8", name, N, K,
                     INT4_ROW_BLOCK)
         return quantize(self.dequantize(), "int8", None, dtype, device, name)
@@ -67,9 +88,12 @@ class Int8BlockWeight(QuantizedWeight):
     def __init__(self, q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", name: str = "weight"):
         N, K = q.shape
-        q = q.view(N, K // QK8, QK8)
-        hi, lo = (q >> 4) + 8, q & 15       # q = 16 (q >> 4) + (q & 15) in two's complement
-        planes = torch.stack([hi, lo], dim=2).view(N, 2 * K).view(torch.uint8)    # 0..15 each
+        planes = torch.empty(N, K // QK8, 2, QK8, dtype=torch.uint8)       # 0..15 each
+        for a in range(0, N, PLANE_ROWS):      # row blocks: no full-size temporaries at load
+            b = q[a:a + PLANE_ROWS].view(-1, K // QK8, QK8)
+            planes[a:a + PLANE_ROWS, :, 0] = ((b >> 4) + 8).view(torch.uint8)   # q = 16 (q >> 4) + (q & 15)
+            planes[a:a + PLANE_ROWS, :, 1] = (b & 15).view(torch.uint8)         # in two's complement
+        planes = planes.view(N, 2 * K)
         scale = torch.stack([16 * d, d], dim=-1).view(N, -1)                # [N, 2K / 32]
         zero = torch.stack([torch.zeros_like(d), 8 * d], dim=-1).view(N, -1)
         self.planes = Int4Weight(planes, scale, zero, dtype=dtype, device=device, name=name)
