@@ -102,3 +102,25 @@ def test_chat_without_model_over_stdin(llm):
     got = [int(line[1:].split()[0]) for line in p.stderr.splitlines() if "prompt tokens" in line]
     answer_ids = llm.get_tokenizer().encode(answers[0], add_special_tokens=False)
     assert got == counts and counts[1] > counts[0] + len(answer_ids)
+
+
+@needs_smollm2
+def test_perplexity_of_the_default_model_natively_and_dequantized(capsys, tmp_path):
+    """`kvserve perplexity` with the default model (SmolLM2 Q4_1 in its own types) on the text
+    the repository ships, against the same file dequantized to float32. Measured (ctx 128,
+    7 chunks, 441 scored tokens): dequantized 11.568, native 11.541 (-0.23%), mean KL 0.00068,
+    same top token 97.3%; llama-perplexity gives 11.575 on the same tokens (README)."""
+    import re
+
+    base = str(tmp_path / "dequant.npz")
+    text = str(Path(__file__).resolve().parents[1] / "docs" / "sample-story.txt")
+    args = ["perplexity", "--file", text, "--ctx", "128", "--kl-divergence-base", base]
+    ppl = {}
+    for name, extra in (("dequant", ["--quantization", "dequant"]), ("native", ["--kl-divergence"])):
+        assert main(args + extra) in (0, None)
+        out = capsys.readouterr().out
+        ppl[name] = float(re.search(r"Final estimate: PPL = ([\d.]+)", out).group(1))
+    kld = float(re.search(r"mean KLD\s+([\d.e-]+)", out).group(1))
+    top = float(re.search(r"same top token: ([\d.]+)", out).group(1))
+    print(ppl, kld, top)
+    assert abs(ppl["native"] / ppl["dequant"] - 1) < 0.01 and kld < 0.005 and top > 90, (ppl, kld, top)
