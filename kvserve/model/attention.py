@@ -35,6 +35,13 @@ class AttentionMetadata:
     decode_context_lens_list: list[int] = field(default_factory=list)   # the same, on the host
     decode_key_mask: torch.Tensor | None = None       # [num_decodes, 1, 1, max_blocks*block_size]
     prefills: list[PrefillChunk] = field(default_factory=list)
+    _block_offset: tuple | None = field(default=None, repr=False)
+
+    def block_and_offset(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) [num_tokens] of every new token's slot: computed once per step, not per layer."""
+        if self._block_offset is None:
+            self._block_offset = (self.slot_mapping // block_size, self.slot_mapping % block_size)
+        return self._block_offset
 
 
 class AttentionBackend:
@@ -83,8 +90,7 @@ class TorchPagedAttention(AttentionBackend):
 
     def _write(self, k, v, k_cache, v_cache, meta):
         """k, v [T, KV, D] -> their slots; returns what the cache now holds for them."""
-        block = meta.slot_mapping // self.block_size
-        offset = meta.slot_mapping % self.block_size
+        block, offset = meta.block_and_offset(self.block_size)
         if not kv_quant.is_quantized(self.kv_cache_dtype):
             k_cache[block, :, offset] = k
             v_cache[block, :, offset] = v
