@@ -125,7 +125,8 @@ def advance_beams(sched, group: BeamGroup) -> None:
         child = Request(group.new_beam_id(), parent.prompt_token_ids, parent.params,
                         parent.arrival_time, eos_token_id=parent.eos_token_id,
                         parent_id=group.request_id, cache_salt=parent.cache_salt,
-                        arrival_seq=parent.arrival_seq)
+                        arrival_seq=parent.arrival_seq, priority=parent.priority,
+                        tenant=parent.tenant, tenant_weight=parent.tenant_weight)
         child.token_ids = list(parent.token_ids)
         child.cumulative_logprob = parent.cumulative_logprob
         child.metrics.first_token_time = parent.metrics.first_token_time

@@ -1,6 +1,7 @@
 """The scheduling policies inside the real scheduler (engine/scheduler.py + engine/fairness.py),
 no model: priority admission order, preemption of the lowest priority first, VTC interleaving
-of a late tenant, and priority over cache-aware ordering."""
+of a late tenant, priority over cache-aware ordering, and the fields every sequence of a
+request carries."""
 from __future__ import annotations
 
 from kvserve.engine.fairness import PriorityPolicy, VTCPolicy
@@ -109,3 +110,24 @@ def test_vtc_composes_with_cache_aware_order():
     sched.add(req("b-cold", [60, 61, 62, 63, 64, 65], seq=3, tenant="b"))
     assert sched.policy.counters["b"] == sched.policy.counters["a"] > 0
     assert admission_order(sched) == ["a-hit", "b-cold", "a-cold"]
+
+
+def test_beams_and_samples_keep_their_requests_priority_and_tenant():
+    """Every sequence of a request (n > 1 samples, beams forked mid-search) is scheduled, charged
+    (VTC) and chosen as a victim under the request's own priority and tenant."""
+    from kvserve import LLM
+    from tests.conftest import STORIES_HF
+
+    llm = LLM(str(STORIES_HF), scheduling_policy="priority")
+    eng = llm.engine
+    fields = {"priority": 3, "tenant": "acme", "tenant_weight": 2.0}
+    eng.add_request("beams", {"prompt": "Once upon a time", **fields},
+                    SamplingParams(use_beam_search=True, beam_width=3, max_tokens=6, temperature=0.0))
+    eng.add_request("samples", {"prompt": "The dog", **fields}, SamplingParams(n=3, max_tokens=6, seed=1))
+    seen = set()
+    while eng.has_unfinished_requests():
+        eng.step()
+        for r in eng.scheduler.running:
+            seen.add(r.request_id)
+            assert (r.priority, r.tenant, r.tenant_weight) == (3, "acme", 2.0), r
+    assert sum("beam" in rid for rid in seen) >= 3 and len(seen) >= 6
