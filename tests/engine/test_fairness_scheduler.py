@@ -1,6 +1,6 @@
 """The scheduling policies inside the real scheduler (engine/scheduler.py + engine/fairness.py),
-no model: priority admission order, preemption of the lowest priority first, VTC interleaving
-of a late tenant, priority over cache-aware ordering, and the fields every sequence of a
+mostly without a model: priority admission order, preemption of the lowest priority first, VTC interleaving
+of a late tenant, priority over cache-aware ordering, and (on stories260K) the fields every sequence of a
 request carries."""
 from __future__ import annotations
 
