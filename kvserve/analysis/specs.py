@@ -15,7 +15,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # bytes per stored number, by dtype name
 DTYPE_BYTES: dict[str, float] = {

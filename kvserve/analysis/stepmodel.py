@@ -12,13 +12,13 @@ A decode step of B sequences takes  t(B) = max(t_W + B t_K, B t_F) + t_0.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from .kvmath import kv_bytes_per_token
 from .roofline import prefill_flops
-from .specs import HardwareSpec, ModelSpec, dtype_bytes, get_hardware
+from .specs import HardwareSpec, ModelSpec
 
 
 @dataclass

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from kvserve.analysis import kvmath, roofline
 from kvserve.analysis.disagg import (prefill_time, recompute_time, stall_time, swap_break_even_bw, swap_time,
                                      tier_reload_wins, transfer_fraction, transfer_time)
-from kvserve.analysis.specs import HARDWARE, MODELS, ModelSpec, count_params, model_from_hf_config
+from kvserve.analysis.specs import HARDWARE, MODELS, model_from_hf_config
 from kvserve.analysis.stepmodel import StepModel
 
 L8, L70, M13 = MODELS["llama-3.1-8b"], MODELS["llama-3.1-70b"], MODELS["llama-13b"]

@@ -2,7 +2,6 @@
 planner's behaviour (seed 003)."""
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
