@@ -71,7 +71,7 @@ KERNEL_MAX_ROWS = {"int8": 32, "int4": 128}
 #   gate_up    23/28/67     92/65/-      185/87/-      718/204/270      -/636/898
 #   qkv         9/19/27     31/34/-       58/42/-      221/84/109
 #   down       12/21/39     42/48/-       82/67/-      314/134/161      -/368/481
-# W8A8 stays 1.3-1.4x under the dense GEMM from 9 to 384 rows; torch._int_mm slows past that
+# W8A8 stays 1.1-1.4x under the dense GEMM from 17 to 384 rows; torch._int_mm slows past that
 # (2048 rows of the benchmark Llama's 4096 x 768 gate_up: 42.6 ms as one GEMM against 14.6 ms
 # dense), so bigger steps run blocks of W8A8_ROWS rows into one output: 11.2 ms there (blocks of
 # 64 / 256 rows: 12.1 / 14.1 ms; 3072 x 576 at 2048 rows: 6.2 against 8.0 ms dense).
