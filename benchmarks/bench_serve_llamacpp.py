@@ -149,7 +149,8 @@ def start_servers(args, gguf: Path, log_dir: Path, servers: dict[str, Server]) -
     help_text = subprocess.run(kv_cmd[:4] + ["--help"], capture_output=True, text=True, cwd=ROOT).stdout
     if "--engine-threads" in help_text:
         kv_cmd += ["--engine-threads", str(args.threads)]
-    slot = 256 * math.ceil((args.input_len + args.output_len + 16) / 256)
+    longest = math.ceil((args.input_len + args.output_len) * (1 + args.range_ratio))
+    slot = 256 * math.ceil((longest + 16) / 256)
     llama_cmd = [str(args.llama_server), "-m", str(gguf), "-np", str(args.parallel), "-cb",
                  "-t", str(args.threads), "-c", str(args.parallel * slot), "--host", "127.0.0.1"]
     for label, cmd, extra in ((LABELS[0], kv_cmd, args.kvserve_arg), (LABELS[1], llama_cmd, args.llama_arg)):
@@ -175,6 +176,7 @@ def bench_pass(args, gguf: Path, srv: Server, rate: float, seed: int, num_prompt
     cmd = [sys.executable, "-m", "kvserve.cli", "bench", "serve", "--base-url", srv.base_url,
            "--label", srv.label, "--tokenizer", str(gguf), "--dataset-name", "random",
            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+           "--random-range-ratio", str(args.range_ratio),
            "--num-prompts", str(num_prompts), "--request-rate", str(rate), "--ignore-eos",
            "--seed", str(seed), "--disable-tqdm", "--save-result", str(out), "--save-detailed"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
@@ -246,8 +248,9 @@ def write_results(args, gguf: Path, rows: dict[str, list[dict]], context: dict) 
     table = markdown_table(rows)
     mism = {label: sum(r["prompt_len_mismatches"] for r in rs) for label, rs in rows.items()}
     failed = {label: sum(r["failed"] for r in rs) for label, rs in rows.items()}
-    note = (f"{gguf.name}; {args.num_prompts} prompts of {args.input_len} random token ids per rate "
-            f"(sent as token ids), {args.output_len} output tokens, ignore_eos, streamed, Poisson "
+    spread = f" +/- {100 * args.range_ratio:.0f}%" if args.range_ratio else ""
+    note = (f"{gguf.name}; {args.num_prompts} prompts of {args.input_len}{spread} random token ids per rate "
+            f"(sent as token ids), {args.output_len}{spread} output tokens, ignore_eos, streamed, Poisson "
             f"arrivals; llama-server `-np {args.parallel} -cb -t {args.threads}`, kvserve "
             f"{args.threads} threads; server order alternating per rate. Prompt-length mismatches "
             f"(server usage vs requested): {mism}; failed requests: {failed}. "
@@ -279,6 +282,9 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=32, help="requests per rate")
     ap.add_argument("--input-len", type=int, default=128, help="prompt tokens (random token ids)")
     ap.add_argument("--output-len", type=int, default=64, help="output tokens (ignore_eos)")
+    ap.add_argument("--range-ratio", type=float, default=0.0,
+                    help="lengths uniform in [len*(1-r), len*(1+r)] (a mixed workload: 144 / 136 / 0.78 "
+                         "gives prompts of 32-256 tokens and outputs of 30-242)")
     ap.add_argument("--threads", type=int, default=2, help="threads of each server")
     ap.add_argument("--parallel", type=int, default=32, help="llama-server slots (-np)")
     ap.add_argument("--seed", type=int, default=0)
