@@ -22,8 +22,8 @@ with BF16 and VNNI, torch 2.13), not by a startup benchmark, so runs are reprodu
         of more than `W8A8_KERNEL_MAX_ROWS` rows quantizes the activations too, per row
         (symmetric int8; llama.cpp's Q8_0 matmuls quantize theirs in blocks of 32) and runs the
         integer GEMM `torch._int_mm`, `W8A8_ROWS` rows at a time, scaling the int32 sums in
-        float32: 1.3-1.4x faster than a dense bfloat16 GEMM, at a measured cost in perplexity
-        (README, Quantization).
+        float32: 1.1-1.5x faster than a dense bfloat16 GEMM from 17 to 2048 rows (below), at a
+        measured cost in perplexity (README, Quantization).
   int4: at most `KERNEL_MAX_ROWS["int4"]` rows run the kernel.
 A bigger step (prefill, big batches) dequantizes the weight for that one call and runs the dense
 GEMM, which is compute-bound there, so the dequantization is paid once for many rows. No

@@ -49,11 +49,8 @@ class Int4Values:
         return self
 
     def values(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(q, scale, zero); a lazy one decodes them on every call, so read them once."""
         return self._values if self._load is None else self._load()
-
-    q = property(lambda self: self.values()[0])
-    scale = property(lambda self: self.values()[1])
-    zero = property(lambda self: self.values()[2])
 
     @classmethod
     def cat(cls, parts: list["Int4Values"]) -> "Int4Values":
