@@ -22,7 +22,7 @@ with BF16 and VNNI, torch 2.13), not by a startup benchmark, so runs are reprodu
         of more than `W8A8_KERNEL_MAX_ROWS` rows quantizes the activations too, per row
         (symmetric int8; llama.cpp's Q8_0 matmuls quantize theirs in blocks of 32) and runs the
         integer GEMM `torch._int_mm`, `W8A8_ROWS` rows at a time, scaling the int32 sums in
-        float32: 1.1-1.5x faster than a dense bfloat16 GEMM from 17 to 2048 rows (below), at a
+        float32: faster than both weight-only paths from 16 rows on (the table below), at a
         measured cost in perplexity (README, Quantization).
   int4: at most `KERNEL_MAX_ROWS["int4"]` rows run the kernel.
 A bigger step (prefill, big batches) dequantizes the weight for that one call and runs the dense
@@ -65,16 +65,18 @@ KERNEL_DTYPE = torch.bfloat16         # the only activation dtype the CPU kernel
 # several times dearer for int4 (unpacking nibbles), so int4 crosses over later. (With one
 # thread the int8 crossover moves to 16-32 rows.)
 KERNEL_MAX_ROWS = {"int8": 32, "int4": 128}
-# W8A8 on SmolLM2's matrices (gate_up 3072x576, qkv 960x576, down 576x1536), same conditions:
-# weight-only kernel / W8A8 (activation quantization included) / dense bfloat16 GEMM:
-#   rows          1             8             16             64              256
-#   gate_up    23/28/67     92/65/-      185/87/-      718/204/270      -/636/898
-#   qkv         9/19/27     31/34/-       58/42/-      221/84/109
-#   down       12/21/39     42/48/-       82/67/-      314/134/161      -/368/481
-# W8A8 stays 1.1-1.4x under the dense GEMM from 17 to 384 rows; torch._int_mm slows past that
-# (2048 rows of the benchmark Llama's 4096 x 768 gate_up: 42.6 ms as one GEMM against 14.6 ms
-# dense), so bigger steps run blocks of W8A8_ROWS rows into one output: 11.2 ms there (blocks of
-# 64 / 256 rows: 12.1 / 14.1 ms; 3072 x 576 at 2048 rows: 6.2 against 8.0 ms dense).
+# W8A8 (`python benchmarks/bench_int8_paths.py`: SmolLM2's gate_up 3072x576, qkv 960x576, down
+# 576x1536, the benchmark Llama's gate_up 4096x768; 2 threads, microseconds), weight-only kernel /
+# dequantize + GEMM / W8A8 / dense bfloat16 GEMM of the unquantized model:
+#   rows          1              8               32              256               2048
+#   3072x576   25/169/33/67   95/246/82/139   361/274/128/171  2974/1070/720/930  23247/9374/6526/8600
+#   960x576    11/90/25/47    32/102/46/55    115/139/76/93    900/516/392/402    7094/2844/3040/2622
+#   576x1536   14/131/27/62   43/127/62/63    165/180/117/110  1246/723/506/547   10049/4099/4142/3850
+#   4096x768   41/342/44/172  160/410/120/217 618/610/247/422  4974/2112/1287/1860 40230/14932/9857/13191
+# Past 8 rows W8A8 runs at 0.98-2.47x the speed of the faster weight-only path up to 256 rows
+# (0.94-1.51x at 2048) and 0.86-1.81x the dense GEMM's. One torch._int_mm over 2048 rows was
+# nearly 4x slower than the same rows in blocks (42.6 against 11.2 ms on 4096x768 when this was
+# chosen), hence blocks of W8A8_ROWS rows written into one output.
 W8A8_KERNEL_MAX_ROWS = 8
 W8A8_ROWS = 128
 # Weights dequantized at a time on the dequantize path, in row blocks, so that the transient
