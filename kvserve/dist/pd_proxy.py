@@ -19,11 +19,14 @@ feeds any decode instance, and either side can restart), and on this machine its
 bandwidth is far above seed 003's break-even (benchmarks/bench_pd.py).
 
 Instances of each role are chosen by the prefix-aware, load-balanced policy of `kvserve router`
-(dist/replicas.py). Failures: a prefill instance that fails is taken out and the next one
-tried; with none left the decode instance simply computes the whole prompt (a fallback, counted).
+(dist/replicas.py), each behind its circuit breaker (dist/breaker.py). Failures: a prefill instance
+that fails is counted against its breaker and the next one tried; one that is busy (429, or 503
+with `Retry-After`, e.g. its `--max-waiting` queue full) is simply passed over, never taken out;
+with none left the decode instance simply computes the whole prompt (a fallback, counted).
 A transfer that is lost, cut short or corrupt is a tier miss on the decode side, which then
 recomputes those blocks: the answer is the same. A decode instance that fails before its first
-byte reached the client is taken out and the request sent to another (dist/router.py). The
+byte reached the client is counted as a failure and the request sent to another, and decode
+instances that are all busy give the client their 503 with `Retry-After` (dist/router.py). The
 prefill instance frees its blocks when its one-token request finishes: the store holds the KV,
 so no hand-shake is needed before freeing.
 """
@@ -39,6 +42,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
+from kvserve.dist.breaker import DEFAULT_COOLDOWN_S, DEFAULT_FAILURE_THRESHOLD, backpressure_reason
 from kvserve.dist.replicas import ReplicaSet
 from kvserve.dist.router import Router, error_response, forward_headers
 
@@ -63,6 +67,9 @@ class PDMetrics:
         self.registry = r = CollectorRegistry()
         self.prefills = Counter("kvserve:proxy_prefill_requests", "Requests prefilled on a prefill "
                                 "instance.", ["instance"], registry=r)
+        self.prefill_backpressure = Counter("kvserve:proxy_prefill_backpressure", "Backpressure "
+                                            "answers (429, 503 with Retry-After) from a prefill "
+                                            "instance.", ["instance", "reason"], registry=r)
         self.fallbacks = Counter("kvserve:proxy_prefill_fallbacks", "Requests whose prompt the decode "
                                  "instance computed because no prefill instance could.", registry=r)
         self.prefill_time = Histogram("kvserve:proxy_prefill_time_seconds", "Prefill request time, "
@@ -109,19 +116,25 @@ class PDProxy:
         while (pick := self.prefill.replicas.pick(hashes, exclude=tried)) is not None:
             r = pick.replica
             tried.append(r)
-            self.prefill.replicas.begin(pick, hashes)
+            probe = self.prefill.replicas.begin(pick, hashes)
             t0 = time.perf_counter()
             try:
                 resp = await self.prefill.client.post(r.url + path, content=content, headers=headers,
                                                       timeout=self.prefill_timeout)
+                reason = backpressure_reason(resp.status_code, resp.headers, resp.content)
+                if reason is not None:
+                    self.prefill._busy(r, reason)
+                    self.metrics.prefill_backpressure.labels(r.url, reason).inc()
+                    continue
+                if resp.status_code >= 500:
+                    self.prefill._fail(r, f"{path} answered {resp.status_code}")
+                    continue
+                self.prefill.replicas.succeeded(r)
             except httpx.HTTPError as e:
                 self.prefill._fail(r, f"{type(e).__name__}: {e}")
                 continue
             finally:
-                self.prefill.replicas.end(r)
-            if resp.status_code >= 500:
-                self.prefill._fail(r, f"{path} answered {resp.status_code}")
-                continue
+                self.prefill.replicas.end(r, probe)
             # 2xx: the KV is in the store. 4xx: the request is bad; decode will say so itself.
             self.metrics.prefills.labels(r.url).inc()
             self.metrics.prefill_time.observe(time.perf_counter() - t0)
@@ -170,6 +183,10 @@ def build_proxy_app(proxy: PDProxy) -> FastAPI:
 
 
 def make_proxy(prefill_urls: list[str], decode_urls: list[str], hasher, policy: str = "cache-aware",
-               health_interval: float = 2.0) -> PDProxy:
-    return PDProxy(Router(ReplicaSet(prefill_urls, policy), hasher, health_interval),
-                   Router(ReplicaSet(decode_urls, policy), hasher, health_interval))
+               health_interval: float = 2.0, cb_failure_threshold: int = DEFAULT_FAILURE_THRESHOLD,
+               cb_timeout_s: float = DEFAULT_COOLDOWN_S) -> PDProxy:
+    def router(urls):
+        replicas = ReplicaSet(urls, policy, failure_threshold=cb_failure_threshold, cooldown_s=cb_timeout_s)
+        return Router(replicas, hasher, health_interval)
+
+    return PDProxy(router(prefill_urls), router(decode_urls))

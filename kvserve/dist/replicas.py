@@ -2,10 +2,11 @@
 request to the replica that holds its prefix; Mooncake's cache-centric scheduling, balanced
 against load).
 
-Each `Replica` keeps what the router knows of it: health, the requests it has in flight through
-this router, and a bounded LRU of the block hashes the router has sent it (`BlockLRU`: the
-router's estimate of the replica's prefix cache; what a replica evicted on its own, the LRU
-forgets later or never -- a stale entry costs one mis-routed request, never a wrong answer).
+Each `Replica` keeps what the router knows of it: its circuit breaker (dist/breaker.py), the
+requests it has in flight through this router, and a bounded LRU of the block hashes the router
+has sent it (`BlockLRU`: the router's estimate of the replica's prefix cache; what a replica
+evicted on its own, the LRU forgets later or never -- a stale entry costs one mis-routed
+request, never a wrong answer).
 
 Policies (`ReplicaSet.pick`):
 
@@ -16,13 +17,20 @@ Policies (`ReplicaSet.pick`):
                    by at most `balance_threshold` (so a hot prefix spreads out once its replica
                    queues up); ties, and requests that match nowhere, go to the least loaded.
 
-The set is touched only from the router's event loop: no locks.
+Only replicas whose breaker lets a request through are candidates (`CircuitBreaker.allows`).
+A replica whose breaker opens loses its LRU (it may come back restarted, its cache empty);
+backpressure (`backpressured`) touches neither. The set is touched only from the router's event
+loop: no locks.
 """
 from __future__ import annotations
 
 import itertools
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+from kvserve.dist.breaker import (DEFAULT_COOLDOWN_S, DEFAULT_FAILURE_THRESHOLD, OPEN,
+                                  CircuitBreaker)
 
 POLICIES = ("cache-aware", "round-robin", "least-loaded")
 DEFAULT_LRU_BLOCKS = 1 << 16
@@ -73,15 +81,23 @@ class BlockLRU:
 class Replica:
     url: str
     lru: BlockLRU = field(default_factory=BlockLRU)
-    healthy: bool = True
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     in_flight: int = 0
     routed: int = 0
-    failures: int = 0
+    failures: int = 0           # times the breaker opened
+    backpressured: int = 0      # answers that said "not now" (429, 503 with Retry-After, ...)
     last_error: str | None = None
 
+    @property
+    def healthy(self) -> bool:
+        """Not taken out: the breaker is closed or half-open."""
+        return self.breaker.state != OPEN
+
     def state(self) -> dict:
-        return {"url": self.url, "healthy": self.healthy, "in_flight": self.in_flight,
-                "routed": self.routed, "failures": self.failures, "cached_blocks": len(self.lru),
+        return {"url": self.url, "healthy": self.healthy, "breaker": self.breaker.state,
+                "consecutive_failures": self.breaker.consecutive_failures,
+                "in_flight": self.in_flight, "routed": self.routed, "failures": self.failures,
+                "backpressured": self.backpressured, "cached_blocks": len(self.lru),
                 "last_error": self.last_error}
 
 
@@ -94,7 +110,9 @@ class Pick:
 class ReplicaSet:
     def __init__(self, urls: list[str], policy: str = "cache-aware",
                  balance_threshold: int = DEFAULT_BALANCE_THRESHOLD,
-                 lru_blocks: int = DEFAULT_LRU_BLOCKS):
+                 lru_blocks: int = DEFAULT_LRU_BLOCKS,
+                 failure_threshold: int = DEFAULT_FAILURE_THRESHOLD,
+                 cooldown_s: float = DEFAULT_COOLDOWN_S, clock=time.monotonic):
         if not urls:
             raise ValueError("the router needs at least one backend: pass --backends URL1,URL2,...")
         if policy not in POLICIES:
@@ -104,7 +122,8 @@ class ReplicaSet:
         urls = [u.rstrip("/") for u in urls]
         if len(set(urls)) != len(urls):
             raise ValueError(f"a backend is listed twice: {urls}")
-        self.replicas = [Replica(u, BlockLRU(lru_blocks)) for u in urls]
+        self.replicas = [Replica(u, BlockLRU(lru_blocks),
+                                 CircuitBreaker(failure_threshold, cooldown_s, clock)) for u in urls]
         self.policy = policy
         self.balance_threshold = balance_threshold
         self._turn = itertools.count()
@@ -112,13 +131,17 @@ class ReplicaSet:
     def healthy(self, exclude=()) -> list[Replica]:
         return [r for r in self.replicas if r.healthy and r not in exclude]
 
+    def available(self, exclude=()) -> list[Replica]:
+        """The replicas a request may be sent to now (a half-open one while no probe is out)."""
+        return [r for r in self.replicas if r.breaker.allows() and r not in exclude]
+
     def _in_turn(self, candidates: list[Replica]) -> Replica:
         """Round-robin among equals, so ties never pile onto the first replica."""
         return candidates[next(self._turn) % len(candidates)]
 
     def pick(self, hashes: list[bytes], exclude=()) -> Pick | None:
-        """The replica for a request with leading block hashes `hashes` (None: none healthy)."""
-        candidates = self.healthy(exclude)
+        """The replica for a request with leading block hashes `hashes` (None: none available)."""
+        candidates = self.available(exclude)
         if not candidates:
             return None
         if self.policy == "round-robin":
@@ -135,27 +158,51 @@ class ReplicaSet:
         fewest = min(r.in_flight for r in tied)
         return Pick(self._in_turn([r for r in tied if r.in_flight == fewest]), best)
 
-    def begin(self, pick: Pick, hashes: list[bytes]) -> None:
-        """The request is on its way to the replica: count it and remember its prefix there."""
+    def begin(self, pick: Pick, hashes: list[bytes]) -> bool:
+        """The request is on its way to the replica: count it and remember its prefix there.
+        True when it is the replica's half-open probe (pass it to `end`)."""
         r = pick.replica
         r.in_flight += 1
         r.routed += 1
         r.lru.add(hashes)
+        return r.breaker.begin()
 
     @staticmethod
-    def end(replica: Replica) -> None:
+    def end(replica: Replica, probe: bool = False) -> None:
+        """The request is done with the replica; a probe that got no verdict frees its slot."""
         replica.in_flight -= 1
+        if probe:
+            replica.breaker.release_probe()
+
+    @staticmethod
+    def succeeded(replica: Replica) -> None:
+        replica.breaker.success()
+
+    @staticmethod
+    def failed(replica: Replica, why: str) -> bool:
+        """Count a failure; True when it takes the replica out (its breaker opens)."""
+        replica.last_error = why
+        if not replica.breaker.failure():
+            return False
+        replica.failures += 1
+        replica.lru.clear()
+        return True
+
+    @staticmethod
+    def backpressured(replica: Replica) -> None:
+        """The replica answered "not now": counted; its breaker and LRU are left as they are."""
+        replica.backpressured += 1
+        replica.breaker.release_probe()
 
     @staticmethod
     def mark_down(replica: Replica, why: str) -> None:
-        """Take a replica out: new requests go elsewhere until a health check brings it back.
-        Its LRU is dropped: a replica that comes back may have restarted with an empty cache."""
+        """Take a replica out now (its breaker opens, whatever its count)."""
         if replica.healthy:
             replica.failures += 1
-        replica.healthy = False
+        replica.breaker.trip()
         replica.last_error = why
         replica.lru.clear()
 
     @staticmethod
     def mark_up(replica: Replica) -> None:
-        replica.healthy = True
+        replica.breaker.success()

@@ -13,14 +13,20 @@ A request's routing key is its leading block hashes, computed with the engine's 
 function and its `cache_salt` (dist/prefix_key.py). The key is matched against the block hashes
 the router has sent each replica; after routing, the chosen replica's LRU records the key.
 
-Failures: a replica that refuses the connection, breaks it, or answers 5xx before the router has
-relayed anything is taken out (`ReplicaSet.mark_down`) and the request is sent to another one.
-The router relays nothing until the replica's first body bytes are in hand, so a request that
-dies on its replica before its first SSE chunk -- or, unstreamed, before its answer -- is
-retried and never lost. A stream that breaks after its first chunk cannot be replayed: it ends
-with an SSE error event and `[DONE]`. A health check every `health_interval` seconds brings
-replicas back (and takes out ones whose /health fails). Each response names its replica and
-routing match in `x-kvserve-replica` and `x-kvserve-prefix-blocks` (hit/query).
+Failures and backpressure (dist/breaker.py): a replica that refuses the connection, breaks it,
+times out or answers 5xx before the router has relayed anything has failed, and the request is
+sent to another one; `--cb-failure-threshold` consecutive failures open the replica's circuit
+breaker (it is taken out and its LRU dropped) and after `--cb-timeout-duration-secs` one probe
+request is let through, whose success brings it back. A replica that answers 429, or 503 with
+`Retry-After` or the code `server_overloaded`/`shutting_down`, is busy, not failing: the request
+goes to another replica, and when none takes it the last busy answer (with its `Retry-After`)
+is the client's; the busy replica stays in, its breaker and LRU untouched. The router relays nothing
+until the replica's first body bytes are in hand, so a request that dies on its replica before
+its first SSE chunk -- or, unstreamed, before its answer -- is retried and never lost. A stream
+that breaks after its first chunk cannot be replayed: it ends with an SSE error event and
+`[DONE]` (and counts as a failure). A health check every `health_interval` seconds counts a
+failed /health as a failure too. Each response names its replica and routing match in
+`x-kvserve-replica` and `x-kvserve-prefix-blocks` (hit/query).
 
 HTTP goes through httpx (one pooled `AsyncClient`) and FastAPI/uvicorn: no RPC layer of our own.
 """
@@ -37,6 +43,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from kvserve.dist.breaker import backpressure_reason
 from kvserve.dist.prefix_key import RequestHasher
 from kvserve.dist.replicas import Replica, ReplicaSet
 from kvserve.dist.router_metrics import RouterMetrics
@@ -104,29 +111,34 @@ class Router:
                 logger.exception("health check failed")
 
     async def check_health(self) -> None:
-        """GET /health of every replica at once: 200 brings a replica back, anything else takes it out."""
+        """GET /health of every replica at once: anything but 200 counts as a failure (a
+        replica comes back through its breaker's half-open probe, not through /health)."""
         timeout = HEALTH_TIMEOUT_S      # a busy replica answers late, not never
 
         async def one(r: Replica) -> None:
             try:
                 resp = await self.client.get(r.url + "/health", timeout=timeout)
-                ok, why = resp.status_code == 200, f"/health answered {resp.status_code}"
+                if resp.status_code == 200:
+                    return
+                why = f"/health answered {resp.status_code}"
             except httpx.HTTPError as e:
-                ok, why = False, f"/health: {type(e).__name__}: {e}"
-            if ok and not r.healthy:
-                logger.info("replica %s is back", r.url)
-                self.replicas.mark_up(r)
-            elif not ok and r.healthy:
+                why = f"/health: {type(e).__name__}: {e}"
+            if self.replicas.failed(r, why):
                 logger.warning("replica %s taken out (%s)", r.url, why)
-                self.replicas.mark_down(r, why)
 
         await asyncio.gather(*(one(r) for r in self.replicas.replicas))
 
     def _fail(self, r: Replica, why: str) -> None:
-        if r.healthy:
-            logger.warning("replica %s taken out (%s)", r.url, why)
-        self.replicas.mark_down(r, why)
+        """A request failed on `r` before anything was relayed (it is retried elsewhere)."""
+        if self.replicas.failed(r, why):
+            logger.warning("replica %s taken out after %d consecutive failures (%s)", r.url,
+                           r.breaker.consecutive_failures, why)
         self.metrics.retried(r.url)
+
+    def _busy(self, r: Replica, reason: str) -> None:
+        """`r` answered backpressure: counted, and nothing else changes."""
+        self.replicas.backpressured(r)
+        self.metrics.backpressure(r.url, reason)
 
     # ------------------------------------------------------------------ routing
 
@@ -169,28 +181,38 @@ class Router:
         nothing has been relayed (see the module docstring)."""
         headers = forward_headers(request)
         tried: list[Replica] = []
-        last_5xx: Response | None = None
+        last_busy = last_5xx = None         # the last answers that said "not now" / failed
         while True:
             pick = self.replicas.pick(hashes, exclude=tried)
             if pick is None:
+                if last_busy is not None:
+                    return last_busy        # none took it, some were busy: retry later
                 if last_5xx is not None:
                     return last_5xx
                 return error_response(503, "no healthy replica can take the request; retry later",
                                       "no_healthy_replica", headers={"Retry-After": "1"})
             r = pick.replica
             tried.append(r)
-            self.replicas.begin(pick, hashes)
+            probe = self.replicas.begin(pick, hashes)
             self.metrics.routed(r.url, len(hashes), pick.matched_blocks, len(tried) == 1)
             relaying = False
             try:
                 upstream = await self.client.send(
                     self.client.build_request("POST", r.url + path, content=body, headers=headers),
                     stream=True)
-                if upstream.status_code >= 500:
+                status = upstream.status_code
+                if status >= 500 or status == 429:
                     content = await upstream.aread()
                     await upstream.aclose()
-                    last_5xx = Response(content, upstream.status_code, _response_headers(upstream))
-                    self._fail(r, f"{path} answered {upstream.status_code}")
+                    answer = Response(content, status, _response_headers(upstream))
+                    reason = backpressure_reason(status, upstream.headers, content)
+                    if reason is None:
+                        last_5xx = answer
+                        self._fail(r, f"{path} answered {status}")
+                    else:
+                        answer.headers.setdefault("retry-after", "1")
+                        last_busy = answer
+                        self._busy(r, reason)
                     continue
                 chunks = upstream.aiter_raw()
                 try:
@@ -199,6 +221,7 @@ class Router:
                     await upstream.aclose()
                     raise
                 relaying = True
+                self.replicas.succeeded(r)
             except httpx.HTTPError as e:
                 self._fail(r, f"{type(e).__name__}: {e}")
                 continue
@@ -206,7 +229,7 @@ class Router:
                 return Response(status_code=499)
             finally:
                 if not relaying:
-                    self.replicas.end(r)
+                    self.replicas.end(r, probe)
             out_headers = _response_headers(upstream)
             out_headers["x-kvserve-replica"] = r.url
             out_headers["x-kvserve-prefix-blocks"] = f"{pick.matched_blocks}/{len(hashes)}"
@@ -230,7 +253,7 @@ class Router:
                 yield chunk
         except httpx.HTTPError as e:
             # Bytes already reached the client: no replay. Say so in the stream's own terms.
-            self.replicas.mark_down(r, f"stream broke: {type(e).__name__}: {e}")
+            self.replicas.failed(r, f"stream broke: {type(e).__name__}: {e}")
             logger.warning("replica %s broke a stream (%s)", r.url, e)
             if sse:
                 err = {"error": {"message": "the replica serving this stream failed; retry the "

@@ -3,11 +3,15 @@ behind a prefix-aware router; Mooncake's cache-centric scheduling).
 
     kvserve router --backends URL1,URL2,... [--model PATH] [--chat-template FILE] [--block-size 16]
                    [--policy cache-aware|round-robin|least-loaded] [--balance-threshold 4]
-                   [--health-interval 2] [--host 127.0.0.1] [--port 8000]
+                   [--health-interval 2] [--cb-failure-threshold 3] [--cb-timeout-duration-secs 5]
+                   [--host 127.0.0.1] [--port 8000]
 
 `--model` gives the tokenizer (and chat template) the routing key is computed with; without it
 the router routes token-id prompts by prefix and everything else by load. `--block-size` must be
 the replicas' (default 16, the engine's), or no key will ever match their blocks' boundaries.
+`--cb-failure-threshold` consecutive failures (connection errors, timeouts, 5xx; never 429 or a
+503 with Retry-After) take a replica out; `--cb-timeout-duration-secs` later one probe request
+may bring it back (vllm-router's names; dist/breaker.py).
 
     kvserve serve --data-parallel-size N [--distributed-executor-backend mp|ray] [engine flags...]
 
@@ -23,6 +27,7 @@ import os
 import signal
 import sys
 
+from kvserve.dist.breaker import DEFAULT_COOLDOWN_S, DEFAULT_FAILURE_THRESHOLD
 from kvserve.dist.replicas import DEFAULT_BALANCE_THRESHOLD, DEFAULT_LRU_BLOCKS, POLICIES, ReplicaSet
 
 log = logging.getLogger("kvserve.router")
@@ -49,9 +54,19 @@ def _add_policy_args(p, prefix: str) -> None:
                         "the least-loaded one")
     p.add_argument(f"--{prefix}health-interval", type=float, default=2.0,
                    help="seconds between /health checks of every replica")
+    _add_breaker_args(p, prefix)
     if not prefix:
         p.add_argument("--lru-blocks", type=int, default=DEFAULT_LRU_BLOCKS,
                        help="block hashes remembered per replica")
+
+
+def _add_breaker_args(p, prefix: str) -> None:
+    for a in (p.add_argument(f"--{prefix}cb-failure-threshold", type=int, default=DEFAULT_FAILURE_THRESHOLD,
+                             help="consecutive failures (connection errors, timeouts, 5xx; not 429 or "
+                                  "503 with Retry-After) that take a replica out"),
+              p.add_argument(f"--{prefix}cb-timeout-duration-secs", type=float, default=DEFAULT_COOLDOWN_S,
+                             help="seconds a replica stays out before one probe request may bring it back")):
+        a.data_parallel_only = bool(prefix)     # `serve --data-parallel-size`: not an engine flag
 
 
 def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -77,13 +92,14 @@ def build_hasher(model: str | None, block_size: int, chat_template: str | None):
 
 def run_router(urls: list[str], hasher, policy: str, balance_threshold: int, health_interval: float,
                host: str, port: int, log_level: str, lru_blocks: int = DEFAULT_LRU_BLOCKS,
-               shutdown_timeout: float = 30.0) -> bool:
+               shutdown_timeout: float = 30.0, cb_failure_threshold: int = DEFAULT_FAILURE_THRESHOLD,
+               cb_timeout_s: float = DEFAULT_COOLDOWN_S) -> bool:
     """Serve the router until SIGTERM/SIGINT; False if it could not start (e.g. port taken)."""
     import uvicorn
 
     from kvserve.dist.router import Router, build_router_app
 
-    replicas = ReplicaSet(urls, policy, balance_threshold, lru_blocks)
+    replicas = ReplicaSet(urls, policy, balance_threshold, lru_blocks, cb_failure_threshold, cb_timeout_s)
     app = build_router_app(Router(replicas, hasher, health_interval))
     log.info("routing %s over %d replicas (%s) on http://%s:%d", policy, len(urls), ", ".join(urls),
              host, port)
@@ -106,7 +122,9 @@ def cmd_router(args) -> int:
     urls = [u.strip() for u in args.backends.split(",") if u.strip()]
     hasher = build_hasher(args.model, args.block_size, args.chat_template)
     ok = run_router(urls, hasher, args.policy, args.balance_threshold, args.health_interval,
-                    args.host, args.port, args.log_level, args.lru_blocks)
+                    args.host, args.port, args.log_level, args.lru_blocks,
+                    cb_failure_threshold=args.cb_failure_threshold,
+                    cb_timeout_s=args.cb_timeout_duration_secs)
     return 0 if ok else 1
 
 
@@ -124,9 +142,8 @@ def serve_data_parallel(args) -> int:
     parser = argparse.ArgumentParser()
     add_cli_args(parser)
     backend = getattr(args, "distributed_executor_backend", None) or "mp"
-    dp_only = getattr(parser._option_string_actions["--distributed-executor-backend"],
-                      "data_parallel_only", False)
-    argv = replica_argv(args, parser, {"distributed_executor_backend"} if dp_only else set())
+    dp_only = {a.dest for a in parser._actions if getattr(a, "data_parallel_only", False)}
+    argv = replica_argv(args, parser, dp_only)
     env = {}
     if not args.engine_threads and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))   # no oversubscription
@@ -144,7 +161,9 @@ def serve_data_parallel(args) -> int:
         hasher = build_hasher(args.model or default_model_path(), args.block_size, args.chat_template)
         ok = run_router(replicas.urls, hasher, args.router_policy, args.router_balance_threshold,
                         args.router_health_interval, args.host, args.port, args.log_level,
-                        shutdown_timeout=args.shutdown_timeout)
+                        shutdown_timeout=args.shutdown_timeout,
+                        cb_failure_threshold=args.router_cb_failure_threshold,
+                        cb_timeout_s=args.router_cb_timeout_duration_secs)
         return 0 if ok else 1
     except RuntimeError as e:
         log.error("%s", e)
@@ -166,7 +185,8 @@ def cmd_proxy(args) -> int:
     prefill = [u.strip() for u in args.prefill.split(",") if u.strip()]
     decode = [u.strip() for u in args.decode.split(",") if u.strip()]
     hasher = build_hasher(args.model, args.block_size, args.chat_template)
-    app = build_proxy_app(make_proxy(prefill, decode, hasher, args.policy, args.health_interval))
+    app = build_proxy_app(make_proxy(prefill, decode, hasher, args.policy, args.health_interval,
+                                     args.cb_failure_threshold, args.cb_timeout_duration_secs))
     log.info("disaggregated serving on http://%s:%d: prefill %s, decode %s", args.host, args.port,
              ", ".join(prefill), ", ".join(decode))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -190,6 +210,7 @@ def register(subparsers) -> None:
     q.add_argument("--block-size", type=int, default=16)
     q.add_argument("--policy", default="cache-aware", choices=POLICIES)
     q.add_argument("--health-interval", type=float, default=2.0)
+    _add_breaker_args(q, "")
     q.add_argument("--host", default="127.0.0.1")
     q.add_argument("--port", type=int, default=8000)
     q.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

@@ -1,7 +1,9 @@
 """The router's failure handling against scripted backends (httpx.MockTransport): a 5xx or a
-refused connection before anything was relayed is retried elsewhere and takes the replica out,
+refused connection before anything was relayed is retried elsewhere, and --cb-failure-threshold
+of them in a row take the replica out,
 a stream that breaks after its first chunk ends with an SSE error event, /health checks bring
-replicas back, and nothing healthy is a 503 in OpenAI's error shape."""
+count too, and nothing healthy is a 503 in OpenAI's error shape. (Backpressure and the breaker's
+half-open probe: test_router_breaker.py.)"""
 from __future__ import annotations
 
 import asyncio
@@ -22,8 +24,16 @@ def streamed(status: int, obj: dict) -> httpx.Response:
     return httpx.Response(status, headers={"content-type": "application/json"}, content=body())
 
 
+BUSY = {  # what a busy kvserve serve answers: --max-waiting full, a tenant's rate limit, shutdown
+    "busy": (503, {"Retry-After": "1"}, "server_overloaded"),
+    "429": (429, {"Retry-After": "2"}, "rate_limit_exceeded"),
+    "shutting": (503, {}, "shutting_down"),
+}
+
+
 class Backends:
-    """Scripted replicas by host: 'ok', '500', 'refuse', 'break' (SSE that dies after one chunk)."""
+    """Scripted replicas by host: 'ok', '500', 'refuse', 'break' (SSE that dies after one chunk),
+    and the busy answers of BUSY."""
 
     def __init__(self, **behaviour):
         self.behaviour = behaviour
@@ -41,6 +51,10 @@ class Backends:
             raise httpx.ConnectError("connection refused", request=request)
         if mode == "500":
             return streamed(500, {"error": {"message": "boom"}})
+        if mode in BUSY:
+            status, headers, code = BUSY[mode]
+            return httpx.Response(status, headers=headers, json={"error": {
+                "message": f"{host} is busy", "type": "server_error", "param": None, "code": code}})
         if mode == "break":
             async def chunks():
                 yield b'data: {"choices":[{"text":"a"}]}\n\n'
@@ -49,9 +63,10 @@ class Backends:
         return streamed(200, {"choices": [{"text": f"from {host}"}]})
 
 
-def run(backends: Backends, hosts: list[str], fn, policy="round-robin", **kw):
+def run(backends: Backends, hosts: list[str], fn, policy="round-robin", replica_kw=None, hasher=None, **kw):
     async def main():
-        router = Router(ReplicaSet([f"http://{h}" for h in hosts], policy), None, health_interval=3600,
+        replicas = ReplicaSet([f"http://{h}" for h in hosts], policy, **(replica_kw or {}))
+        router = Router(replicas, hasher, health_interval=3600,
                         transport=httpx.MockTransport(backends), **kw)
         app = build_router_app(router)
         await router.start()
@@ -64,37 +79,39 @@ def run(backends: Backends, hosts: list[str], fn, policy="round-robin", **kw):
     return asyncio.run(main())
 
 
-def test_a_5xx_or_refused_replica_is_retried_elsewhere_and_taken_out():
+def test_a_5xx_or_refused_replica_is_retried_elsewhere_and_taken_out_at_the_threshold():
     for bad in ("500", "refuse"):
         b = Backends(bad="ok", good="ok")              # healthy at the start-up check ...
 
         async def go(router, c):
             b.behaviour["bad"] = bad                    # ... failing when the requests come
-            answers = [await c.post("/v1/completions", json=BODY) for _ in range(4)]
+            answers = [await c.post("/v1/completions", json=BODY) for _ in range(8)]
             return answers, router
 
         answers, router = run(b, ["bad", "good"], go)
-        assert [a.status_code for a in answers] == [200] * 4
+        assert [a.status_code for a in answers] == [200] * 8
         assert all(a.json()["choices"][0]["text"] == "from good" for a in answers)
-        assert b.calls.count("bad") == 1                # tried once, then out
+        assert b.calls.count("bad") == 3                # tried --cb-failure-threshold times, then out
         bad_rep = router.replicas.replicas[0]
-        assert not bad_rep.healthy and bad_rep.failures == 1
-        assert 'kvserve:router_retries_total{replica="http://bad"} 1.0' in router.metrics.render().decode()
+        assert not bad_rep.healthy and bad_rep.failures == 1 and bad_rep.breaker.state == "open"
+        text = router.metrics.render().decode()
+        assert 'kvserve:router_retries_total{replica="http://bad"} 3.0' in text
+        assert 'kvserve:router_replica_breaker_state{replica="http://bad"} 2.0' in text
 
 
-def test_health_checks_take_out_and_bring_back():
+def test_failed_health_checks_count_as_failures():
     b = Backends(a="refuse", b="ok")
 
     async def go(router, c):
-        states = [router.replicas.replicas[0].healthy]
-        b.behaviour["a"] = "ok"
+        a = router.replicas.replicas[0]
+        states = [a.healthy]                            # the start-up check: one failure of two
         await router.check_health()
-        states.append(router.replicas.replicas[0].healthy)
+        states.append(a.healthy)
         health = await c.get("/health")
         return states, health
 
-    states, health = run(b, ["a", "b"], go)
-    assert states == [False, True] and health.status_code == 200
+    states, health = run(b, ["a", "b"], go, replica_kw={"failure_threshold": 2})
+    assert states == [True, False] and health.status_code == 200      # b is still in
 
 
 def test_every_replica_failing_is_the_last_5xx_or_a_503():
@@ -107,7 +124,7 @@ def test_every_replica_failing_is_the_last_5xx_or_a_503():
         second = await c.post("/v1/completions", json=BODY)     # none healthy left
         return first, second
 
-    first, second = run(b, ["a", "b"], go)
+    first, second = run(b, ["a", "b"], go, replica_kw={"failure_threshold": 1})
     assert first.status_code == 500 and first.json()["error"]["message"] == "boom"
     assert second.status_code == 503 and second.json()["error"]["code"] == "no_healthy_replica"
     assert second.headers["retry-after"] == "1"
@@ -120,7 +137,7 @@ def test_a_stream_broken_after_its_first_chunk_ends_with_an_error_event():
         r = await c.post("/v1/completions", json={**BODY, "stream": True})
         return r, router.replicas.replicas[0]
 
-    r, rep = run(b, ["a"], go)
+    r, rep = run(b, ["a"], go, replica_kw={"failure_threshold": 1})
     events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
     assert json.loads(events[0])["choices"][0]["text"] == "a"
     assert json.loads(events[1])["error"]["code"] == "replica_failed" and events[-1] == "[DONE]"
