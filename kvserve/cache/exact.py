@@ -2,8 +2,9 @@
 
 The key is a SHA-256 of everything that decides the answer: the model, the endpoint, the full
 prompt (or the chat messages after the chat template), every sampling field that changes the
-output, and the tenant (`request_key`). Only deterministic requests are cached (`cacheable`:
-temperature 0, or a fixed `seed`), so a hit is the answer the model would give again. Entries
+output, and who may see the answer: the scope, the tenant and the request's `cache_salt`
+(`request_key`). Only deterministic requests are cached (`cacheable`: temperature 0, or a seed
+>= 0; -1 is vLLM's "no seed"), so a hit is the answer the model would give again. Entries
 expire after `ttl` seconds and the least recently used go first past `max_entries`.
 """
 from __future__ import annotations
@@ -16,15 +17,16 @@ from collections import OrderedDict
 from typing import Any
 
 # Request fields that never change the answer's content (how it is delivered, who asks, the
-# prefix-cache salt, the per-request cache switch).
+# prefix-cache salt -- which scopes the key instead: `request_key`'s `scope` --, the per-request
+# cache switch).
 NON_OUTPUT_FIELDS = frozenset({"stream", "stream_options", "user", "cache_salt", "model",
                                "priority", "semantic_cache"})
 
 
 def cacheable(fields: dict) -> bool:
-    """Deterministic: greedy (temperature 0) or a fixed seed."""
-    t = fields.get("temperature")
-    return (t is not None and t == 0) or fields.get("seed") is not None
+    """Deterministic: greedy (temperature 0) or a fixed seed (>= 0: -1 means unseeded)."""
+    t, seed = fields.get("temperature"), fields.get("seed")
+    return (t is not None and t == 0) or (isinstance(seed, int) and seed >= 0)
 
 
 def output_fields(fields: dict) -> dict:
@@ -32,9 +34,10 @@ def output_fields(fields: dict) -> dict:
     return {k: v for k, v in fields.items() if k not in NON_OUTPUT_FIELDS}
 
 
-def request_key(model: str, endpoint: str, prompt: Any, fields: dict, tenant: str | None) -> str:
-    """SHA-256 over the canonical JSON of (model, endpoint, prompt, output fields, tenant)."""
-    blob = json.dumps([model, endpoint, prompt, output_fields(fields), tenant], sort_keys=True,
+def request_key(model: str, endpoint: str, prompt: Any, fields: dict, scope: Any) -> str:
+    """SHA-256 over the canonical JSON of (model, endpoint, prompt, output fields, scope);
+    `scope` is who may see the answer (the server passes [tenant, cache_salt])."""
+    blob = json.dumps([model, endpoint, prompt, output_fields(fields), scope], sort_keys=True,
                       separators=(",", ":"), ensure_ascii=False, default=str)
     return hashlib.sha256(blob.encode("utf-8", "surrogatepass")).hexdigest()
 

@@ -10,6 +10,14 @@ requests share a routing key prefix only where the engine could share KV blocks,
 with different `cache_salt` never match each other (the salt is in the first block's hash, so
 it is in every hash of the chain).
 
+Behind `--api-keys` the replicas hash a salt derived from the tenant and the request's
+`cache_salt` with the deployment's secret (server/salts.py), which the router holds neither of:
+its key salts with the request's `cache_salt` as sent, so it is no longer the replicas' own
+chain. Routing needs only that equal requests get equal keys, and they still do (a tenant's
+follow-up turns stay on their replica); what is lost is that two tenants sending the same
+prefix share a routing key (and the `x-kvserve-prefix-blocks` count of the router's own LRU)
+while their replicas keep their blocks apart.
+
 Like the engine's lookup, a key covers at most `(num_tokens - 1) // block_size` blocks (the last
 prompt token is always recomputed), and at most `max_blocks` leading blocks (a bound on the
 router's work per request; a longer prefix routes like its first `max_blocks` blocks).

@@ -5,10 +5,12 @@ every /v1 completion request goes through `Front.handle`.
     -> exact cache -> semantic cache -> the model -> store the answer
 
 `--answer-cache exact` keeps the exact layer, `--answer-cache semantic` both (exact first).
-Only deterministic requests (temperature 0 or a fixed seed) without logprobs or echo are looked
-up or stored. A hit is the stored completion, as JSON or, when the request streams, as SSE
-chunks (one per choice, then the usage chunk if asked, then `[DONE]`), with `usage` showing no
-tokens generated (`completion_tokens` 0; the prompt counted as cached) and the header
+Only deterministic requests (temperature 0 or a seed >= 0) without logprobs or echo are looked
+up or stored, keyed (and scoped) on the tenant and the request's `cache_salt` -- with a keys
+file, the salt derived from both (server/salts.py) -- so neither layer answers across them. A
+hit is the stored completion, as JSON or, when the request streams, as SSE chunks (one per
+choice, then the usage chunk if asked, then `[DONE]`), with `usage` showing no tokens generated
+(`completion_tokens` 0; the prompt counted as cached) and the header
 `x-kvserve-cache: hit-exact` or `hit-semantic` (with `x-kvserve-cache-similarity`); other
 answers say `miss` or `bypass`. Streamed answers are stored too, once every choice finished.
 
@@ -54,11 +56,12 @@ class Plan:
     headers: dict = field(default_factory=dict)
 
 
-def install(state, api_keys: str | None = None, answer_cache: dict | None = None) -> None:
-    """Give the server state its tenants (`state.tenancy`) and its front (`state.front`)."""
+def install(state, api_keys=None, answer_cache: dict | None = None) -> None:
+    """Give the server state its tenants (`state.tenancy`) and its front (`state.front`);
+    `api_keys` is a keys file's path or a loaded `TenantRegistry` (`tenant_registry`)."""
     from kvserve.server.tenants import Tenancy, TenantRegistry
 
-    registry = TenantRegistry.load(api_keys, state.api_key) if api_keys else None
+    registry = TenantRegistry.load(api_keys, state.api_key) if isinstance(api_keys, str) else api_keys
     state.tenancy = Tenancy(state, registry)
     state.front = Front(state, **(answer_cache or {}))
 
@@ -126,6 +129,7 @@ class Front:
         if not cacheable(fields) or getattr(req, "echo", False) or logprobs:
             return None
         plan = Plan(endpoint, tenant)
+        scope = [tenant, req.cache_salt]        # who may see the answer (after Tenancy.begin)
         if endpoint == "chat":
             if self.state.chat is None:
                 return None
@@ -134,15 +138,15 @@ class Front:
             size = sum(len(m["content"]) for m in messages)
             text = await self.state.tokenization.call(size, self.state.chat.render, messages,
                                                       req.add_generation_prompt)
-            plan.key = request_key(self.model_name, endpoint, text, fields, tenant)
+            plan.key = request_key(self.model_name, endpoint, text, fields, scope)
             if messages[-1]["role"] == "user" and messages[-1]["content"]:
                 plan.query = messages[-1]["content"]
-                plan.scope = request_key(self.model_name, endpoint, messages[:-1], fields, tenant)
+                plan.scope = request_key(self.model_name, endpoint, messages[:-1], fields, scope)
         else:
-            plan.key = request_key(self.model_name, endpoint, req.prompt, fields, tenant)
+            plan.key = request_key(self.model_name, endpoint, req.prompt, fields, scope)
             if isinstance(req.prompt, str) and req.prompt:
                 plan.query = req.prompt
-                plan.scope = request_key(self.model_name, endpoint, None, fields, tenant)
+                plan.scope = request_key(self.model_name, endpoint, None, fields, scope)
         if self.semantic is None or not req.semantic_cache:
             plan.scope = plan.query = None
         if "no-cache" in cc:
@@ -292,6 +296,10 @@ def add_cli_args(g) -> None:
     g.add_argument("--api-keys", default=None, metavar="FILE",
                    help="JSON or TOML file mapping API keys to tenants (weight, priority, "
                         "rate_limit per minute, burst): see kvserve/server/tenants.py")
+    g.add_argument("--salt-secret-file", default=None, metavar="PATH",
+                   help="the secret keying tenants' cache salts, the same file for every instance "
+                        "of a deployment (created, mode 0600, if absent; default: $KVSERVE_SALT_SECRET, "
+                        "else FILE.salt-secret beside --api-keys FILE): see kvserve/server/salts.py")
     g.add_argument("--answer-cache", default="none", choices=["none", "exact", "semantic"],
                    help="answer deterministic requests from a cache: exact (same request) or "
                         "semantic (exact, then the nearest past query above --semantic-threshold)")
@@ -299,6 +307,18 @@ def add_cli_args(g) -> None:
                    help="cosine similarity a semantic-cache hit needs (all-MiniLM-L6-v2)")
     g.add_argument("--answer-cache-ttl", type=float, default=3600.0, help="seconds an answer stays cached")
     g.add_argument("--answer-cache-size", type=int, default=10000, help="most answers cached (LRU)")
+
+
+def tenant_registry(args):
+    """The tenants of `--api-keys` with the deployment's salt secret, or None without a keys file."""
+    from kvserve.server.tenants import TenantRegistry
+
+    if not args.api_keys:
+        if args.salt_secret_file:
+            raise ValueError("--salt-secret-file keys tenants' salts: it needs --api-keys FILE "
+                             "(without tenants a cache_salt is used as it is)")
+        return None
+    return TenantRegistry.load(args.api_keys, args.api_key or None, args.salt_secret_file)
 
 
 def answer_cache_options(args) -> dict:

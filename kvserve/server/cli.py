@@ -3,7 +3,8 @@
     kvserve serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
                   [--served-model-name NAME] [--max-waiting N] [--chat-template FILE]
                   [--shutdown-timeout S] [--engine-layout process|thread] [--engine-threads N]
-                  [--api-keys FILE] [--answer-cache none|exact|semantic] [--semantic-threshold 0.85]
+                  [--api-keys FILE] [--salt-secret-file PATH]
+                  [--answer-cache none|exact|semantic] [--semantic-threshold 0.85]
                   [--scheduling-policy fcfs|priority|vtc]
                   [engine flags: --max-num-seqs, --block-size, ...]
 
@@ -36,7 +37,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KVSERVE_API_KEY)")
     from kvserve.server.answers import add_cli_args as add_tenant_cache_args
 
-    add_tenant_cache_args(g)        # --api-keys FILE, --answer-cache, --semantic-threshold, ...
+    add_tenant_cache_args(g)        # --api-keys FILE, --salt-secret-file, --answer-cache, ...
     g.add_argument("--served-model-name", default=None,
                    help="model name in requests and /v1/models (default: the model directory's base "
                         "name; SmolLM2-135M-Instruct for the default model)")
@@ -79,16 +80,17 @@ def cmd_serve(args) -> int:
 
     from kvserve.config import EngineConfig
     from kvserve.engine.engine import LLMEngine
-    from kvserve.server.answers import answer_cache_options
+    from kvserve.server.answers import answer_cache_options, tenant_registry
     from kvserve.server.app import build_app
     from kvserve.server.engine_client import ProcessEngine
     from kvserve.server.shutdown import ANSWER_GRACE_S, DeadlineServer
 
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tenants = tenant_registry(args)     # before any replica starts: one salt secret file for all
     if getattr(args, "data_parallel_size", 1) > 1:
         from kvserve.dist.router_cli import serve_data_parallel
 
         return serve_data_parallel(args)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("kvserve.server")
     config = EngineConfig.from_cli_args(args)
     if args.engine_layout == "process":
@@ -107,7 +109,7 @@ def cmd_serve(args) -> int:
                     chat_template=args.chat_template,
                     max_prompts_per_request=args.max_prompts_per_request,
                     stream_stall_timeout=args.stream_stall_timeout or None,
-                    api_keys=args.api_keys, answer_cache=answer_cache_options(args))
+                    api_keys=tenants, answer_cache=answer_cache_options(args))
     log.info("serving %s as %r on http://%s:%d (max_model_len %d)", engine.config.model, name, args.host,
              args.port, engine.config.max_model_len)
     # uvicorn's own deadline comes a little after ours: by then every handler has answered.

@@ -18,10 +18,11 @@ Several keys may name one tenant (its settings come from the first). `--api-key 
 working alone (no tenants: everyone shares one scope, as before) or beside a keys file (then it
 is the key of tenant "default").
 
-A tenant scopes everything cache-like: unless the request sets its own `cache_salt`, the
-prefix-cache salt is derived from the tenant (keyed with a per-server secret, so no request can
-name another tenant's salt), and the answer caches (kvserve/cache/) key on the tenant. Its
-weight and priority go to the engine's scheduler with each request (engine/fairness.py).
+A tenant scopes everything cache-like: the prefix-cache salt is derived from the tenant and the
+request's own `cache_salt`, if any, keyed with the deployment's salt secret (server/salts.py), so
+no request can name another tenant's salt and one `cache_salt` never crosses tenants; the answer
+caches (kvserve/cache/) key on that salt too. Its weight and priority go to the engine's
+scheduler with each request (engine/fairness.py).
 Per-tenant requests, tokens, rate-limit refusals and answer-cache hits are /metrics counters
 labelled `tenant`.
 """
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import contextvars
 import hashlib
-import hmac
 import json
 import math
 import os
@@ -42,6 +42,7 @@ from prometheus_client import Counter
 
 from kvserve.server.body import check_auth
 from kvserve.server.protocol import APIError
+from kvserve.server.salts import derive_salt, load_secret
 
 # The tenant of the HTTP request being handled (for the per-tenant token counters).
 current_tenant: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvserve_tenant", default=None)
@@ -109,18 +110,22 @@ def _parse_tenant(key: str, entry) -> Tenant:
 
 
 class TenantRegistry:
-    """API key -> Tenant. Keys are looked up by their SHA-256 (no timing on the key itself)."""
+    """API key -> Tenant. Keys are looked up by their SHA-256 (no timing on the key itself).
+    `secret` keys the tenants' salts (server/salts.py; random when None: this process only)."""
 
-    def __init__(self, keys: dict[str, Tenant]):
+    def __init__(self, keys: dict[str, Tenant], secret: bytes | None = None):
         self.tenants: dict[str, Tenant] = {}
         self._by_digest: dict[bytes, Tenant] = {}
         for key, t in keys.items():
             t = self.tenants.setdefault(t.name, t)          # a tenant's first entry wins
             self._by_digest[_digest(key.encode("utf-8", "surrogateescape"))] = t
-        self._secret = os.urandom(32)
+        self._secret = secret if secret is not None else os.urandom(32)
 
     @classmethod
-    def load(cls, path: str, api_key: str | None = None) -> "TenantRegistry":
+    def load(cls, path: str, api_key: str | None = None,
+             salt_secret_file: str | None = None) -> "TenantRegistry":
+        """The keys file at `path`, with the deployment's salt secret (`salt_secret_file`, else
+        $KVSERVE_SALT_SECRET, else `<path>.salt-secret`; created if absent)."""
         p = Path(path)
         try:
             text = p.read_text(encoding="utf-8")
@@ -135,10 +140,11 @@ class TenantRegistry:
                 data = json.loads(text)
         except ValueError as e:
             raise ValueError(f"the api keys file {path!r} is not valid {p.suffix[1:] or 'JSON'}: {e}") from None
-        return cls.from_dict(data, api_key)
+        secret = load_secret(salt_secret_file, str(p.with_name(p.name + ".salt-secret")))
+        return cls.from_dict(data, api_key, secret)
 
     @classmethod
-    def from_dict(cls, data, api_key: str | None = None) -> "TenantRegistry":
+    def from_dict(cls, data, api_key: str | None = None, secret: bytes | None = None) -> "TenantRegistry":
         if isinstance(data, dict) and isinstance(data.get("keys"), dict):
             data = data["keys"]
         if not isinstance(data, dict) or not data:
@@ -147,14 +153,14 @@ class TenantRegistry:
         keys = {str(k): _parse_tenant(str(k), v) for k, v in data.items()}
         if api_key:
             keys.setdefault(api_key, DEFAULT_TENANT)
-        return cls(keys)
+        return cls(keys, secret)
 
     def resolve(self, token: bytes) -> Tenant | None:
         return self._by_digest.get(_digest(token))
 
-    def salt(self, tenant: Tenant) -> str:
-        """The prefix-cache salt of a tenant: unguessable without the server's secret."""
-        return "tenant-" + hmac.new(self._secret, tenant.name.encode(), hashlib.sha256).hexdigest()[:32]
+    def salt(self, tenant: Tenant, cache_salt: str | None = None) -> str:
+        """The engine salt of a tenant's request: unguessable without the deployment's secret."""
+        return derive_salt(self._secret, tenant.name, cache_salt)
 
 
 def _digest(b: bytes) -> bytes:
@@ -252,12 +258,13 @@ class Tenancy:
         return tenant
 
     def begin(self, tenant: Tenant, req) -> None:
-        """Scope `req` to its tenant (prefix-cache salt, priority) and count it."""
+        """Scope `req` to its tenant (prefix-cache salt, priority) and count it. With a keys
+        file, `req.cache_salt` becomes the salt derived from (tenant, cache_salt)."""
         current_tenant.set(tenant.name)
         current_fields.set(self.engine_fields(tenant, req))
         self.metrics.requests.labels(self.metrics.model_name, tenant.name).inc()
-        if self.registry is not None and req.cache_salt is None:
-            req.cache_salt = self.registry.salt(tenant)
+        if self.registry is not None:
+            req.cache_salt = self.registry.salt(tenant, req.cache_salt)
 
     def engine_fields(self, tenant: Tenant, req) -> dict:
         """What the scheduler needs of the request (engine/fairness.py): tenant, weight and

@@ -82,9 +82,10 @@ def test_tenant_scopes_the_prefix_cache(server):
     assert first.status_code == 200 and first.json()["usage"]["prompt_tokens"] > 32
     assert cached_tokens(post(server, "key-b", body)) == 0          # bob: nothing of alice's
     assert cached_tokens(post(server, "key-a2", body)) > 0          # alice's other key: her blocks
-    salted = {**body, "cache_salt": "shared"}                       # an explicit salt wins
+    salted = {**body, "cache_salt": "shared"}           # an explicit salt stays within its tenant
     post(server, "key-a", salted)
-    assert cached_tokens(post(server, "key-b", salted)) > 0
+    assert cached_tokens(post(server, "key-b", salted)) == 0
+    assert cached_tokens(post(server, "key-a2", salted)) > 0
 
 
 def test_exact_cache_hits_deterministic_requests(server):
