@@ -3,10 +3,11 @@ metadata -> ModelConfig, tensors -> weights under HF names, vocabulary -> tokeni
 (gguf_tokenizer.py). Tensors come either in their own types (`native`: int4 / int8 / the model
 dtype, gguf_quant.py) or dequantized to float32 with `gguf.quants.dequantize`.
 
-Everything is checked (architecture, tensor names, types, shapes, file length) before the first
-tensor is dequantized, so a bad file costs no memory. GGUF lists dimensions fastest-first
-(ne0 = columns), the reverse of torch; llama.cpp's converter permutes the q/k rows of `llama`
-models for its interleaved RoPE, which `unpermute_rope_rows` undoes.
+Everything is checked (every length and offset against the file size, gguf_check.py; then
+architecture, tensor names, types, shapes) before the first tensor is dequantized, so a bad file
+costs no memory. GGUF lists dimensions fastest-first (ne0 = columns), the reverse of torch;
+llama.cpp's converter permutes the q/k rows of `llama` models for its interleaved RoPE, which
+`unpermute_rope_rows` undoes.
 """
 from __future__ import annotations
 
@@ -85,18 +86,16 @@ def load_gguf(path: str | Path, native: bool = False, dtype: torch.dtype = torch
 
 
 def open_gguf(path: str | Path):
-    """A `gguf.GGUFReader` over `path`, or ValueError if it is not a (whole) GGUF file."""
+    """A `gguf.GGUFReader` over `path`, or ValueError if it is not a whole, well-formed GGUF
+    file: gguf_check.check_gguf walks every length and offset first (GGUFReader trusts them)."""
     from gguf import GGUFReader
 
-    path = Path(path)
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise ValueError(f"{str(path)!r} is not a GGUF file (it does not start with the bytes "
-                         "'GGUF'); pass a .gguf file written by llama.cpp or gguf-py.")
+    from kvserve.model.gguf_check import check_gguf
+
+    check_gguf(path)
     try:
         return GGUFReader(path)
-    except Exception as e:  # a cut header or tensor data fails in the reader, in many ways
+    except Exception as e:  # what the walk does not check (e.g. a value gguf-py rejects)
         raise ValueError(f"{str(path)!r} is truncated or corrupt (reading its GGUF header failed: "
                          f"{e}); download or write the file again.") from e
 
@@ -205,6 +204,10 @@ def _plan_tensors(tensors: dict, cfg: ModelConfig, path) -> dict[str, str]:
         per_layer += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
     if cfg.qk_norm:
         per_layer += ["attn_q_norm.weight", "attn_k_norm.weight"]
+    if cfg.num_layers * len(per_layer) > len(tensors):     # before listing them: block_count is a u32
+        raise ValueError(f"{str(path)!r} declares block_count {cfg.num_layers}, which needs "
+                         f"{cfg.num_layers * len(per_layer)} layer tensors, but holds {len(tensors)} "
+                         "tensors; the file is inconsistent.")
     required += [f"blk.{i}.{s}" for i in range(cfg.num_layers) for s in per_layer]
     missing = [n for n in required if n not in tensors]
     if missing:

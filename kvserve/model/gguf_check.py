@@ -1,0 +1,191 @@
+"""A bounds-checking walk over a GGUF file's header, key-value metadata and tensor infos, run
+before gguf-py's `GGUFReader` sees the file.
+
+GGUFReader trusts every length in the file: a string or array length past the end reads empty
+slices and never advances, so one crafted u64 makes it loop for ever while memory grows. This
+walk reads the same layout (llama.cpp's gguf.md: magic, version, tensor and KV counts; per KV a
+string key, a u32 type and the value; per tensor a name, n_dims, dims, a u32 type and a data
+offset) and checks each length against the bytes left *before* reading what it covers, so it
+is O(file size): every element it visits takes at least one byte of the file. Tensor data
+(offset, size from the type's block size) must lie inside the file too. Anything wrong is a
+`ValueError` naming the field.
+"""
+from __future__ import annotations
+
+import mmap
+import struct
+from pathlib import Path
+
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+SUPPORTED_VERSIONS = (2, 3)      # gguf-py's reader reads these (version 1 had u32 lengths)
+DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4                     # GGML_MAX_DIMS
+SCALAR_FORMATS = {               # value type -> struct format (without the byte order)
+    GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H",
+    GGUFValueType.INT16: "h", GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i",
+    GGUFValueType.FLOAT32: "f", GGUFValueType.BOOL: "?", GGUFValueType.UINT64: "Q",
+    GGUFValueType.INT64: "q", GGUFValueType.FLOAT64: "d",
+}
+
+
+class _Cursor:
+    """Reads little- or big-endian values from `buf` (an mmap), each checked against the bytes
+    left."""
+
+    def __init__(self, buf, where: str):
+        self.buf, self.pos, self.order, self.where = buf, 0, "<", where
+
+    def left(self) -> int:
+        return len(self.buf) - self.pos
+
+    def need(self, nbytes: int, what: str) -> None:
+        if nbytes > self.left():
+            raise ValueError(f"{self.where}: {what} needs {nbytes} bytes at offset {self.pos} but "
+                             f"only {self.left()} remain; the file is truncated or corrupt.")
+
+    def scalar(self, fmt: str, what: str):
+        size = struct.calcsize(fmt)
+        self.need(size, what)
+        (value,) = struct.unpack_from(self.order + fmt, self.buf, self.pos)
+        self.pos += size
+        return value
+
+    def skip(self, nbytes: int, what: str) -> None:
+        self.need(nbytes, what)
+        self.pos += nbytes
+
+    def string(self, what: str) -> bytes:
+        n = self.scalar("Q", f"the length of {what}")
+        self.need(n, f"{what} ({n} bytes)")
+        s = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        return s
+
+    def skip_string(self, what: str) -> None:
+        n = self.scalar("Q", f"the length of {what}")
+        self.skip(n, f"{what} ({n} bytes)")
+
+    def value_type(self, what: str) -> GGUFValueType:
+        raw = self.scalar("I", f"the type of {what}")
+        try:
+            return GGUFValueType(raw)
+        except ValueError:
+            raise ValueError(f"{self.where}: {what} has unknown value type {raw}; the file is "
+                             "corrupt.") from None
+
+
+def check_gguf(path: str | Path) -> None:
+    """Walk the file at `path`; ValueError naming the field if any length, type, count, offset
+    or size does not fit in the file. Returns None for a file gguf-py can read safely."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{str(path)!r} is not a GGUF file (it does not start with the bytes "
+                             "'GGUF'); pass a .gguf file written by llama.cpp or gguf-py.")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            _walk(_Cursor(buf, repr(str(path))))
+
+
+def _walk(c: _Cursor) -> None:
+    c.pos = 4                                     # after the magic
+    version = c.scalar("I", "the version")
+    if version & 0xFFFF == 0:                     # written on a big-endian machine
+        c.order = ">"
+        version = struct.unpack(">I", struct.pack("<I", version))[0]
+    if version not in SUPPORTED_VERSIONS:
+        raise ValueError(f"{c.where} is GGUF version {version}; kvserve reads versions "
+                         f"{', '.join(map(str, SUPPORTED_VERSIONS))}.")
+    n_tensors = c.scalar("Q", "the tensor count")
+    n_kv = c.scalar("Q", "the metadata count")
+    c.need(n_kv * 13, f"{n_kv} metadata entries")           # key length, type, one byte of value
+    alignment = DEFAULT_ALIGNMENT
+    keys: set[str] = set()
+    for i in range(n_kv):
+        key = _name(c, c.string(f"the key of metadata entry {i}"), f"metadata entry {i}'s key")
+        if key in keys:
+            raise ValueError(f"{c.where}: metadata key {key!r} appears twice; the file is corrupt.")
+        keys.add(key)
+        vtype = c.value_type(f"metadata {key!r}")
+        if key == "general.alignment":
+            if vtype != GGUFValueType.UINT32:
+                raise ValueError(f"{c.where}: general.alignment has type {vtype.name}, not UINT32.")
+            alignment = c.scalar("I", "general.alignment")
+            if alignment == 0 or alignment & (alignment - 1):
+                raise ValueError(f"{c.where}: general.alignment {alignment} is not a power of two.")
+        else:
+            _skip_value(c, vtype, f"metadata {key!r}")
+    c.need(n_tensors * 24, f"{n_tensors} tensor infos")      # name length, n_dims, type, offset
+    tensors = []
+    names: set[str] = set()
+    for i in range(n_tensors):
+        name = _name(c, c.string(f"the name of tensor {i}"), f"tensor {i}'s name")
+        if name in names:
+            raise ValueError(f"{c.where}: tensor {name!r} appears twice; the file is corrupt.")
+        names.add(name)
+        n_dims = c.scalar("I", f"tensor {name!r}'s n_dims")
+        if n_dims > MAX_DIMS:
+            raise ValueError(f"{c.where}: tensor {name!r} has {n_dims} dimensions; GGUF allows "
+                             f"at most {MAX_DIMS}.")
+        dims = [c.scalar("Q", f"tensor {name!r}'s dimensions") for _ in range(n_dims)]
+        raw = c.scalar("I", f"tensor {name!r}'s type")
+        offset = c.scalar("Q", f"tensor {name!r}'s data offset")
+        tensors.append((name, dims, raw, offset))
+    data_start = -(-c.pos // alignment) * alignment
+    for name, dims, raw, offset in tensors:
+        _check_tensor_data(c, name, dims, raw, offset, data_start, alignment)
+
+
+def _name(c: _Cursor, raw: bytes, what: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{c.where}: {what} is not UTF-8 ({raw[:32]!r}...); the file is "
+                         "corrupt.") from None
+
+
+def _skip_value(c: _Cursor, vtype: GGUFValueType, what: str) -> None:
+    """Step over one value; an array's length is checked against the bytes left before its
+    items are visited (strings one by one, scalars in one step)."""
+    if vtype == GGUFValueType.STRING:
+        c.skip_string(what)
+    elif vtype in SCALAR_FORMATS:
+        c.skip(struct.calcsize(SCALAR_FORMATS[vtype]), what)
+    else:                                         # ARRAY: item type, count, items
+        itype = c.value_type(f"the items of {what}")
+        count = c.scalar("Q", f"the length of {what}")
+        if itype == GGUFValueType.ARRAY:
+            raise ValueError(f"{c.where}: {what} is an array of arrays, which GGUF readers "
+                             "(llama.cpp's included) do not support.")
+        if itype == GGUFValueType.STRING:
+            c.need(count * 8, f"{what} ({count} strings)")
+            for j in range(count):
+                c.skip_string(f"item {j} of {what}")
+        else:
+            c.skip(count * struct.calcsize(SCALAR_FORMATS[itype]), f"{what} ({count} items)")
+
+
+def _check_tensor_data(c: _Cursor, name: str, dims: list[int], raw: int, offset: int,
+                       data_start: int, alignment: int) -> None:
+    """The tensor's type is known and its bytes lie inside the file, aligned."""
+    try:
+        qtype = GGMLQuantizationType(raw)
+        block, type_size = GGML_QUANT_SIZES[qtype]
+    except (ValueError, KeyError):
+        raise ValueError(f"{c.where}: tensor {name!r} has unknown type {raw}; the file is "
+                         "corrupt or newer than this gguf package.") from None
+    if dims and dims[0] % block:
+        raise ValueError(f"{c.where}: tensor {name!r} ({qtype.name}) has {dims[0]} columns, not "
+                         f"a multiple of its block size {block}.")
+    n_elements = 1
+    for d in dims:
+        n_elements *= d
+    nbytes = n_elements // block * type_size
+    if offset % alignment:
+        raise ValueError(f"{c.where}: tensor {name!r}'s data offset {offset} is not a multiple "
+                         f"of the alignment {alignment}.")
+    end = data_start + offset + nbytes
+    if end > len(c.buf):
+        raise ValueError(f"{c.where}: tensor {name!r} (shape {dims}, {qtype.name}, {nbytes} bytes "
+                         f"at offset {data_start + offset}) ends at byte {end}, past the end of the "
+                         f"{len(c.buf)}-byte file; the file is truncated or corrupt.")
