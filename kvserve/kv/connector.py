@@ -59,7 +59,8 @@ class TierStats:
     bytes_saved: int = 0
     demoted_blocks: int = 0       # blocks this tier moved down to the next one
     corrupt_blocks: int = 0       # payloads that failed the checksum (dropped, recomputed)
-    failures: int = 0             # store errors (unreachable): each skips the store for RETRY_S
+    failures: int = 0             # store errors (unreachable): each skips the store for RETRY_S;
+                                  # stats_dict adds the store's own failed background writes
     bandwidth: float | None = None   # measured bytes/s of fetch + checksum (EMA)
     probe_bandwidth: float | None = None   # the start-up probe's figure
 
@@ -362,6 +363,8 @@ class TieredConnector(KVConnector):
             nb, nbytes = store.usage()
             tiers.append({"name": store.name, "kind": store.kind, "write_through": store.write_through,
                           "num_blocks": nb, "num_bytes": nbytes, **vars(s),
+                          "failures": s.failures + store.failures,    # + the store's own (disk writes)
+                          "bytes_refused": store.bytes_refused,
                           "reload_wins": rule.reload_wins(s.bandwidth) if rule else None})
         return {"policy": self.policy, "tiers": tiers, "block_bytes": self.block_bytes,
                 "m_kv_bytes_per_token": rule.m_kv if rule else None,

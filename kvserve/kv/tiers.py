@@ -11,9 +11,8 @@ or instances never serves one salt's KV to another.
 
 - `CpuStore`: an LRU of payloads in process memory, bounded in bytes; what falls off its end is
   handed back so the connector can move it down to the next tier ("evicted blocks move down").
-- `DiskStore`: one file per block under a directory (`<dir>/<hh>/<hash hex>.kvb`), written by a
-  background thread (temporary file, then an atomic rename), LRU by file time and bounded in
-  bytes. It scans the directory at start, so a restarted server hits on what it served before.
+- `DiskStore` (kv/disk_store.py): one file per block under a directory, written by a background
+  thread, LRU by file time and bounded in bytes; it survives restarts and full disks.
 - `RedisStore` (kv/redis_store.py): SET/GET/EXISTS on `kvserve:kv:<hash hex>` keys (pipelined),
   optionally with a TTL; capacity is the server's own `maxmemory` policy.
 
@@ -22,7 +21,6 @@ No store decides anything: `kv/connector.py` chooses what to save where and what
 """
 from __future__ import annotations
 
-import os
 import queue
 import re
 import threading
@@ -46,6 +44,8 @@ class KVStore:
 
     kind = "store"
     write_through = False
+    failures = 0          # writes the store itself saw fail (the disk's background writer)
+    bytes_refused = 0     # payload bytes it did not store because of them, or of a full disk
 
     def __init__(self, name: str):
         self.name = name
@@ -140,136 +140,6 @@ class _WrittenInBackground(KVStore):
         self._writer.join(timeout=5)
 
 
-class DiskStore(_WrittenInBackground):
-    """One file per block under `root`, written in the background, LRU by file time."""
-
-    kind = "disk"
-    write_through = True
-    SUFFIX = ".kvb"
-
-    def __init__(self, root: str, capacity: int, name: str | None = None):
-        super().__init__(name or f"disk:{root}")
-        self.root = os.path.abspath(root)
-        self.capacity = capacity
-        os.makedirs(self.root, exist_ok=True)
-        self._lock = threading.Lock()
-        self._index: OrderedDict[bytes, int] = OrderedDict()    # key -> file size, oldest first
-        self._pending: dict[bytes, bytes] = {}                   # queued, not yet on disk
-        self.nbytes = 0
-        self._scan()
-        self._start_writer("kv-disk-writer")
-
-    def _path(self, key: bytes) -> str:
-        h = key.hex()
-        return os.path.join(self.root, h[:2], h + self.SUFFIX)
-
-    def _scan(self) -> None:
-        """Index the files a previous run left (a restart keeps its hits), oldest first."""
-        found = []
-        for sub in os.scandir(self.root):
-            if not sub.is_dir():
-                continue
-            for f in os.scandir(sub.path):
-                if f.name.endswith(self.SUFFIX):
-                    try:
-                        st = f.stat()
-                        found.append((st.st_mtime, bytes.fromhex(f.name[:-len(self.SUFFIX)]), st.st_size))
-                    except (OSError, ValueError):
-                        continue
-        for _, key, size in sorted(found):
-            self._index[key] = size
-            self.nbytes += size
-
-    def _write_loop(self) -> None:
-        while True:
-            key = self._queue.get()
-            try:
-                if key is None:
-                    return
-                with self._lock:
-                    payload = self._pending.get(key)
-                if payload is not None:
-                    path = self._path(key)
-                    os.makedirs(os.path.dirname(path), exist_ok=True)
-                    tmp = f"{path}.tmp{os.getpid()}.{threading.get_ident()}"
-                    with open(tmp, "wb") as f:
-                        f.write(payload)
-                    with self._lock:
-                        if self._pending.get(key) is payload:     # not evicted meanwhile
-                            os.replace(tmp, path)
-                            del self._pending[key]
-                        else:
-                            os.unlink(tmp)
-            except OSError:
-                with self._lock:                                   # a failed write is a miss later
-                    self._forget(key)
-            finally:
-                self._queue.task_done()
-
-    def _forget(self, key: bytes) -> None:
-        size = self._index.pop(key, None)
-        if size is not None:
-            self.nbytes -= size
-        self._pending.pop(key, None)
-
-    def contains_many(self, keys):
-        with self._lock:
-            return [k in self._index for k in keys]
-
-    def get(self, key):
-        with self._lock:
-            payload = self._pending.get(key)
-            if payload is None and key in self._index:
-                self._index.move_to_end(key)
-        if payload is not None:
-            return payload
-        try:
-            with open(self._path(key), "rb") as f:
-                data = f.read()
-        except OSError:
-            with self._lock:
-                self._forget(key)
-            return None
-        try:
-            os.utime(self._path(key))          # LRU order survives a restart
-        except OSError:
-            pass
-        return data
-
-    def put_many(self, items):
-        doomed = []
-        with self._lock:
-            for key, payload in items:
-                if len(payload) > self.capacity or key in self._index:
-                    continue
-                self._index[key] = len(payload)
-                self.nbytes += len(payload)
-                self._pending[key] = payload
-                self._queue.put(key)
-                while self.nbytes > self.capacity:
-                    old, _ = next(iter(self._index.items()))
-                    self._forget(old)
-                    doomed.append(old)
-        for key in doomed:
-            try:
-                os.unlink(self._path(key))
-            except OSError:
-                pass
-        return []
-
-    def delete(self, key):
-        with self._lock:
-            self._forget(key)
-        try:
-            os.unlink(self._path(key))
-        except OSError:
-            pass
-
-    def usage(self):
-        with self._lock:
-            return len(self._index), self.nbytes
-
-
 def parse_tier_spec(spec: str, open_store: bool = True) -> KVStore | None:
     """'cpu:4GiB' | 'disk:/path[:20GiB]' | 'redis://host:port[/db][?ttl=3600]'. With
     open_store=False only the syntax is checked (config time) and None is returned."""
@@ -288,7 +158,10 @@ def parse_tier_spec(spec: str, open_store: bool = True) -> KVStore | None:
                 pass
         if not path:
             raise ValueError(f"kv tier {spec!r} names no directory: write disk:/path:20GiB.")
-        return DiskStore(path, cap) if open_store else None
+        if not open_store:
+            return None
+        from kvserve.kv.disk_store import DiskStore
+        return DiskStore(path, cap)
     if s.startswith(("redis://", "rediss://", "unix://")):
         url, ttl = s, None
         m = re.search(r"[?&]ttl=(\d+)", s)

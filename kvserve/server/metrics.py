@@ -33,7 +33,7 @@ after every step, because the engine is not thread-safe) at scrape time:
     vLLM's names: acceptance rate = accepted / draft tokens; 0 with speculation off).
 
 KV tiers (kv/connector.py): kvserve:kv_tier_{hit_blocks,bytes_loaded,saved_blocks,bytes_saved,
-corrupt_blocks,failures}_total{tier}, kvserve:kv_tier_bandwidth_bytes_per_second{tier},
+corrupt_blocks,failures,bytes_refused}_total{tier}, kvserve:kv_tier_bandwidth_bytes_per_second{tier},
 kvserve:kv_tier_{reload,recompute}_decisions_total.
 
 Memory, at scrape time (memory_metrics.py): kvserve:resident_memory_bytes (the server and its
@@ -130,7 +130,8 @@ _TIER_COUNTERS = (("hit_blocks", "blocks loaded from the tier instead of compute
                   ("saved_blocks", "blocks written into the tier"),
                   ("bytes_saved", "bytes written into the tier"),
                   ("corrupt_blocks", "payloads that failed their checksum (recomputed)"),
-                  ("failures", "store errors (the tier is skipped for a while)"))
+                  ("failures", "store errors: unreachable (skipped for a while) or a failed write"),
+                  ("bytes_refused", "payload bytes the tier did not store (failed writes, a full disk)"))
 
 
 def _kv_tier_metrics(model_name: str, tiers: dict | None):

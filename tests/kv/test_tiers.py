@@ -15,8 +15,9 @@ import pytest
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.kv.block_io import pack_block, unpack_block
+from kvserve.kv.disk_store import DiskStore
 from kvserve.kv.reload_rule import ReloadRule
-from kvserve.kv.tiers import CpuStore, DiskStore, parse_size, parse_tier_spec
+from kvserve.kv.tiers import CpuStore, parse_size, parse_tier_spec
 from kvserve.sample.params import SamplingParams
 from tests.conftest import STORIES_C
 from tests.redis_live import redis_server
