@@ -67,7 +67,7 @@ def install(state, api_keys=None, answer_cache: dict | None = None) -> None:
 
 
 class Front:
-    def __init__(self, state, mode: str = "none", threshold: float = 0.85, ttl: float = 3600.0,
+    def __init__(self, state, mode: str = "none", threshold: float = 0.875, ttl: float = 3600.0,
                  max_entries: int = 10000, embedder=None):
         if mode not in ("none", "exact", "semantic"):
             raise ValueError(f"--answer-cache must be none, exact or semantic, got {mode!r}.")
@@ -170,7 +170,7 @@ class Front:
         self.embed_time.labels(self.model_name).observe(time.perf_counter() - t0)
         if not plan.lookup:
             return None
-        match = self.semantic.lookup(plan.scope, plan.vec)
+        match = self.semantic.lookup(plan.scope, plan.vec, plan.query)
         self.lookups.labels(self.model_name, plan.tenant, "semantic", "hit" if match else "miss").inc()
         if match is None:
             return None
@@ -303,7 +303,7 @@ def add_cli_args(g) -> None:
     g.add_argument("--answer-cache", default="none", choices=["none", "exact", "semantic"],
                    help="answer deterministic requests from a cache: exact (same request) or "
                         "semantic (exact, then the nearest past query above --semantic-threshold)")
-    g.add_argument("--semantic-threshold", type=float, default=0.85,
+    g.add_argument("--semantic-threshold", type=float, default=0.875,
                    help="cosine similarity a semantic-cache hit needs (all-MiniLM-L6-v2)")
     g.add_argument("--answer-cache-ttl", type=float, default=3600.0, help="seconds an answer stays cached")
     g.add_argument("--answer-cache-size", type=int, default=10000, help="most answers cached (LRU)")
