@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.model.quant import Int4Weight, Int8Weight, QuantizedWeight, quantize
+from kvserve.model.cpu_kernels import kernel_plan, warn_once
+from kvserve.model.quant import Int4Weight, Int8Weight, QuantizedWeight, keeps_quantized, quantize
 from kvserve.model.quant_blocks import Int4Values
 
 
@@ -38,11 +39,31 @@ def _float(w) -> torch.Tensor:
     """A weight's values as a float tensor (int8 exactly: q times the stored scale)."""
     if isinstance(w, Int8Weight):
         return w.q.float() * w.scale.float()[:, None]
+    if isinstance(w, Int4Weight):
+        return w.dequantize(dtype=torch.float32)
     return w if isinstance(w, torch.Tensor) else w.dequantize().float()
+
+
+def resident(w, dtype: torch.dtype, device):
+    """`w` as it is kept: a quantized weight stays quantized unless the CPU's plan keeps its
+    values dequantized (cpu_kernels: float_resident), then it is a tensor in `dtype` (one warning)."""
+    if not isinstance(w, QuantizedWeight) or keeps_quantized(device):
+        return w
+    warn_once("CPU capability %s: torch's int4 / int8 kernels and dequantization run without SIMD "
+              "here (benchmarks/bench_cpu_paths.py), so quantized weights keep their quantized values "
+              "but are held dequantized in %s: the same numbers, none of the memory saving",
+              kernel_plan().capability, str(dtype).removeprefix("torch."))
+    return _float(w).to(device=device, dtype=dtype)
 
 
 def linear_weight(parts: list, name: str, method: str | None, group_size: int | None,
                   device: torch.device, dtype: torch.dtype):
+    """`_linear_weight`, then as the CPU keeps it (`resident`)."""
+    return resident(_linear_weight(parts, name, method, group_size, device, dtype), dtype, device)
+
+
+def _linear_weight(parts: list, name: str, method: str | None, group_size: int | None,
+                   device: torch.device, dtype: torch.dtype):
     """One fused linear weight from its row blocks (q, k, v or gate, up). Float parts give a
     tensor in `dtype` (method None or "dequant"), or are quantized with `method`. Parts that
     arrive quantized (a GGUF file: Int4Values, Int8Weight) keep their format when `method` is
@@ -68,7 +89,7 @@ def embedding_weight(w, method: str | None, device, dtype: torch.dtype):
     """The embedding table: a tensor in `dtype`, or (method None, a GGUF file) quantized as the
     file stores it, for lookups by `embedding_rows` and as a tied lm_head on the kernels."""
     if method is None and not isinstance(w, torch.Tensor):
-        return _fuse([w], dtype, device, "embed_tokens")
+        return resident(_fuse([w], dtype, device, "embed_tokens"), dtype, device)
     return _float(w).to(device=device, dtype=dtype)
 
 

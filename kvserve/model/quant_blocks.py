@@ -1,7 +1,7 @@
 """GGUF's block formats held on quant.py's kernels.
 
-Int4Values: Q4_0 / Q4_1 / Q4_K unpacked (gguf_quant.py) and not yet packed, because the int4
-kernel packs rows in blocks of 64, which a 32-row k_proj fits only once fused with q and v.
+Int4Values: Q4_0 / Q4_1 / Q4_K unpacked (gguf_quant.py) and not yet packed, because the parts
+of one fused matrix (q, k, v) are packed together once they are all read.
 
 Int8BlockWeight: Q8_0 (w = d q, a scale d per 32 weights) exactly. The int8 kernel takes one
 scale per row, and requantizing per row adds error (gguf_quant.py measures it); instead each q
@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from kvserve.model.quant import (GROUP_SIZES, INT4_ROW_BLOCK, Int4Weight, QuantizedWeight, quantize)
+from kvserve.model.quant import GROUP_SIZES, Int4Weight, QuantizedWeight, quantize
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +29,8 @@ PLANE_ROWS = 4096   # rows split into int4 planes at a time
 
 class Int4Values:
     """Int4 weights not yet packed: q [N, K] uint8 in 0..15, scale and zero [N, K / G] float32
-    (zero None: 0); W = (q - 8) * scale + zero. A GGUF file's Q4 tensors load as this: the kernel
-    packs rows in blocks of 64, which a 32-row k_proj fits only once fused with q and v.
+    (zero None: 0); W = (q - 8) * scale + zero. A GGUF file's Q4 tensors load as this, to be
+    fused (q, k, v; gate, up) before they are packed.
     `Int4Values.lazy` decodes the values only when they are fused or packed, and keeps nothing:
     unpacked (1.25 bytes a weight), a whole model waiting to be fused would be its biggest
     transient at load."""
@@ -68,19 +68,18 @@ class Int4Values:
         return (w if zero is None else w + zero[..., None]).view(N, K)
 
     def pack(self, dtype: torch.dtype, device, name: str = "weight") -> QuantizedWeight:
-        """An Int4Weight, or where the packed layout cannot hold the rows, int8 from the values
+        """An Int4Weight, or where its groups are not the int4 kernel's, int8 from the values
         (as `quantize` falls back)."""
         N, K = self.shape
-        if N % INT4_ROW_BLOCK == 0 and self.group_size in GROUP_SIZES:
+        if self.group_size in GROUP_SIZES:
             return Int4Weight(*self.values(), dtype=dtype, device=device, name=name)
-        logger.info("%s [%d, %d] does not fit int4 blocks of %d rows; stored as int8", name, N, K,
-                    INT4_ROW_BLOCK)
+        logger.info("%s [%d, %d] has int4 groups of %d; stored as int8", name, N, K, self.group_size)
         return quantize(self.dequantize(), "int8", None, dtype, device, name)
 
 
 class Int8BlockWeight(QuantizedWeight):
     """q [N, K] int8 with d [N, K / 32]: W = q * d per block, as two int4 planes (module doc) in
-    one Int4Weight [N, 2K]. N must be a multiple of 64 (`fits`)."""
+    one Int4Weight [N, 2K]. N must be a multiple of 16 (`fits`: the int4 kernel's rows)."""
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", name: str = "weight"):
@@ -98,7 +97,7 @@ class Int8BlockWeight(QuantizedWeight):
 
     @staticmethod
     def fits(N: int) -> bool:
-        return N % INT4_ROW_BLOCK == 0
+        return N % 16 == 0
 
     def tensors(self):
         return self.planes.tensors()
@@ -117,4 +116,4 @@ class Int8BlockWeight(QuantizedWeight):
         return (r[:, :, 0] + r[:, :, 1]).reshape(ids.shape[0], self.shape[1])
 
     def dequantize(self) -> torch.Tensor:
-        return self.rows(torch.arange(self.shape[0], device=self.planes.packed.device))
+        return self.rows(torch.arange(self.shape[0], device=self.planes.nibbles.device))

@@ -12,7 +12,9 @@ from kvserve import LLM
 from kvserve.config import EngineConfig
 from kvserve.model.gguf import load_gguf
 from kvserve.model.gguf_quant import UNPACK_INT4, unpack_q4_k, unpack_q8_0
-from kvserve.model.quant import Int4Weight, Int8Weight
+from kvserve.model import cpu_kernels
+from kvserve.model.cpu_kernels import kernel_plan
+from kvserve.model.quant import Int4Weight, Int8Weight, keeps_quantized
 from kvserve.model.quant_blocks import Int4Values, Int8BlockWeight
 from tests.model.gguf_files import quantize_q4_k, write_hf_as_gguf, write_mixed_types
 from tests.model.test_gguf_tokenizer import SMOLLM2, needs_smollm2
@@ -156,7 +158,8 @@ def test_int8_block_weight_computes_x_times_w(rows):
     ref = x.double() @ exact.T
     got = w.linear(x)
     assert got.shape == (rows, 128) and (got.double() - ref).abs().max() <= 1e-2 * ref.abs().max()
-    assert w.nbytes == 128 * 256 * 5 // 4                               # 1.25 bytes a weight
+    # 1.25 bytes a weight, 2.25 with torch's packed copy where the CPU's plan runs the int4 kernel
+    assert w.nbytes == 128 * 256 * (4 * int4_copies() + 1) // 4
 
 
 # Native against quantization="dequant" on the same file, teacher-forced over the dequantized
@@ -197,7 +200,9 @@ def test_native_engine_tracks_the_dequantized_one(qtype, random_model_dir, tmp_p
     layer = llm.engine.model.layers[0]
     kinds = {name: type(getattr(layer, name)).__name__ for name in ("qkv", "o", "gate_up", "down")}
     expect = {"Q4_0": "Int4Weight", "Q4_1": "Int4Weight", "Q4_K": "Int4Weight", "Q8_0": "Int8Weight"}
-    if qtype in expect:
+    if not keeps_quantized("cpu"):      # this CPU's plan holds every weight dequantized
+        assert set(kinds.values()) == {"Tensor"}
+    elif qtype in expect:
         assert set(kinds.values()) == {expect[qtype]}
         logits_side = "Int8BlockWeight" if qtype == "Q8_0" else expect[qtype]
         assert {type(llm.engine.model.embed).__name__, type(llm.engine.model.lm_head).__name__} == {logits_side}
@@ -205,9 +210,14 @@ def test_native_engine_tracks_the_dequantized_one(qtype, random_model_dir, tmp_p
         assert kinds == {"qkv": "Int8Weight", "o": "Tensor", "gate_up": "Int8Weight", "down": "Tensor"}
 
 
+def int4_copies() -> int:
+    """kvserve's nibbles, and torch's packed copy where this CPU's plan runs the int4 kernel."""
+    return 2 if kernel_plan().int4_kernel_max_rows >= 0 else 1
+
+
 def int4_bytes(n: int, k: int) -> int:
-    """Packed nibbles, a bfloat16 scale and zero per group of 32."""
-    return n * k // 2 + n * k // 32 * 4
+    """The nibbles (int4_copies), a bfloat16 scale and zero per group of 32."""
+    return int4_copies() * n * k // 2 + n * k // 32 * 4
 
 
 def test_resident_bytes_of_a_q4_0_file(random_model_dir, tmp_path):
@@ -216,9 +226,9 @@ def test_resident_bytes_of_a_q4_0_file(random_model_dir, tmp_path):
     shapes = [(128, 64), (64, 64), (256, 64), (64, 128)] * 2 + [(512, 64), (512, 64)]
     norms = 5 * 64 * 4
     native = LLM(path).engine.model.weight_bytes()
-    assert native == sum(int4_bytes(n, k) for n, k in shapes) + norms
     dequant = LLM(path, quantization="dequant").engine.model.weight_bytes()
     assert dequant == sum(n * k for n, k in shapes) * 4 + norms
+    assert native == (sum(int4_bytes(n, k) for n, k in shapes) + norms if keeps_quantized("cpu") else dequant)
 
 
 def test_explicit_methods_on_a_gguf_file(random_model_dir, tmp_path):
@@ -226,8 +236,11 @@ def test_explicit_methods_on_a_gguf_file(random_model_dir, tmp_path):
     path = str(write_hf_as_gguf(random_model_dir("llama"), tmp_path / "m.gguf", "Q4_1"))
     native = LLM(path).engine.model.layers[0].gate_up
     same = LLM(path, quantization="int4").engine.model
+    if not keeps_quantized("cpu"):      # held dequantized: the same values
+        assert torch.equal(same.layers[0].gate_up, native)
+        return
     assert same.layers[0].gate_up.group_size == 32
-    assert torch.equal(same.layers[0].gate_up.packed, native.packed)
+    assert torch.equal(same.layers[0].gate_up.nibbles, native.nibbles)
     assert isinstance(same.embed, torch.Tensor)          # explicit methods: embedding in the dtype
     assert LLM(path, quantization="int4-g64").engine.model.layers[0].gate_up.group_size == 64
     assert isinstance(LLM(path, quantization="int8").engine.model.layers[0].gate_up, Int8Weight)
@@ -235,14 +248,26 @@ def test_explicit_methods_on_a_gguf_file(random_model_dir, tmp_path):
         EngineConfig(model=path, quantization="dequant", quantization_group_size=32)
 
 
-def test_rows_that_int4_cannot_pack_fall_back_to_int8():
-    """A (fused) matrix whose rows are not a multiple of 64 is stored as int8, as quantize does."""
-    a = sample_weights(96, 64)
-    q, scale, zero = UNPACK_INT4["Q4_1"](gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q4_1), 96, 64)
+def test_rows_the_int4_kernel_cannot_take_run_dequantized(caplog):
+    """A (fused) matrix whose rows are not a multiple of 16 stays int4, on the dequantize path
+    (one warning for the shape), with the same values; two of them fused fit the kernel."""
+    a = sample_weights(72, 64)
+    q, scale, zero = UNPACK_INT4["Q4_1"](gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q4_1), 72, 64)
     values = Int4Values(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(zero))
-    w = values.pack(torch.float32, "cpu")
-    assert isinstance(w, Int8Weight)
-    assert isinstance(Int4Values.cat([values, values]).pack(torch.float32, "cpu"), Int4Weight)
+    cpu_kernels._warned.clear()
+    with caplog.at_level("WARNING"):
+        w = values.pack(torch.float32, "cpu")
+        values.pack(torch.float32, "cpu")
+    assert isinstance(w, Int4Weight) and w.kernel_max_rows == -1 and w.packed is None
+    warned = sum("divisible by 16" in r.getMessage() for r in caplog.records)
+    assert warned == (1 if kernel_plan().int4_kernel_max_rows >= 0 else 0)
+    exact = values.dequantize().double()
+    assert (w.dequantize(dtype=torch.float32).double() - exact).abs().max() <= 2 ** -7 * exact.abs().max()
+    x = torch.randn(3, 64)
+    ref = x.double() @ w.dequantize(dtype=torch.float32).double().T
+    assert (w.linear(x).double() - ref).abs().max() <= 1e-2 * ref.abs().max()   # a bf16 GEMM at most
+    fused = Int4Values.cat([values, values]).pack(torch.float32, "cpu")
+    assert isinstance(fused, Int4Weight) and fused.kernel_max_rows == kernel_plan().int4_kernel_max_rows
 
 
 @needs_smollm2
@@ -253,13 +278,18 @@ def test_smollm2_q4_1_natively():
 
     llm = LLM(str(SMOLLM2), max_model_len=256, kv_cache_memory=16 << 20)
     model = llm.engine.model
-    assert isinstance(model.embed, Int8BlockWeight) and model.lm_head is model.embed
-    assert all(isinstance(w, Int4Weight) for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
     E, I, V, L = 576, 1536, 49152, 30
     layer_shapes = [(960, E), (E, E), (2 * I, E), (E, I)]
-    expect = L * sum(int4_bytes(n, k) for n, k in layer_shapes) + int4_bytes(V, 2 * E) + (2 * L + 1) * E * 4
-    assert model.weight_bytes() == expect
     dequantized = (L * sum(n * k for n, k in layer_shapes) + V * E + (2 * L + 1) * E) * 4
+    if keeps_quantized("cpu"):
+        assert isinstance(model.embed, Int8BlockWeight) and model.lm_head is model.embed
+        assert all(isinstance(w, Int4Weight) for layer in model.layers
+                   for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        expect = L * sum(int4_bytes(n, k) for n, k in layer_shapes) + int4_bytes(V, 2 * E) + (2 * L + 1) * E * 4
+    else:       # this CPU's plan holds the weights dequantized, in the model dtype (float32)
+        assert isinstance(model.embed, torch.Tensor) and model.lm_head is model.embed
+        expect = dequantized
+    assert model.weight_bytes() == expect
     print(f"SmolLM2 resident weights: native {expect / 1e6:.1f} MB, dequantized {dequantized / 1e6:.1f} MB")
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0]

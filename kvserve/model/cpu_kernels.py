@@ -1,0 +1,165 @@
+"""Which quantized-matmul path each step shape takes on this CPU (seed 000: a decode step reads
+every weight byte; a prefill step is compute-bound), chosen by the capability torch dispatches to.
+
+torch's CPU kernels for packed weights (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`)
+and its dense GEMMs change with the capability (`torch.backends.cpu.get_cpu_capability()`,
+forced with ATEN_CPU_CAPABILITY) and with the ISA the BLAS libraries find (oneDNN's bf16 GEMMs
+need AVX-512 BF16; without it they fall back to slow code). So the thresholds come from a table
+keyed by the capability and native bf16, each entry measured with
+`python benchmarks/bench_cpu_paths.py` (2 threads, SmolLM2's matrices; the figures are beside
+the table), never from torch's private packed layouts: kvserve keeps its own values (quant.py)
+and hands torch's kernels only the inputs their signatures document.
+
+  path            what runs                                                  used for
+  kernel          torch's int4 / int8 kernel on bfloat16 activations         steps of <= *_kernel_max_rows
+  dequantize      the weight dequantized per call (row blocks) into          bigger steps (prefill)
+                  `dense_dtype`, then a dense GEMM
+  w8a8            int8 activations, `torch._int_mm` (quantize_activations)   int8, > w8a8_min_rows
+  float resident  weights rounded to int4 / int8, then kept dequantized in   a capability whose every
+                  the model dtype: the same values, none of the memory       quantized path loses
+                  saving (DEFAULT: no SIMD in torch's own kernels)
+
+Detection is portable: the capability string comes from torch (any other string, such as an Arm
+build's, takes the DEFAULT entry), the bf16 flag from torch's cpuinfo query where it exists, and
+every kernel is checked once against kvserve's own dequantized values on a probe matrix before it
+is trusted; a kernel that raises or disagrees is switched off with one warning.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """The quantized-matmul paths of one CPU capability; -1 rows: the kernel is never used."""
+    name: str                      # the table entry: "avx512_bf16" | "avx512" | "avx2" | "default"
+    capability: str                # torch's string, as reported
+    int4_kernel_max_rows: int
+    int8_kernel_max_rows: int
+    w8a8_min_rows: int             # quantize_activations: int8 steps of more rows run W8A8
+    w8a8_faster: bool              # ... and that was measured faster than the weight-only paths
+    dense_dtype: torch.dtype       # the dequantize path's GEMM dtype
+    float_resident: bool = False   # quantized weights kept dequantized in the model dtype
+
+    def describe(self) -> str:
+        def rows(n: int) -> str:
+            return "never" if n < 0 else f"steps of <= {n} rows"
+        dense = str(self.dense_dtype).removeprefix("torch.")
+        if self.float_resident:
+            return (f"CPU capability {self.capability} ({self.name}): quantized weights are kept "
+                    f"dequantized in the model dtype (no quantized path wins here)")
+        w8a8 = f"steps of > {self.w8a8_min_rows} rows" + ("" if self.w8a8_faster else " (slower here)")
+        return (f"CPU capability {self.capability} ({self.name}): int4 kernel {rows(self.int4_kernel_max_rows)}, "
+                f"int8 kernel {rows(self.int8_kernel_max_rows)}, bigger steps dequantize into a {dense} "
+                f"GEMM; W8A8 (quantize_activations) {w8a8}")
+
+
+# Measured with `python benchmarks/bench_cpu_paths.py` (see its docstring for the figures).
+TABLE = {
+    "avx512_bf16": KernelPlan("avx512_bf16", "", int4_kernel_max_rows=128, int8_kernel_max_rows=32,
+                              w8a8_min_rows=8, w8a8_faster=True, dense_dtype=torch.bfloat16),
+    "avx512": KernelPlan("avx512", "", int4_kernel_max_rows=64, int8_kernel_max_rows=32,
+                         w8a8_min_rows=8, w8a8_faster=True, dense_dtype=torch.float32),
+    "avx2": KernelPlan("avx2", "", int4_kernel_max_rows=64, int8_kernel_max_rows=32,
+                       w8a8_min_rows=8, w8a8_faster=False, dense_dtype=torch.float32),
+    "default": KernelPlan("default", "", int4_kernel_max_rows=-1, int8_kernel_max_rows=-1,
+                          w8a8_min_rows=8, w8a8_faster=False, dense_dtype=torch.float32,
+                          float_resident=True),
+}
+
+
+def _flag(name: str) -> bool:
+    """torch.cpu's cpuinfo query `name` (absent on some builds and platforms: False)."""
+    query = getattr(torch.cpu, name, None)
+    try:
+        return bool(query()) if query is not None else False
+    except Exception:      # noqa: BLE001 - a query that fails means the feature cannot be relied on
+        return False
+
+
+def native_bf16() -> bool:
+    """bf16 GEMMs run on bf16 instructions: AVX-512 BF16 (or AMX) present, and oneDNN, which runs
+    them, not capped below it (ONEDNN_MAX_CPU_ISA, as a benchmark emulating an older CPU sets)."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    capped = cap != "ALL" and "BF16" not in cap and "AMX" not in cap and "FP16" not in cap
+    return (_flag("_is_avx512_bf16_supported") or _flag("_is_amx_tile_supported")) and not capped
+
+
+def entry_for(capability: str, bf16: bool) -> str:
+    if capability == "AVX512":
+        return "avx512_bf16" if bf16 else "avx512"
+    if capability == "AVX2":
+        return "avx2"
+    return "default"        # DEFAULT, and any string this table does not know (Arm, POWER, s390x)
+
+
+def _int4_probe_ok() -> bool:
+    """torch's int4 kernel against x @ W.T from the values it was packed from."""
+    g = torch.Generator().manual_seed(0)
+    N, K, G = 128, 256, 32
+    q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.int32)
+    sz = (torch.rand(K // G, N, 2, generator=g) - 0.5).bfloat16()          # [K/G, N, (scale, zero)]
+    w = (q.float().view(N, -1, G) - 8) * sz[..., 0].float().T[..., None] + sz[..., 1].float().T[..., None]
+    x = torch.randn(4, K, generator=g).bfloat16()
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, G, sz).float()
+    ref = x.float() @ w.view(N, K).T
+    return bool((y - ref).abs().max() <= 2e-2 * ref.abs().max())
+
+
+def _int8_probe_ok() -> bool:
+    g = torch.Generator().manual_seed(0)
+    N, K = 64, 256
+    q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+    s = torch.rand(N, generator=g).bfloat16()
+    x = torch.randn(4, K, generator=g).bfloat16()
+    y = torch.ops.aten._weight_int8pack_mm(x, q, s).float()
+    ref = x.float() @ (q.float() * s.float()[:, None]).T
+    return bool((y - ref).abs().max() <= 2e-2 * ref.abs().max())
+
+
+def _checked(plan: KernelPlan) -> KernelPlan:
+    """`plan` with each kernel that raises or disagrees on the probe switched off (one warning)."""
+    for field, probe in (("int4_kernel_max_rows", _int4_probe_ok), ("int8_kernel_max_rows", _int8_probe_ok)):
+        if getattr(plan, field) < 0:
+            continue
+        try:
+            ok, why = probe(), "gave wrong results on a probe matrix"
+        except Exception as e:     # noqa: BLE001 - a missing or broken op: the fallback path
+            ok, why = False, f"failed ({type(e).__name__}: {e})"
+        if not ok:
+            logger.warning("CPU capability %s: torch's %s kernel %s; those weights take the dequantize "
+                           "path instead", plan.capability, field.split("_")[0], why)
+            plan = dataclasses.replace(plan, **{field: -1})
+    return plan
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_plan() -> KernelPlan:
+    """This process's plan (the capability cannot change after torch is imported); logged once."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    name = entry_for(capability, native_bf16())
+    if name == "default" and capability != "DEFAULT":
+        logger.warning("CPU capability %r is not in kvserve's kernel table; quantized weights take the "
+                       "portable path (the DEFAULT entry)", capability)
+    plan = _checked(dataclasses.replace(TABLE[name], capability=capability))
+    logger.info("%s", plan.describe())
+    return plan
+
+
+def warn_once(message: str, *args) -> None:
+    """One warning per distinct message in a process (a fallback met by many weights)."""
+    text = message % args if args else message
+    if text not in _warned:
+        _warned.add(text)
+        logger.warning("%s", text)
+
+
+_warned: set[str] = set()
