@@ -1,0 +1,47 @@
+"""The quantized paths on torch's other CPU capabilities (kvserve/model/cpu_kernels.py).
+
+torch's CPU kernels, and the layout of their packed weights, change with the capability torch
+dispatches to. ATEN_CPU_CAPABILITY forces a lower one, so an AVX-512 host also runs the AVX2 and
+the DEFAULT (no SIMD; the portable path an Arm build takes) kernels: each capability below this
+host's runs the quantization, GGUF, default-model, int8-KV and self-int4 speculation tests in a
+pytest of its own. (The host's own capability is the rest of the suite.)
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+ORDER = ["DEFAULT", "AVX2", "AVX512"]
+MODULES = ["tests/model/test_quant.py", "tests/model/test_gguf_quant.py", "tests/model/test_gguf.py",
+           "tests/model/test_cpu_kernels.py", "tests/test_default_model.py",
+           "tests/engine/test_kv_quant.py", "tests/engine/test_sharing.py"]
+SELF_INT4 = "tests/reference/test_spec_exactness.py::test_constrained_speculative_engine_equals_unconstrained"
+
+
+def below_this_host() -> list[str]:
+    here = torch.backends.cpu.get_cpu_capability()
+    return ORDER[:ORDER.index(here)] if here in ORDER else []
+
+
+@pytest.mark.parametrize("capability", ["DEFAULT", "AVX2"])
+def test_quantized_paths_under_a_forced_capability(capability):
+    if capability not in below_this_host():
+        pytest.skip(f"this host's capability is {torch.backends.cpu.get_cpu_capability()}: "
+                    f"{capability} is not below it (the main run covers it where it is this host's)")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability.lower()}
+    # seeds 4 and 10 of the speculative fuzz use the self-int4 draft
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *MODULES,
+           f"{SELF_INT4}[4]", f"{SELF_INT4}[10]",
+           "-k", "not test_quantized_paths_under_a_forced_capability"]
+    check = [sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"]
+    assert subprocess.run(check, env=env, capture_output=True, text=True).stdout.strip() == capability
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    tail = "\n".join(run.stdout.splitlines()[-60:])
+    assert run.returncode == 0, f"under ATEN_CPU_CAPABILITY={capability}:\n{tail}\n{run.stderr[-3000:]}"
+    assert " passed" in tail and "failed" not in tail.splitlines()[-1]
