@@ -29,7 +29,7 @@ from collections import deque
 
 from kvserve.server.collector import RequestFailed, RequestOutputCollector  # noqa: F401 (re-export)
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.protocol import APIError
+from kvserve.server.protocol import ENGINE_REJECTED, APIError
 
 logger = logging.getLogger("kvserve.server")
 
@@ -253,7 +253,7 @@ class AsyncEngine(EngineFrontend):
             self.engine.add_request(rid, prompt, params, arrival_time=arrival,
                                     prompt_text=prompt_text)
         except ValueError as e:
-            error = APIError(str(e))
+            error = APIError(str(e), code=ENGINE_REJECTED)
         except Exception as e:  # noqa: BLE001 -- an engine bug is a 500 for this one request
             logger.exception("add_request failed")
             error = e

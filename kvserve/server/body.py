@@ -3,16 +3,22 @@
 type at all -- gets 415, as FastAPI's own body handling refuses it), the size cap, UTF-8, JSON
 (standard JSON only: NaN and Infinity are refused, and so are numbers over Python's 4300-digit
 limit and nesting too deep to parse), the lengths of list fields (server/limits.py), then the
-pydantic schema and the model name. Each failure is a 4xx in OpenAI's shape."""
+pydantic schema and the model name. Each failure is a 4xx in OpenAI's shape.
+
+A JSON number with an integral value (`4.0`, `1e3`) is parsed as an integer, as JSON Schema
+counts it, so an `integer` field takes it; the request models are strict otherwise (no `"4"`
+for a number, no `0` for a boolean), as their served schema says (server/protocol.py)."""
 from __future__ import annotations
 
 import hmac
 import json
+from decimal import Decimal
 
 from fastapi import Request
 from pydantic import ValidationError
 
-from kvserve.server.protocol import APIError, validation_error_to_api_error
+from kvserve.server.protocol import APIError
+from kvserve.server.request_rules import MIN_TOKENS_CODE, RULE_ERROR
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 
@@ -49,9 +55,19 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
 
 
+def _number(literal: str) -> int | float:
+    """A JSON number with a fraction or exponent: an int when its value is integral."""
+    f = float(literal)
+    if abs(f) < 2.0**70:         # larger ones stay floats (and out of every integer field's range)
+        d = Decimal(literal)
+        if d == d.to_integral_value():
+            return int(d)
+    return f
+
+
 def loads(text: str):
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        return json.loads(text, parse_constant=_reject_constant, parse_float=_number)
     except json.JSONDecodeError as e:
         raise APIError(f"malformed JSON in the request body: {e}") from None
     except RecursionError:
@@ -86,3 +102,48 @@ async def parse_body(state, request: Request, model_cls):
         raise APIError(f"the model {req.model!r} does not exist; this server serves "
                        f"{state.model_name!r}", 404, param="model", code="model_not_found")
     return req
+
+
+def validation_error_to_api_error(err: ValidationError) -> APIError:
+    """The first pydantic error as a one-line message naming the offending field."""
+    errors = err.errors()
+    first = errors[0]
+    if first["type"] in (RULE_ERROR, MIN_TOKENS_CODE):
+        param = first["ctx"]["param"]
+        return APIError(f"{param}: {first['msg']}", param=param,
+                        code=MIN_TOKENS_CODE if first["type"] == MIN_TOKENS_CODE else None)
+    same_field = [e for e in errors if e.get("loc", ())[:1] == first.get("loc", ())[:1]]
+    union = len(same_field) > 1 and any(_is_union_tag(x) for x in first.get("loc", ()))
+    if union:       # the member the value had the shape of, if any: its constraint is the news
+        first = next((e for e in same_field if not _is_shape_error(e)), first)
+    loc = [x for x in first.get("loc", ()) if not _is_union_tag(x)]
+    param = ".".join(str(x) for x in loc) or None
+    msg = first.get("msg", "invalid value").removeprefix("Value error, ")
+    if union and _is_shape_error(first):
+        msg = f"invalid type ({_UNION_HINTS.get(str(loc[-1]), 'see the API reference')})"
+    elif first["type"] in ("too_long", "literal_error") and param in _UNSUPPORTED:
+        msg = _UNSUPPORTED[param]
+    elif first["type"] == "too_short" and first.get("input") in ([], ""):
+        msg = f"must not be empty ({msg})"
+    return APIError(f"{param}: {msg}" if param else msg, param=param)
+
+
+_UNION_HINTS = {
+    "prompt": "expected a string, a list of strings, a list of token ids or a list of token-id lists",
+    "stop": "expected a string or a list of strings",
+    "content": "expected a string or a list of {\"type\": \"text\", \"text\": ...} parts; "
+               "only text is supported",
+}
+_UNSUPPORTED = {"suffix": "suffix is not supported", "tools": "tools are not supported",
+                "best_of": "best_of is not supported beyond 1 (use n for more samples)"}
+
+
+def _is_shape_error(e: dict) -> bool:
+    """The value is not of this union member's kind at all (a type or a literal mismatch)."""
+    return e["type"].endswith("_type") or e["type"] in ("literal_error", "missing")
+
+
+def _is_union_tag(x) -> bool:
+    # pydantic puts the union member it tried into `loc` (e.g. 'str', 'list[int]').
+    return isinstance(x, str) and (x in ("str", "int", "bool", "float") or "[" in x
+                                   or x.startswith("function-"))

@@ -26,7 +26,7 @@ from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.server.async_engine import EngineFrontend
 from kvserve.server.collector import RequestFailed, RequestOutputCollector
 from kvserve.server.engine_core import run_engine_core
-from kvserve.server.protocol import APIError
+from kvserve.server.protocol import ENGINE_REJECTED, APIError
 
 logger = logging.getLogger("kvserve.server")
 
@@ -245,7 +245,7 @@ class ProcessEngine(EngineFrontend):
         if error is None:
             accepted.set_result(None)
         elif error[0] == "invalid":
-            accepted.set_exception(APIError(error[1]))
+            accepted.set_exception(APIError(error[1], code=ENGINE_REJECTED))
         else:
             accepted.set_exception(RuntimeError(error[1]))
 

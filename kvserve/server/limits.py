@@ -109,10 +109,12 @@ class ServerLimits:
     def check_num_prompts(self, n: int) -> None:
         if n > self.max_prompts_per_request:
             raise APIError(f"prompt: at most {self.max_prompts_per_request} prompts per request "
-                           f"(--max-prompts-per-request), got {n}", param="prompt")
+                           f"(--max-prompts-per-request), got {n}", param="prompt",
+                           code="too_many_prompts")
         if self.max_waiting is not None and n > self.max_waiting:
             raise APIError(f"prompt: {n} prompts can never fit in the waiting queue of "
-                           f"{self.max_waiting} (--max-waiting): send fewer per request", param="prompt")
+                           f"{self.max_waiting} (--max-waiting): send fewer per request", param="prompt",
+                           code="too_many_prompts")
 
     def context_error(self, prompt_len: int | str) -> APIError:
         return APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, "

@@ -27,14 +27,20 @@ def bound_state(state, max_prompts_per_request: int, max_waiting: int | None) ->
     state.engine_failure = EngineFailureReport()
 
 
-def max_tokens_for(state, prompt_len: int, requested: int | None) -> int:
-    """The request's max_tokens, checked against the context window (vLLM's rule)."""
+def max_tokens_for(state, prompt_len: int, requested: int | None, min_tokens: int = 0) -> int:
+    """The request's max_tokens, checked against the context window (vLLM's rule); without
+    one, what the context leaves, which must hold min_tokens."""
     limit = state.max_model_len
     if prompt_len >= limit:
         raise APIError(f"This model's maximum context length is {limit} tokens. However, your "
                        f"prompt has {prompt_len} tokens. Please reduce the length of the prompt.",
                        param="prompt", code="context_length_exceeded")
     if requested is None:
+        if prompt_len + min_tokens > limit:
+            raise APIError(f"This model's maximum context length is {limit} tokens. However, you "
+                           f"requested at least {prompt_len + min_tokens} tokens ({prompt_len} in the "
+                           f"prompt, min_tokens {min_tokens}). Please reduce the prompt or min_tokens.",
+                           param="min_tokens", code="context_length_exceeded")
         return limit - prompt_len
     if prompt_len + requested > limit:
         raise APIError(f"This model's maximum context length is {limit} tokens. However, you "

@@ -6,6 +6,11 @@ in OpenAI's `{"error": {"message", "type", "param", "code"}}` shape), never an e
 the engine loop. Unknown fields are ignored, as vLLM does, so clients that send newer OpenAI
 parameters still work; known fields of the wrong type are rejected.
 
+These models' JSON Schema is the served one (/openapi.json, server/openapi.py), and every check
+of a body's fields is in it: strict types, `Field` bounds and lengths, `Literal` enums, the
+rules between two fields as `if`/`then` (server/request_rules.py). What needs the tokenizer, the
+model or the server's settings comes later, as a 4xx with a code in `SEMANTIC_ERROR_CODES`.
+
 Beyond OpenAI's parameters the requests accept vLLM's sampling extensions with vLLM's names:
 `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
 `skip_special_tokens`, `include_stop_str_in_output`, and `cache_salt` (only requests with the
@@ -15,15 +20,17 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from kvserve.sample.params import (
     INT64_MAX, MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
-    MAX_TEMPERATURE, REPETITION_PENALTY_RANGE)
+    MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, SEED_MAX)
+from kvserve.server.request_rules import NOT_NULL, Implies, check_rules, min_tokens_error, rules_schema
 
 MAX_N = 16
+MAX_SEED = SEED_MAX - (MAX_N - 1)   # sample i of n is seeded with seed + i, an unsigned 64-bit value
 MAX_MESSAGES = 2048
 MAX_CONTENT_PARTS = 256
 MAX_LOGIT_BIAS = 300              # logit_bias is not supported (ignored), but never unbounded
@@ -38,8 +45,29 @@ def _real(lo=None, hi=None, *, gt=None):
     return Field(None, ge=lo, le=hi, gt=gt, allow_inf_nan=False)
 
 
-TokenId = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
-StopString = StrictStr            # non-empty, at most MAX_STOP_STRING_CHARS: _stop_valid
+def check_text(s: str) -> str:
+    """Reject strings that are not valid Unicode (JSON `\\ud800` escapes decode to lone surrogates)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text is not valid UTF-8 (it holds an unpaired surrogate)") from None
+    return s
+
+
+Text = Annotated[str, AfterValidator(check_text)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+T = TypeVar("T")
+NonEmpty = Annotated[T, Field(min_length=1)]
+
+
+# The codes of the 4xx whose check needs the tokenizer, the model, the server's settings or two
+# numbers at once, which no request schema can state (README, "Request validation"): a body
+# the served schema admits gets no other 4xx.
+ENGINE_REJECTED = "engine_rejected"     # add_request refused it: a token id outside the vocabulary,
+                                        # n over max_num_seqs, a prompt the KV pool cannot hold
+SEMANTIC_ERROR_CODES = ("context_length_exceeded", ENGINE_REJECTED, "model_not_found", "chat_template_error",
+                        "min_tokens_exceeds_max_tokens", "too_many_prompts")
 
 
 class APIError(Exception):
@@ -60,51 +88,20 @@ class APIError(Exception):
                           "code": self.code}}
 
 
-def validation_error_to_api_error(err: ValidationError) -> APIError:
-    """The first pydantic error as a one-line message naming the offending field."""
-    errors = err.errors()
-    first = errors[0]
-    loc = [x for x in first.get("loc", ()) if not _is_union_tag(x)]
-    param = ".".join(str(x) for x in loc) or None
-    msg = first.get("msg", "invalid value").removeprefix("Value error, ")
-    same_field = [e for e in errors if e.get("loc", ())[:1] == first.get("loc", ())[:1]]
-    if len(same_field) > 1 and len(first.get("loc", ())) > len(loc):
-        # A union field (prompt, stop, content) where no member matched.
-        msg = f"invalid type ({_UNION_HINTS.get(str(loc[-1]), 'see the API reference')})"
-    return APIError(f"{param}: {msg}" if param else msg, param=param)
+class _Strict(BaseModel):
+    """A request part: each field takes only the JSON type its schema names (body.py has made
+    integral numbers ints); unknown fields are ignored."""
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
-_UNION_HINTS = {
-    "prompt": "expected a string, a list of strings, a list of token ids or a list of token-id lists",
-    "stop": "expected a string or a list of strings",
-    "content": "expected a string or a list of {\"type\": \"text\", \"text\": ...} parts; "
-               "only text is supported",
-}
-
-
-def _is_union_tag(x) -> bool:
-    # pydantic puts the union member it tried into `loc` (e.g. 'str', 'list[int]').
-    return isinstance(x, str) and (x in ("str", "int", "bool", "float") or "[" in x
-                                   or x.startswith("function-"))
-
-
-def check_text(s: str, param: str) -> str:
-    """Reject strings that are not valid Unicode (JSON `\\ud800` escapes decode to lone surrogates)."""
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("text is not valid UTF-8 (it holds an unpaired surrogate)") from None
-    return s
-
-
-class StreamOptions(BaseModel):
+class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_Strict):
     """Sampling parameters shared by both endpoints (OpenAI's plus vLLM's extensions)."""
-    model_config = ConfigDict(extra="ignore")
+    RULES: ClassVar[tuple[Implies, ...]] = ()
 
     model: Optional[str] = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -112,7 +109,7 @@ class _SamplingFields(BaseModel):
     top_p: Optional[float] = _real(None, 1.0, gt=0.0)
     top_k: Optional[int] = Field(None, ge=-1, le=INT64_MAX)
     min_p: Optional[float] = _real(0.0, 1.0)
-    seed: Optional[int] = Field(None, ge=-(2**63), le=2**64 - 1)
+    seed: Optional[int] = Field(None, ge=-1, le=MAX_SEED)       # -1: none (vLLM's)
     stop: Optional[Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]]] = None
     stop_token_ids: Optional[list[TokenId]] = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     presence_penalty: Optional[float] = _real(-2.0, 2.0)
@@ -124,29 +121,21 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = None
-    cache_salt: Optional[str] = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)  # vLLM's
+    user: Optional[Text] = None
+    cache_salt: Optional[Text] = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)  # vLLM's
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)     # vLLM's: lower runs first (--scheduling-policy priority)
     semantic_cache: bool = True         # false: this request skips the semantic answer cache
 
-    @field_validator("stop")
-    @classmethod
-    def _stop_valid(cls, v):
-        if v is None:
-            return v
-        items = [v] if isinstance(v, str) else v
-        for s in items:
-            check_text(s, "stop")
-            if s == "":
-                raise ValueError("stop strings must not be empty")
-            if len(s) > MAX_STOP_STRING_CHARS:
-                raise ValueError(f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters long")
-        return v
+    @model_validator(mode="after")
+    def _rules_hold(self):
+        check_rules(self, self.RULES)
+        max_tokens = self.requested_max_tokens()
+        if max_tokens and self.min_tokens > max_tokens:     # (0: echo scores the prompt only)
+            raise min_tokens_error(self.min_tokens, max_tokens)
+        return self
 
-    @field_validator("user")
-    @classmethod
-    def _user_valid(cls, v):
-        return check_text(v, "user") if v is not None else v
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `SamplingParams`, defaults left to the engine."""
@@ -162,28 +151,25 @@ class _SamplingFields(BaseModel):
         return kw
 
 
+_COMPLETION_RULES = (
+    Implies("max_tokens", {"const": 0}, "echo", True,
+            "max_tokens=0 is only allowed with echo=true (score the prompt, generate nothing)"),
+    Implies("best_of", {"const": 1}, "n", 1, "best_of must equal n (only 1 is supported; use n)"),
+)
+
+
 class CompletionRequest(_SamplingFields):
     """`POST /v1/completions`."""
-    prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
+    model_config = ConfigDict(json_schema_extra=rules_schema(_COMPLETION_RULES))
+    RULES: ClassVar[tuple[Implies, ...]] = _COMPLETION_RULES
+
+    prompt: Union[Text, NonEmpty[list[TokenId]], NonEmpty[list[Text]],
+                  NonEmpty[list[NonEmpty[list[TokenId]]]]]
     max_tokens: Optional[int] = Field(16, ge=0, le=INT64_MAX)   # 0 only with echo: score the prompt
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False                                  # with logprobs: the prompt's too
-    best_of: Optional[int] = None
-    suffix: Optional[str] = None
-
-    @field_validator("prompt")
-    @classmethod
-    def _prompt_valid(cls, v):
-        if isinstance(v, str):
-            return check_text(v, "prompt")
-        if len(v) == 0:
-            raise ValueError("prompt must not be an empty list")
-        for item in v:
-            if isinstance(item, str):
-                check_text(item, "prompt")
-            elif isinstance(item, list) and len(item) == 0:
-                raise ValueError("a token-id prompt must not be empty")
-        return v
+    best_of: Optional[Literal[1]] = None                # OpenAI's; only 1 (= n): use n
+    suffix: Optional[Annotated[str, Field(max_length=0)]] = None    # not supported: only "" or null
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of single prompts (text or token ids)."""
@@ -195,30 +181,18 @@ class CompletionRequest(_SamplingFields):
         return list(p)                  # list of strings, or list of token-id lists
 
 
-class TextContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TextContentPart(_Strict):
     type: Literal["text"]
-    text: StrictStr
+    text: Text
 
 
 ContentParts = Annotated[list[TextContentPart], Field(max_length=MAX_CONTENT_PARTS)]
 
 
-class ChatMessageParam(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessageParam(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[StrictStr, ContentParts]] = None
-    name: Optional[str] = None
-
-    @field_validator("content")
-    @classmethod
-    def _content_valid(cls, v):
-        if isinstance(v, str):
-            check_text(v, "content")
-        elif v is not None:
-            for part in v:
-                check_text(part.text, "content")
-        return v
+    content: Optional[Union[Text, ContentParts]] = None
+    name: Optional[Text] = None
 
     def text(self) -> str:
         if self.content is None:
@@ -228,8 +202,14 @@ class ChatMessageParam(BaseModel):
         return "".join(p.text for p in self.content)
 
 
+_CHAT_RULES = (Implies("top_logprobs", NOT_NULL, "logprobs", True, "top_logprobs needs logprobs: true"),)
+
+
 class ChatCompletionRequest(_SamplingFields):
     """`POST /v1/chat/completions`."""
+    model_config = ConfigDict(json_schema_extra=rules_schema(_CHAT_RULES))
+    RULES: ClassVar[tuple[Implies, ...]] = _CHAT_RULES
+
     messages: list[ChatMessageParam] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     max_tokens: Optional[int] = Field(None, ge=1, le=INT64_MAX)
     max_completion_tokens: Optional[int] = Field(None, ge=1, le=INT64_MAX)
@@ -237,7 +217,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     echo: bool = False
-    tools: Optional[list] = None
+    tools: Optional[Annotated[list, Field(max_length=0)]] = None    # not supported: only [] or null
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

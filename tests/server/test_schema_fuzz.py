@@ -1,15 +1,21 @@
-"""Schema fuzz (issue 9): schemathesis generates requests from the server's own /openapi.json
-(which carries the pydantic request schemas), valid and invalid ones, a bounded number per
-route with a fixed seed, against a live stories260K server. No request may get a 5xx, and
-afterwards the server is healthy, still exact, and holds no KV block."""
+"""Schema fuzz (issue 9, issue 26 finding 11): schemathesis generates requests from the server's
+own /openapi.json (which carries the pydantic request schemas), valid and invalid ones, a bounded
+number per route with a fixed seed, against a live stories260K server. The schema says what the
+server does: a request it calls valid gets a 2xx or one of the semantic 4xx no schema can state
+(`SEMANTIC_ERROR_CODES`: context length, token ids outside the vocabulary, ...), one it calls
+invalid never gets a 2xx, and none gets a 5xx. Afterwards the server is healthy, still exact, and
+holds no KV block. A table of bodies checks the same agreement in process, case by case."""
 from __future__ import annotations
+
+import json
 
 import httpx
 import pytest
 
 from kvserve import SamplingParams
+from kvserve.server.protocol import SEMANTIC_ERROR_CODES
 
-from .live import LiveServer, reference_llm
+from .live import STORIES_HF, LiveServer, reference_llm
 
 schemathesis = pytest.importorskip("schemathesis")
 requests = pytest.importorskip("requests")
@@ -27,11 +33,11 @@ def server():
     assert srv.stop() == 0, srv.log()
 
 
-def test_schema_fuzz_gets_no_5xx_and_leaves_the_server_clean(server):
+def test_schema_fuzz_agrees_with_the_server_and_leaves_it_clean(server):
     schema = schemathesis.openapi.from_url(server.base_url + "/openapi.json")
     session = requests.Session()
     session.trust_env = False                   # no proxy for 127.0.0.1
-    server_errors, seen = [], {}
+    server_errors, disagreements, seen = [], [], {}
 
     for result in schema.get_all_operations():
         op = result.ok()
@@ -48,10 +54,17 @@ def test_schema_fuzz_gets_no_5xx_and_leaves_the_server_clean(server):
                 if resp.status_code >= 500:
                     server_errors.append((op.label, resp.status_code, case.as_curl_command(),
                                           resp.text[:300]))
+                elif mode == GenerationMode.NEGATIVE and resp.status_code < 300:
+                    disagreements.append(("invalid but served", op.label, case.as_curl_command()))
+                elif mode == GenerationMode.POSITIVE and resp.status_code >= 400 and \
+                        _error_code(resp) not in SEMANTIC_ERROR_CODES:
+                    disagreements.append(("valid but refused", op.label, resp.text[:300],
+                                          case.as_curl_command()[:600]))
 
             run()
 
     assert not server_errors, (server_errors[:3], server.log())
+    assert not disagreements, (len(disagreements), disagreements[:3])
     # the fuzz reached the engine: valid requests were served (2xx), invalid ones refused (4xx)
     assert seen.get(("POST /v1/completions", "positive", 2)), seen
     assert seen.get(("POST /v1/chat/completions", "positive", 2)), seen
@@ -66,3 +79,96 @@ def test_schema_fuzz_gets_no_5xx_and_leaves_the_server_clean(server):
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
     m = server.wait_idle(timeout=30)
     assert m["kvserve:num_kv_blocks_free"] == m["kvserve:num_kv_blocks_total"]
+
+
+def _error_code(resp) -> str | None:
+    try:
+        return resp.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+# (body, valid by the schema): each a place where schema and server once disagreed
+CASES = [
+    ({"prompt": "hi", "n": 2.0, "max_tokens": 3.0}, True),       # integral numbers are integers
+    ({"prompt": [5.0, 6]}, True),
+    ({"prompt": "hi", "n": "2"}, False),                          # no strings for numbers
+    ({"prompt": "hi", "echo": 1}, False),                         # no numbers for booleans
+    ({"prompt": "hi", "temperature": "0.5"}, False),
+    ({"prompt": "hi", "n": 2.5}, False),
+    ({"prompt": []}, False),
+    ({"prompt": [[1, 2], []]}, False),
+    ({"prompt": [-3, 5]}, False),
+    ({"prompt": "hi", "stop": ""}, False),
+    ({"prompt": "hi", "stop": ["a", ""]}, False),
+    ({"prompt": "hi", "seed": -5}, False),
+    ({"prompt": "hi", "seed": -1}, True),
+    ({"prompt": "hi", "n": 16, "seed": 2**64 - 16}, True),
+    ({"prompt": "hi", "seed": 2**64 - 1}, False),                 # seed + i must stay 64-bit
+    ({"prompt": "hi", "suffix": "x"}, False),
+    ({"prompt": "hi", "suffix": ""}, True),
+    ({"prompt": "hi", "best_of": 1}, True),
+    ({"prompt": "hi", "best_of": 2, "n": 2}, False),
+    ({"prompt": "hi", "best_of": 1, "n": 2}, False),
+    ({"prompt": "hi", "max_tokens": 0}, False),                   # 0 only with echo
+    ({"prompt": "hi", "max_tokens": 0, "echo": True}, True),
+    ({"prompt": "hi", "max_tokens": 2, "min_tokens": 2}, True),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "top_logprobs": 2}, False),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "top_logprobs": 2,
+      "logprobs": True}, True),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": [{"type": "function"}]},
+     False),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": []}, True),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_tokens": 2}, True),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, False),
+    ({"messages": [{"role": "user", "content": "hi", "name": 7}]}, False),
+]
+
+
+def test_schema_and_server_agree_case_by_case():
+    import jsonschema_rs
+    from fastapi.testclient import TestClient
+
+    from kvserve.config import EngineConfig
+    from kvserve.engine.engine import LLMEngine
+    from kvserve.server.app import build_app
+
+    app = build_app(LLMEngine(EngineConfig(model=str(STORIES_HF), max_model_len=128)), "stories")
+    with TestClient(app) as client:
+        doc = client.get("/openapi.json").json()
+        wrong = []
+        for body, valid in CASES:
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            schema = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+            validator = jsonschema_rs.validator_for({**schema, "components": doc["components"]})
+            r = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+            got = (validator.is_valid(body), r.status_code < 300)
+            if got != (valid, valid):
+                wrong.append((body, got, r.text[:200]))
+    assert not wrong, wrong
+
+
+def test_semantic_400s_carry_their_codes():
+    """The 4xx a valid body can still get name themselves, so clients (and the fuzz above) can
+    tell them from a schema violation."""
+    from fastapi.testclient import TestClient
+
+    from kvserve.config import EngineConfig
+    from kvserve.engine.engine import LLMEngine
+    from kvserve.server.app import build_app
+
+    app = build_app(LLMEngine(EngineConfig(model=str(STORIES_HF), max_model_len=128)), "stories")
+    with TestClient(app) as client:
+        def code(body):
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            r = client.post(path, json=body)
+            assert r.status_code in (400, 404), r.text
+            return r.json()["error"]["code"]
+
+        assert code({"prompt": [1, 99999]}) == "engine_rejected"
+        assert code({"prompt": "hi", "stop_token_ids": [512]}) == "engine_rejected"
+        assert code({"prompt": "hi", "max_tokens": 500}) == "context_length_exceeded"
+        assert code({"messages": [{"role": "user", "content": "hi"}], "min_tokens": 500}) == \
+            "context_length_exceeded"
+        assert code({"prompt": "hi", "max_tokens": 2, "min_tokens": 3}) == "min_tokens_exceeds_max_tokens"
+        assert code({"prompt": "hi", "model": "gpt-9"}) == "model_not_found"
