@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import warnings
 
-from kvserve.model.tokenizer import Tokenizer
+from kvserve.model.tokenizer import TokenizersBacked
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -38,7 +38,7 @@ PRE_TOKENIZERS = {
 }
 
 
-class GGUFTokenizer(Tokenizer):
+class GGUFTokenizer(TokenizersBacked):
     """kvserve's Tokenizer interface over a `tokenizers.Tokenizer` built from GGUF metadata."""
 
     def __init__(self, tok, tokens: list[str], special_ids: set[int], bos_id: int | None,
@@ -52,8 +52,9 @@ class GGUFTokenizer(Tokenizer):
         self.add_bos_token = add_bos
         self.chat_template = chat_template
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True,
+               split_special_tokens: bool = False) -> list[int]:
+        return self._inner(split_special_tokens).encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

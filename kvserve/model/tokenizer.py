@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+from functools import cached_property
 from pathlib import Path
 
 
@@ -18,11 +19,19 @@ class Tokenizer:
     add_bos_token: bool = True
     special_ids: frozenset[int] = frozenset()
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True,
+               split_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; `split_special_tokens` (transformers' name) reads special-token
+        text such as `<|im_end|>` as plain text instead of as the control token."""
         raise NotImplementedError
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         raise NotImplementedError
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """Text that encodes to a special token -> its id (none: specials are never read from text)."""
+        return {}
 
     _anchor: list[int] | None = None
     _anchor_len = 0
@@ -36,7 +45,28 @@ class Tokenizer:
         return self.decode(self._anchor + [token_id], skip_special_tokens=False)[self._anchor_len:]
 
 
-class HFTokenizer(Tokenizer):
+class TokenizersBacked(Tokenizer):
+    """A Tokenizer over a `tokenizers.Tokenizer` (`self._tok`): its special added tokens are
+    matched in text, unless `split_special_tokens`, which encodes with a copy of it that has
+    `encode_special_tokens` set (made on first use)."""
+
+    _tok = None
+
+    @cached_property
+    def _plain_tok(self):
+        plain = type(self._tok).from_str(self._tok.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
+    def _inner(self, split_special_tokens: bool):
+        return self._plain_tok if split_special_tokens else self._tok
+
+    @cached_property
+    def special_tokens(self) -> dict[str, int]:
+        return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+
+
+class HFTokenizer(TokenizersBacked):
     def __init__(self, model_dir: Path):
         from tokenizers import Tokenizer as _Tok
 
@@ -63,10 +93,12 @@ class HFTokenizer(Tokenizer):
         self._prepend_bos = bool(cfg.get("add_bos_token", False) and self.bos_token_id is not None
                                  and (not probe or probe[0] != self.bos_token_id))
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True,
+               split_special_tokens: bool = False) -> list[int]:
         # encode_batch releases the GIL while it works (encode does not), so a long prompt
         # tokenized on a worker thread (server/limits.py) does not stall the other threads.
-        ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        tok = self._inner(split_special_tokens)
+        ids = tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self._prepend_bos:
             ids = [self.bos_token_id] + ids
         return ids
@@ -111,8 +143,9 @@ class Llama2cTokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return len(self.pieces)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids: list[int] = []
+    def encode(self, text: str, add_special_tokens: bool = True,
+               split_special_tokens: bool = False) -> list[int]:
+        ids: list[int] = []         # (special tokens are never read from text here)
         if text:
             ids.append(self.piece_to_id[b" "])
         for ch in text:

@@ -4,7 +4,8 @@
     POST /v1/chat/completions     chat, rendered with the model's chat template (server/chat.py)
     GET  /v1/models               the served model, named --served-model-name
     GET  /health                  200 while the engine is alive, 500 once it failed
-    GET  /metrics                 Prometheus text format (server/metrics.py)
+    GET  /metrics                 Prometheus text format (server/metrics.py); with API keys it
+                                  needs one, unless --metrics-public
 
 Every HTTP request is one engine request per prompt (`n` samples of a prompt: one request with
 `n` sequences), all sent to one engine -- in its own process by default (server/engine_core.py)
@@ -72,12 +73,15 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
               max_waiting: int | None = None, chat_template: str | None = None,
               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
               stream_stall_timeout: float | None = None, api_keys: str | None = None,
-              answer_cache: dict | None = None) -> FastAPI:
+              answer_cache: dict | None = None, metrics_public: bool = False,
+              metrics_tenant_labels: bool = False, escape_special_tokens: bool = False) -> FastAPI:
     """The FastAPI app serving `engine`: an `LLMEngine` (run by a thread of this process) or a
     `ProcessEngine` (an engine core process). The engine loop starts with the app."""
     state = ServerState(engine, served_model_name, api_key, max_waiting, chat_template,
                         stream_stall_timeout)
     bound_state(state, max_prompts_per_request, max_waiting)
+    if state.chat is not None:
+        state.chat.escape_special_tokens = escape_special_tokens    # server/chat.py
     install_front(state, api_keys, answer_cache)    # tenants, answer caches (server/answers.py)
 
     @asynccontextmanager
@@ -106,8 +110,10 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
-    async def metrics():
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(request: Request):
+        if not metrics_public:
+            state.tenancy.authenticate(request, limit=False)     # 401 without a key, when keys exist
+        return Response(state.metrics.render(metrics_tenant_labels), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -133,6 +139,7 @@ def _sampling_params(req, max_tokens: int, logprobs: int | None,
                      prompt_logprobs: int | None = None) -> SamplingParams:
     kw = req.sampling_kwargs()
     kw["max_tokens"] = max_tokens
+    kw["min_tokens"] = min(kw["min_tokens"], max_tokens)    # the one token echo scoring discards
     kw["logprobs"] = logprobs
     kw["prompt_logprobs"] = prompt_logprobs
     if req.include_stop_str_in_output:
@@ -159,15 +166,9 @@ def _usage(outputs: list, include_cached: bool = True) -> UsageInfo:
 
 
 async def _completions(state: ServerState, req: CompletionRequest, request: Request):
-    if req.suffix:
-        raise APIError("suffix is not supported", param="suffix")
-    if req.best_of is not None and req.best_of != req.n:
-        raise APIError("best_of is not supported (use n)", param="best_of")
-    if req.max_tokens == 0 and not req.echo:
-        raise APIError("max_tokens=0 is only allowed with echo=true (score the prompt, generate "
-                       "nothing)", param="max_tokens")
     items = await prompt_items(state, req)
-    max_tokens = [max_tokens_for(state, len(item["prompt_token_ids"]), req.max_tokens) for item in items]
+    max_tokens = [max_tokens_for(state, len(item["prompt_token_ids"]), req.max_tokens, req.min_tokens)
+                  for item in items]
     # echo with max_tokens=0 (vLLM's rule): generate one token, return none of it.
     params = [_sampling_params(req, max(m, 1), req.logprobs, req.logprobs if req.echo else None)
               for m in max_tokens]
@@ -294,17 +295,14 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
     if state.chat is None:
         raise APIError("this model has no tokenizer, so chat is not available; use /v1/completions "
                        "with token ids")
-    if req.tools:
-        raise APIError("tools are not supported", param="tools")
-    if req.top_logprobs is not None and not req.logprobs:
-        raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                 for m in req.messages]
     size = sum(len(m["content"]) for m in messages)
     text = await state.tokenization.call(size, state.chat.render, messages, req.add_generation_prompt)
     state.limits.check_text_fits(text)
-    ids = await state.tokenization.call(len(text), state.chat.encode, text)
-    max_tokens = max_tokens_for(state, len(ids), req.requested_max_tokens())
+    ids = await state.tokenization.call(len(text), state.chat.encode_chat, text, messages,
+                                        req.add_generation_prompt)
+    max_tokens = max_tokens_for(state, len(ids), req.requested_max_tokens(), req.min_tokens)
     k = req.top_logprobs or 0
     params = _sampling_params(req, max_tokens, k if req.logprobs else None)
     rid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -54,6 +54,13 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stream-stall-timeout", type=float, default=120.0,
                    help="abort a request whose client has read none of its output for this many "
                         "seconds, freeing its seat and KV blocks (0 disables)")
+    g.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without an API key even when keys are set (default: it needs one)")
+    g.add_argument("--metrics-tenant-labels", action="store_true",
+                   help="name tenants in /metrics labels (default: a stable pseudonym, t-<sha256 prefix>)")
+    g.add_argument("--escape-special-tokens-in-content", action=argparse.BooleanOptionalAction,
+                   default=None, help="tokenize special-token text in chat message content as plain "
+                   "text, never as control tokens (default: on with --api-keys, off otherwise)")
     g.add_argument("--engine-layout", default="process", choices=["process", "thread"],
                    help="run the engine in its own process (default; vLLM v1's EngineCore) or in a "
                         "thread of the server process")
@@ -82,6 +89,7 @@ def cmd_serve(args) -> int:
     from kvserve.engine.engine import LLMEngine
     from kvserve.server.answers import answer_cache_options, tenant_registry
     from kvserve.server.app import build_app
+    from kvserve.server.chat import escape_special_tokens
     from kvserve.server.engine_client import ProcessEngine
     from kvserve.server.shutdown import ANSWER_GRACE_S, DeadlineServer
 
@@ -109,6 +117,8 @@ def cmd_serve(args) -> int:
                     chat_template=args.chat_template,
                     max_prompts_per_request=args.max_prompts_per_request,
                     stream_stall_timeout=args.stream_stall_timeout or None,
+                    metrics_public=args.metrics_public, metrics_tenant_labels=args.metrics_tenant_labels,
+                    escape_special_tokens=escape_special_tokens(args),
                     api_keys=tenants, answer_cache=answer_cache_options(args))
     log.info("serving %s as %r on http://%s:%d (max_model_len %d)", engine.config.model, name, args.host,
              args.port, engine.config.max_model_len)

@@ -45,9 +45,15 @@ kvserve:tenant_{requests,prompt_tokens,generation_tokens,rate_limited}_total{ten
 server/answers.py: kvserve:answer_cache_lookups_total{tenant,cache,result},
 kvserve:semantic_cache_similarity, kvserve:semantic_cache_embedding_seconds).
 Every series carries `model_name`.
+
+Who may read it, and what it names (app.py): with `--api-key` or `--api-keys`, /metrics needs a
+valid key like /v1 (`--metrics-public` opens it). A `tenant` label never holds the tenant's name
+unless `--metrics-tenant-labels` is given: it holds `tenant_pseudonym(name)`, a stable SHA-256
+prefix, so dashboards can tell tenants apart without the scrape naming them.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -236,8 +242,28 @@ class ServerMetrics:
     def reject(self, reason: str) -> None:
         self.rejected.labels(self.model_name, reason).inc()
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, tenant_labels: bool = False) -> bytes:
+        """The Prometheus text; `tenant` labels as pseudonyms unless `tenant_labels`."""
+        return generate_latest(self.registry if tenant_labels else _PseudonymousTenants(self.registry))
+
+
+def tenant_pseudonym(name: str) -> str:
+    """The `tenant` label of `name` in /metrics: "t-" and 12 hex digits of SHA-256. Stable
+    across restarts and servers; it hides a name from a reader who cannot guess it."""
+    return "t-" + hashlib.sha256(b"kvserve tenant\0" + name.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+
+
+class _PseudonymousTenants:
+    """The registry's metric families with every `tenant` label value replaced by its pseudonym."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    def collect(self):
+        for fam in self.registry.collect():
+            fam.samples = [s._replace(labels={**s.labels, "tenant": tenant_pseudonym(s.labels["tenant"])})
+                           if "tenant" in s.labels else s for s in fam.samples]
+            yield fam
 
 
 def _observe(hist: Histogram, name: str, value) -> None:

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import httpx
@@ -38,10 +40,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _server_key(args: tuple, env: dict) -> str | None:
+    """A key the server accepts: --api-key's, $KVSERVE_API_KEY, or the first of --api-keys FILE."""
+    args = list(args)
+    if "--api-key" in args:
+        return args[args.index("--api-key") + 1]
+    if env.get("KVSERVE_API_KEY"):
+        return env["KVSERVE_API_KEY"]
+    if "--api-keys" in args:
+        path = Path(args[args.index("--api-keys") + 1])
+        text = path.read_text()
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+        return next(iter(data.get("keys", data)))
+    return None
+
+
 class LiveServer:
     def __init__(self, *extra_args: str, env: dict | None = None, startup_timeout: float = 90.0):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
+        self.api_key = _server_key(extra_args, {**os.environ, **(env or {})})   # for /metrics
         cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(STORIES_HF),
                "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning", *extra_args]
         full_env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", NO_PROXY="*")
@@ -70,7 +88,10 @@ class LiveServer:
 
     def metrics(self) -> dict[str, float]:
         """Prometheus samples as {'name{labels}': value}, and {'name': value} summed over labels."""
-        text = httpx.get(self.base_url + "/metrics", timeout=10, trust_env=False).text
+        headers = {"Authorization": b"Bearer " + self.api_key.encode()} if self.api_key else {}
+        r = httpx.get(self.base_url + "/metrics", headers=headers, timeout=10, trust_env=False)
+        r.raise_for_status()
+        text = r.text
         out: dict[str, float] = {}
         for line in text.splitlines():
             if not line or line.startswith("#"):

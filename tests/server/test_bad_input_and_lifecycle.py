@@ -146,9 +146,11 @@ def test_api_key(guarded):
     r = httpx.post(base + "/v1/completions", json=body, headers={"Authorization": "Bearer sekret"},
                    trust_env=False, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
-    # health and metrics stay open for probes and scrapers
+    # health stays open for probes; metrics need the key (issue 26: they count tenants' traffic)
     assert httpx.get(base + "/health", trust_env=False).status_code == 200
-    assert httpx.get(base + "/metrics", trust_env=False).status_code == 200
+    assert httpx.get(base + "/metrics", trust_env=False).status_code == 401
+    assert httpx.get(base + "/metrics", headers={"Authorization": "Bearer sekret"},
+                     trust_env=False).status_code == 200
 
 
 def _read_sse(resp) -> tuple[list, str]:

@@ -27,7 +27,8 @@ LONG = ("Once upon a time there was a little girl named Lily. She loved to play 
 def server(tmp_path_factory):
     path = tmp_path_factory.mktemp("keys") / "keys.json"
     path.write_text(json.dumps(KEYS))
-    srv = LiveServer("--api-keys", str(path), "--answer-cache", "semantic", "--max-num-seqs", "8")
+    srv = LiveServer("--api-keys", str(path), "--answer-cache", "semantic", "--max-num-seqs", "8",
+                     "--metrics-tenant-labels")         # test_per_tenant_metrics reads the names
     yield srv
     srv.stop()
 
