@@ -61,14 +61,30 @@ class KernelPlan:
                 f"GEMM; W8A8 (quantize_activations) {w8a8}")
 
 
-# Measured with `python benchmarks/bench_cpu_paths.py` (see its docstring for the figures).
+# Measured with `python benchmarks/bench_cpu_paths.py` (2026-12-01, an AMD EPYC with AVX-512 BF16
+# standing in for the others, load average 1.9-2.9; every figure in benchmarks/results/cpu_paths.json).
+# Microseconds summed over SmolLM2's gate_up, qkv and down, per step of R rows: int4 kernel /
+# int4 dequantize + GEMM in the entry's dense dtype (bf16 on avx512_bf16, else float32) | the same
+# for int8 | W8A8 | the dense float32 GEMM of the unquantized matrices:
+#   entry         R = 1                     R = 32                         R = 128                          R = 512
+#   avx512_bf16   148/3895 | 135/873 | - | 433   1719/4177 | 1785/1419 | 880 | 2236   7136/7443 | 7540/4526 | 2174 | 8746   26854/14672 | 28753/12081 | 8032 | 27737
+#   avx512        150/4107 | 140/685 | - | 400   1763/6020 | 2462/3873 | 816 | 3075   6681/11292 | 7202/9465 | 2081 | 7790   28107/31362 | 28593/27598 | 7654 | 27877
+#   avx2          245/3326 | 194/1365 | - | 381   3984/7900 | 3677/5171 | 1634 | 3054   13469/12049 | 11643/9245 | 3974 | 7640   43105/28992 | 40648/27600 | 14383 | 24117
+#   default       6053/7119 | 2918/2104 | - | 418   191887/8393 | 89503/3231 | 3104 | 2394   766652/16470 | 379352/10564 | 11448 | 10546
+# The kernels win at decode on every SIMD capability and lose to a dense GEMM as rows grow: the
+# entries take the largest R (of 1-512) up to which the kernel beats dequantizing. Without bf16
+# instructions a bf16 GEMM is 2-4x a float32 one (avx2 at 128 rows: 16.0 against 3.9 ms on
+# gate_up), so the other entries dequantize into float32. W8A8 beats both weight-only paths from
+# 16 rows on every entry (from 8 on avx512); under DEFAULT (no SIMD in torch's own kernels) the
+# kernels and every dequantization are 5-400x the dense float32 GEMM, so its plan holds the
+# weights dequantized. Arm builds (DEFAULT, SVE256) and any other capability string take that plan.
 TABLE = {
-    "avx512_bf16": KernelPlan("avx512_bf16", "", int4_kernel_max_rows=128, int8_kernel_max_rows=32,
+    "avx512_bf16": KernelPlan("avx512_bf16", "", int4_kernel_max_rows=128, int8_kernel_max_rows=16,
                               w8a8_min_rows=8, w8a8_faster=True, dense_dtype=torch.bfloat16),
-    "avx512": KernelPlan("avx512", "", int4_kernel_max_rows=64, int8_kernel_max_rows=32,
+    "avx512": KernelPlan("avx512", "", int4_kernel_max_rows=512, int8_kernel_max_rows=256,
                          w8a8_min_rows=8, w8a8_faster=True, dense_dtype=torch.float32),
     "avx2": KernelPlan("avx2", "", int4_kernel_max_rows=64, int8_kernel_max_rows=32,
-                       w8a8_min_rows=8, w8a8_faster=False, dense_dtype=torch.float32),
+                       w8a8_min_rows=8, w8a8_faster=True, dense_dtype=torch.float32),
     "default": KernelPlan("default", "", int4_kernel_max_rows=-1, int8_kernel_max_rows=-1,
                           w8a8_min_rows=8, w8a8_faster=False, dense_dtype=torch.float32,
                           float_resident=True),

@@ -17,8 +17,8 @@ everywhere. Other devices have no kernel: they dequantize, in the model dtype.
 
 Which path a step takes is cpu_kernels.kernel_plan()'s, by CPU capability (measured there):
   int8: at most `int8_kernel_max_rows` rows (decode batches) run the weight-only kernel; a bigger
-        step dequantizes (below). With `use_w8a8()` (`quantize_activations=True`), where the plan
-        has W8A8, a step of more than `w8a8_min_rows` rows quantizes the activations too, per row
+        step dequantizes (below). With `use_w8a8()` (`quantize_activations=True`) a step of more
+        than `w8a8_min_rows` rows quantizes the activations too, per row
         (symmetric int8; llama.cpp's Q8_0 matmuls quantize theirs in blocks of 32) and runs the
         integer GEMM `torch._int_mm`, `W8A8_ROWS` rows at a time, scaling the int32 sums in
         float32, at a measured cost in perplexity (README, Quantization).
@@ -31,12 +31,13 @@ many rows. No dequantized copy is kept, except on a capability whose plan is `fl
 kvserve owns the values: int8 keeps q [N, K] (the kernel's own input), int4 keeps its nibbles in
 kvserve's layout (byte k of row n: q[n, 2k] low, q[n, 2k + 1] high) beside torch's packed copy,
 whose layout differs by capability and is never read back. Dequantizing, fusing, embedding lookups
-and re-quantizing read kvserve's copy.
+and re-quantizing read kvserve's copy. (Holding both costs int4 weights a byte a weight where the
+kernel runs, against half a byte; a kernel of kvserve's own that reads its layout removes torch's.)
 
 int4 needs K to be a multiple of the group; a matrix that is not (stories260K's 172-wide MLP)
 is stored as int8. The int4 kernel takes N a multiple of 16 and the int8 one K a multiple of 32
-(others crash or misread, torch 2.13): other shapes take the dequantize path, with one warning. Embeddings stay in the model dtype (a lookup
-reads a few rows, not the matrix); the lm_head is quantized like the layers unless it is tied
+(others crash or misread, torch 2.13): other shapes take the dequantize path, with one warning.
+Embeddings stay in the model dtype (a lookup reads a few rows, not the matrix); the lm_head is quantized like the layers unless it is tied
 to the embedding: at one row the int8 kernel reads the benchmark's 32000 x 768 lm_head in
 337 us against 2238 us for bfloat16. A GGUF file's own quantized weights (gguf_quant.py) keep
 their format, the embedding included (looked up row by row, and tied, the lm_head).
