@@ -72,11 +72,12 @@ class ServerState:
 def build_app(engine, served_model_name: str, api_key: str | None = None,
               max_waiting: int | None = None, chat_template: str | None = None,
               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
-              stream_stall_timeout: float | None = None, api_keys: str | None = None,
+              stream_stall_timeout: float | None = None, api_keys=None,
               answer_cache: dict | None = None, metrics_public: bool = False,
               metrics_tenant_labels: bool = False, escape_special_tokens: bool = False) -> FastAPI:
     """The FastAPI app serving `engine`: an `LLMEngine` (run by a thread of this process) or a
-    `ProcessEngine` (an engine core process). The engine loop starts with the app."""
+    `ProcessEngine` (an engine core process). The engine loop starts with the app. `api_keys`:
+    a keys file's path or a loaded `TenantRegistry` (server/answers.install)."""
     state = ServerState(engine, served_model_name, api_key, max_waiting, chat_template,
                         stream_stall_timeout)
     bound_state(state, max_prompts_per_request, max_waiting)

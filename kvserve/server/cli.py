@@ -4,7 +4,7 @@
                   [--served-model-name NAME] [--max-waiting N] [--chat-template FILE]
                   [--shutdown-timeout S] [--engine-layout process|thread] [--engine-threads N]
                   [--api-keys FILE] [--salt-secret-file PATH]
-                  [--answer-cache none|exact|semantic] [--semantic-threshold 0.85]
+                  [--answer-cache none|exact|semantic] [--semantic-threshold 0.875]
                   [--scheduling-policy fcfs|priority|vtc]
                   [engine flags: --max-num-seqs, --block-size, ...]
 
