@@ -190,9 +190,9 @@ class ReplicaSet:
 
     @staticmethod
     def backpressured(replica: Replica) -> None:
-        """The replica answered "not now": counted; its breaker and LRU are left as they are."""
+        """The replica answered "not now": counted; its breaker and LRU are left as they are
+        (a probe that met it is freed by `end`)."""
         replica.backpressured += 1
-        replica.breaker.release_probe()
 
     @staticmethod
     def mark_down(replica: Replica, why: str) -> None:

@@ -140,3 +140,23 @@ def test_an_open_replica_comes_back_through_one_probe_after_the_cool_down():
     assert codes == [500, "no_healthy_replica", 503, 200]
     assert states == ["open", "half-open", "half-open", "closed"]
     assert b.calls == ["a"] * 3 and a.failures == 1 and a.in_flight == 0
+
+
+def test_backpressure_on_an_older_request_leaves_the_probe_slot_taken():
+    """A request sent while the breaker was closed meets backpressure while the half-open probe is
+    out: only the probe's own `end` frees the slot, so no second probe goes out meanwhile."""
+    from kvserve.dist.replicas import Pick, ReplicaSet
+
+    clock = Clock()
+    rs = ReplicaSet(["http://a"], failure_threshold=1, cooldown_s=5.0, clock=clock)
+    a = rs.replicas[0]
+    assert not rs.begin(Pick(a, 0), [])             # an older request, sent while closed
+    rs.failed(a, "boom")                            # another one failed: open
+    clock.now += 5.0
+    probe = rs.begin(Pick(a, 0), [])
+    assert probe and not a.breaker.allows()
+    rs.backpressured(a)                             # the older request's answer: busy
+    rs.end(a)
+    assert not a.breaker.allows() and rs.pick([]) is None
+    rs.end(a, probe)                                # the probe ends without a verdict
+    assert a.breaker.allows()
