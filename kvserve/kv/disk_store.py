@@ -66,11 +66,7 @@ class DiskStore(_WrittenInBackground):
             for f in os.scandir(sub.path):
                 m = self.TMP.search(f.name)
                 if m and _writer_gone(int(m.group(1))):
-                    try:
-                        os.unlink(f.path)
-                        self.swept_tmp_files += 1
-                    except OSError:
-                        pass
+                    self.swept_tmp_files += _remove(f.path)
                 elif f.name.endswith(self.SUFFIX):
                     try:
                         st = f.stat()
@@ -137,12 +133,9 @@ class DiskStore(_WrittenInBackground):
                         self._full_warned = False
                         log.info("kv disk tier %s: space returned, writing resumed", self.root)
                     return
-            os.unlink(tmp)
+            _remove(tmp)                                   # evicted while it was written
         except OSError as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            _remove(tmp)
             with self._lock:
                 self._forget(key)
                 self.failures += 1
@@ -203,23 +196,26 @@ class DiskStore(_WrittenInBackground):
                     self._forget(old)
                     doomed.append(old)
         for key in doomed:
-            try:
-                os.unlink(self._path(key))
-            except OSError:
-                pass
+            _remove(self._path(key))
         return []
 
     def delete(self, key):
         with self._lock:
             self._forget(key)
-        try:
-            os.unlink(self._path(key))
-        except OSError:
-            pass
+        _remove(self._path(key))
 
     def usage(self):
         with self._lock:
             return len(self._index), self.nbytes
+
+
+def _remove(path: str) -> bool:
+    """Unlink `path`; False (no error) if it was not there or could not be removed."""
+    try:
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
 
 
 def _writer_gone(pid: int) -> bool:

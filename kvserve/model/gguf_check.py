@@ -102,10 +102,7 @@ def _walk(c: _Cursor) -> None:
     alignment = DEFAULT_ALIGNMENT
     keys: set[str] = set()
     for i in range(n_kv):
-        key = _name(c, c.string(f"the key of metadata entry {i}"), f"metadata entry {i}'s key")
-        if key in keys:
-            raise ValueError(f"{c.where}: metadata key {key!r} appears twice; the file is corrupt.")
-        keys.add(key)
+        key = _unique_name(c, f"the key of metadata entry {i}", "metadata key", keys)
         vtype = c.value_type(f"metadata {key!r}")
         if key == "general.alignment":
             if vtype != GGUFValueType.UINT32:
@@ -119,10 +116,7 @@ def _walk(c: _Cursor) -> None:
     tensors = []
     names: set[str] = set()
     for i in range(n_tensors):
-        name = _name(c, c.string(f"the name of tensor {i}"), f"tensor {i}'s name")
-        if name in names:
-            raise ValueError(f"{c.where}: tensor {name!r} appears twice; the file is corrupt.")
-        names.add(name)
+        name = _unique_name(c, f"the name of tensor {i}", "tensor", names)
         n_dims = c.scalar("I", f"tensor {name!r}'s n_dims")
         if n_dims > MAX_DIMS:
             raise ValueError(f"{c.where}: tensor {name!r} has {n_dims} dimensions; GGUF allows "
@@ -136,12 +130,18 @@ def _walk(c: _Cursor) -> None:
         _check_tensor_data(c, name, dims, raw, offset, data_start, alignment)
 
 
-def _name(c: _Cursor, raw: bytes, what: str) -> str:
+def _unique_name(c: _Cursor, what: str, kind: str, seen: set[str]) -> str:
+    """The next string (a metadata key or a tensor name), UTF-8 and not in `seen`; added to it."""
+    raw = c.string(what)
     try:
-        return raw.decode("utf-8")
+        name = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise ValueError(f"{c.where}: {what} is not UTF-8 ({raw[:32]!r}...); the file is "
                          "corrupt.") from None
+    if name in seen:
+        raise ValueError(f"{c.where}: {kind} {name!r} appears twice; the file is corrupt.")
+    seen.add(name)
+    return name
 
 
 def _skip_value(c: _Cursor, vtype: GGUFValueType, what: str) -> None:
