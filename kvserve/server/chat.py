@@ -25,7 +25,7 @@ class ChatRenderer(_SharedRenderer):
         try:
             return super().render(messages, add_generation_prompt)
         except ChatTemplateError as e:
-            raise APIError(f"messages: {e}", param="messages", code="chat_template_error") from e
+            raise _refused(e) from e
 
     def encode_chat(self, text: str, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         """Token ids of `text`, the render of `messages`: escaped when the server escapes."""
@@ -34,7 +34,11 @@ class ChatRenderer(_SharedRenderer):
         try:
             return encode_escaped(self, self._special, messages, add_generation_prompt, text)
         except ChatTemplateError as e:
-            raise APIError(f"messages: {e}", param="messages", code="chat_template_error") from e
+            raise _refused(e) from e
+
+
+def _refused(e: ChatTemplateError) -> APIError:
+    return APIError(f"messages: {e}", param="messages", code="chat_template_error")
 
 
 def escape_special_tokens(args) -> bool:

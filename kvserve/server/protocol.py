@@ -27,7 +27,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 from kvserve.sample.params import (
     INT64_MAX, MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, SEED_MAX)
-from kvserve.server.request_rules import NOT_NULL, Implies, check_rules, min_tokens_error, rules_schema
+from kvserve.server.request_rules import (
+    MIN_TOKENS_CODE, NOT_NULL, Implies, check_rules, min_tokens_error, rules_schema)
 
 MAX_N = 16
 MAX_SEED = SEED_MAX - (MAX_N - 1)   # sample i of n is seeded with seed + i, an unsigned 64-bit value
@@ -67,7 +68,7 @@ NonEmpty = Annotated[T, Field(min_length=1)]
 ENGINE_REJECTED = "engine_rejected"     # add_request refused it: a token id outside the vocabulary,
                                         # n over max_num_seqs, a prompt the KV pool cannot hold
 SEMANTIC_ERROR_CODES = ("context_length_exceeded", ENGINE_REJECTED, "model_not_found", "chat_template_error",
-                        "min_tokens_exceeds_max_tokens", "too_many_prompts")
+                        MIN_TOKENS_CODE, "too_many_prompts")
 
 
 class APIError(Exception):

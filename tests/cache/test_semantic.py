@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from kvserve.cache.semantic import SemanticCache
+from tests.cache.conftest import unit
 from tests.cache.pairs import PAIRS
 
 THRESHOLDS = (0.7, 0.8, 0.85, 0.9, 0.95)
@@ -58,12 +59,6 @@ class Clock:
 
     def __call__(self):
         return self.t
-
-
-def unit(*xs):
-    v = np.zeros(384, dtype=np.float32)
-    v[: len(xs)] = xs
-    return v / np.linalg.norm(v)
 
 
 def test_scopes_are_isolated_and_threshold_applies():

@@ -4,11 +4,11 @@ paraphrases still hit, and "serve from cache" keeps precision >= 0.99 on the 375
 of tests/cache/pairs_hard.py, with the real all-MiniLM-L6-v2."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from kvserve.cache.near_miss import near_miss
 from kvserve.cache.semantic import DEFAULT_THRESHOLD, SemanticCache
+from tests.cache.conftest import unit
 from tests.cache.pairs_hard import HELD_OUT, LABELLED
 
 FINDINGS = [    # (cached, asked): the answers differ, the embeddings barely
@@ -72,12 +72,6 @@ def test_precision_on_the_labelled_pairs(vectors):
     assert p0 < 0.7 and wrong0 > 50 * wrong              # the threshold alone serves wrong answers
     ph, rh, _ = precision_recall(vectors, HELD_OUT)      # pairs the guard was not tuned on
     assert ph >= 0.97 and rh >= 0.7
-
-
-def unit(*xs):
-    v = np.zeros(384, dtype=np.float32)
-    v[: len(xs)] = xs
-    return v / np.linalg.norm(v)
 
 
 def test_a_near_miss_falls_through_to_the_next_neighbour():

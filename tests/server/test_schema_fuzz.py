@@ -125,8 +125,9 @@ CASES = [
 ]
 
 
-def test_schema_and_server_agree_case_by_case():
-    import jsonschema_rs
+@pytest.fixture(scope="module")
+def client():
+    """An in-process stories260K server with a 128-token context."""
     from fastapi.testclient import TestClient
 
     from kvserve.config import EngineConfig
@@ -134,41 +135,39 @@ def test_schema_and_server_agree_case_by_case():
     from kvserve.server.app import build_app
 
     app = build_app(LLMEngine(EngineConfig(model=str(STORIES_HF), max_model_len=128)), "stories")
-    with TestClient(app) as client:
-        doc = client.get("/openapi.json").json()
-        wrong = []
-        for body, valid in CASES:
-            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-            schema = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
-            validator = jsonschema_rs.validator_for({**schema, "components": doc["components"]})
-            r = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
-            got = (validator.is_valid(body), r.status_code < 300)
-            if got != (valid, valid):
-                wrong.append((body, got, r.text[:200]))
+    with TestClient(app) as c:
+        yield c
+
+
+def test_schema_and_server_agree_case_by_case(client):
+    import jsonschema_rs
+
+    doc = client.get("/openapi.json").json()
+    wrong = []
+    for body, valid in CASES:
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        schema = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        validator = jsonschema_rs.validator_for({**schema, "components": doc["components"]})
+        r = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+        got = (validator.is_valid(body), r.status_code < 300)
+        if got != (valid, valid):
+            wrong.append((body, got, r.text[:200]))
     assert not wrong, wrong
 
 
-def test_semantic_400s_carry_their_codes():
+def test_semantic_400s_carry_their_codes(client):
     """The 4xx a valid body can still get name themselves, so clients (and the fuzz above) can
     tell them from a schema violation."""
-    from fastapi.testclient import TestClient
+    def code(body):
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        r = client.post(path, json=body)
+        assert r.status_code in (400, 404), r.text
+        return r.json()["error"]["code"]
 
-    from kvserve.config import EngineConfig
-    from kvserve.engine.engine import LLMEngine
-    from kvserve.server.app import build_app
-
-    app = build_app(LLMEngine(EngineConfig(model=str(STORIES_HF), max_model_len=128)), "stories")
-    with TestClient(app) as client:
-        def code(body):
-            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-            r = client.post(path, json=body)
-            assert r.status_code in (400, 404), r.text
-            return r.json()["error"]["code"]
-
-        assert code({"prompt": [1, 99999]}) == "engine_rejected"
-        assert code({"prompt": "hi", "stop_token_ids": [512]}) == "engine_rejected"
-        assert code({"prompt": "hi", "max_tokens": 500}) == "context_length_exceeded"
-        assert code({"messages": [{"role": "user", "content": "hi"}], "min_tokens": 500}) == \
-            "context_length_exceeded"
-        assert code({"prompt": "hi", "max_tokens": 2, "min_tokens": 3}) == "min_tokens_exceeds_max_tokens"
-        assert code({"prompt": "hi", "model": "gpt-9"}) == "model_not_found"
+    assert code({"prompt": [1, 99999]}) == "engine_rejected"
+    assert code({"prompt": "hi", "stop_token_ids": [512]}) == "engine_rejected"
+    assert code({"prompt": "hi", "max_tokens": 500}) == "context_length_exceeded"
+    assert code({"messages": [{"role": "user", "content": "hi"}], "min_tokens": 500}) == \
+        "context_length_exceeded"
+    assert code({"prompt": "hi", "max_tokens": 2, "min_tokens": 3}) == "min_tokens_exceeds_max_tokens"
+    assert code({"prompt": "hi", "model": "gpt-9"}) == "model_not_found"
