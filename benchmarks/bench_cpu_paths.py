@@ -12,7 +12,8 @@ libraries capped to the same ISA, so that an AVX-512 host stands in for an older
 paths carry over, the absolute figures do not.)
 
 Paths, for SmolLM2-135M's matrices (gate_up 3072x576, qkv 960x576, down 576x1536):
-  i4k / i8k   torch's int4 / int8 kernel (bfloat16 activations)
+  i4k / i8k   torch's int4 / int8 kernel (bfloat16 activations; `.f`: float32 activations, at
+              up to 8 rows, the reason the kernels run in bfloat16)
   i4d / i8d   dequantize + GEMM, in bfloat16 and in float32 (`.b` / `.f`)
   w8a8        int8 activations and torch._int_mm (int8 only)
   dense       the unquantized matrix, bfloat16 and float32 GEMMs
@@ -79,6 +80,10 @@ def measure(shapes: str, rows: list[int], threads: int) -> dict:
             c = {"i4k": best_us(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
                      xb, i4.packed, 32, i4.scales_and_zeros)),
                  "i8k": best_us(lambda: torch.ops.aten._weight_int8pack_mm(xb, i8.q, i8.scale))}
+            if r <= 8:
+                c["i4k.f"] = best_us(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                    x, i4.packed, 32, i4.scales_and_zeros.float()))
+                c["i8k.f"] = best_us(lambda: torch.ops.aten._weight_int8pack_mm(x, i8.q, i8.scale.float()))
             for d, dt in (("b", torch.bfloat16), ("f", torch.float32)):
                 xd = x.to(dt)
                 i4.dense_dtype = i8.dense_dtype = dt

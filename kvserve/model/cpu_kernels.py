@@ -44,7 +44,6 @@ class KernelPlan:
     int4_kernel_max_rows: int
     int8_kernel_max_rows: int
     w8a8_min_rows: int             # quantize_activations: int8 steps of more rows run W8A8
-    w8a8_faster: bool              # ... and that was measured faster than the weight-only paths
     dense_dtype: torch.dtype       # the dequantize path's GEMM dtype
     float_resident: bool = False   # quantized weights kept dequantized in the model dtype
 
@@ -55,7 +54,7 @@ class KernelPlan:
         if self.float_resident:
             return (f"CPU capability {self.capability} ({self.name}): quantized weights are kept "
                     f"dequantized in the model dtype (no quantized path wins here)")
-        w8a8 = f"steps of > {self.w8a8_min_rows} rows" + ("" if self.w8a8_faster else " (slower here)")
+        w8a8 = f"steps of > {self.w8a8_min_rows} rows"
         return (f"CPU capability {self.capability} ({self.name}): int4 kernel {rows(self.int4_kernel_max_rows)}, "
                 f"int8 kernel {rows(self.int8_kernel_max_rows)}, bigger steps dequantize into a {dense} "
                 f"GEMM; W8A8 (quantize_activations) {w8a8}")
@@ -80,13 +79,13 @@ class KernelPlan:
 # weights dequantized. Arm builds (DEFAULT, SVE256) and any other capability string take that plan.
 TABLE = {
     "avx512_bf16": KernelPlan("avx512_bf16", "", int4_kernel_max_rows=128, int8_kernel_max_rows=16,
-                              w8a8_min_rows=8, w8a8_faster=True, dense_dtype=torch.bfloat16),
+                              w8a8_min_rows=8, dense_dtype=torch.bfloat16),
     "avx512": KernelPlan("avx512", "", int4_kernel_max_rows=512, int8_kernel_max_rows=256,
-                         w8a8_min_rows=8, w8a8_faster=True, dense_dtype=torch.float32),
+                         w8a8_min_rows=8, dense_dtype=torch.float32),
     "avx2": KernelPlan("avx2", "", int4_kernel_max_rows=64, int8_kernel_max_rows=32,
-                       w8a8_min_rows=8, w8a8_faster=True, dense_dtype=torch.float32),
+                       w8a8_min_rows=8, dense_dtype=torch.float32),
     "default": KernelPlan("default", "", int4_kernel_max_rows=-1, int8_kernel_max_rows=-1,
-                          w8a8_min_rows=8, w8a8_faster=False, dense_dtype=torch.float32,
+                          w8a8_min_rows=8, dense_dtype=torch.float32,
                           float_resident=True),
 }
 

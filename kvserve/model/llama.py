@@ -70,16 +70,12 @@ class LlamaModel:
         self.rope_sin = sin.to(device)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        if quantize_activations and device.type == "cpu" and kernel_plan().float_resident:
-            raise ValueError(f"quantize_activations needs int8 weights, and on CPU capability "
-                             f"{kernel_plan().capability} quantized weights are held dequantized "
-                             "(no quantized path wins there): drop quantize_activations.")
         if quantize_activations and self._use_w8a8() == 0:
-            logger.warning("quantize_activations: this model has no int8 linear weights; nothing changes")
-        elif quantize_activations and device.type == "cpu" and not kernel_plan().w8a8_faster:
-            logger.warning("quantize_activations: on CPU capability %s W8A8 was measured slower than the "
-                           "weight-only paths (benchmarks/bench_cpu_paths.py); it runs as asked",
-                           kernel_plan().capability)
+            why = (f"on CPU capability {kernel_plan().capability} quantized weights are held dequantized "
+                   "(no quantized path wins there)" if device.type == "cpu" and kernel_plan().float_resident
+                   else "this model has no int8 linear weights")
+            raise ValueError(f"quantize_activations runs int8 linear weights as W8A8, and {why}: drop "
+                             "quantize_activations, or load the model with quantization='int8'.")
 
     def _use_w8a8(self) -> int:
         """int8 linear weights run W8A8 on big steps (quant.Int8Weight.use_w8a8); returns how many."""

@@ -10,10 +10,12 @@ read the quantized bytes and scale inside the matmul:
   int4: groups of G along K (32..256)   w[n, k] ~ (q[n, k] - 8) * scale[n, k // G] + zero[n, k // G]
         torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, G, scales_and_zeros)
 
-The kernels are vectorized for bfloat16 activations only (float32 measured 10-100x slower on
-every capability), so a kernel call casts the activations to bfloat16 and the result back; the
-scales are stored in bfloat16 on the CPU on every capability, so a weight holds the same values
-everywhere. Other devices have no kernel: they dequantize, in the model dtype.
+The kernels are vectorized for bfloat16 activations only (float32 activations measured 4-59x
+slower at 1-8 rows on every SIMD capability: `python benchmarks/bench_cpu_paths.py --rows 1,8`,
+benchmarks/results/cpu_paths_f32_activations.json; an AVX-512 BF16 host standing in for
+the others, load average 1.3-2.1), so a kernel call casts the activations to bfloat16 and the
+result back; the scales are stored in bfloat16 on the CPU on every capability, so a weight holds
+the same values everywhere. Other devices have no kernel: they dequantize, in the model dtype.
 
 Which path a step takes is cpu_kernels.kernel_plan()'s, by CPU capability (measured there):
   int8: at most `int8_kernel_max_rows` rows (decode batches) run the weight-only kernel; a bigger
@@ -58,6 +60,7 @@ METHODS = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)      # what the int4 kernel accepts
 ROW_BLOCK = 64                        # rows dequantized (and packed) together: DEQUANT_CHUNK's unit
 CPU_SCALE_DTYPE = torch.bfloat16      # the kernels' activation and scale dtype on the CPU
+INT4_KERNEL_ROWS = 16                 # the int4 kernel takes out_features in multiples of this
 
 # One torch._int_mm over 2048 rows was nearly 4x slower than the same rows in blocks (42.6 against
 # 11.2 ms on 4096x768, AVX-512 VNNI), hence W8A8 in blocks of W8A8_ROWS rows written into one output.
@@ -271,7 +274,8 @@ class Int4Weight(QuantizedWeight):
             raise ValueError(f"int4 group size must be one of {GROUP_SIZES}; {name} has {group}.")
         device = torch.device(device)
         self._setup("int4", (N, K), dtype, device,
-                    None if N % 16 == 0 else "the int4 kernel needs out_features divisible by 16")
+                    None if N % INT4_KERNEL_ROWS == 0
+                    else f"the int4 kernel needs out_features divisible by {INT4_KERNEL_ROWS}")
         self.group_size = group
         self.nibbles = (pack_nibbles(q) if nibbles is None else nibbles).contiguous().to(device)
         self.has_zero = zero is not None and bool(zero.any())

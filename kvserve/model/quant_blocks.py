@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from kvserve.model.quant import GROUP_SIZES, Int4Weight, QuantizedWeight, quantize
+from kvserve.model.quant import GROUP_SIZES, INT4_KERNEL_ROWS, Int4Weight, QuantizedWeight, quantize
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class Int4Values:
 
 class Int8BlockWeight(QuantizedWeight):
     """q [N, K] int8 with d [N, K / 32]: W = q * d per block, as two int4 planes (module doc) in
-    one Int4Weight [N, 2K]. N must be a multiple of 16 (`fits`: the int4 kernel's rows)."""
+    one Int4Weight [N, 2K]. N must be a multiple of INT4_KERNEL_ROWS (`fits`)."""
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", name: str = "weight"):
@@ -97,7 +97,7 @@ class Int8BlockWeight(QuantizedWeight):
 
     @staticmethod
     def fits(N: int) -> bool:
-        return N % 16 == 0
+        return N % INT4_KERNEL_ROWS == 0
 
     def tensors(self):
         return self.planes.tensors()

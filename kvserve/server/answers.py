@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import Counter, Histogram
 
 from kvserve.cache.exact import ExactCache, cacheable, request_key
+from kvserve.cache.semantic import DEFAULT_THRESHOLD
 from kvserve.server.body import parse_body
 from kvserve.server.protocol import (
     ChatCompletionChoice, ChatCompletionResponse, ChatCompletionStreamChoice, ChatCompletionStreamResponse,
@@ -67,7 +68,7 @@ def install(state, api_keys=None, answer_cache: dict | None = None) -> None:
 
 
 class Front:
-    def __init__(self, state, mode: str = "none", threshold: float = 0.875, ttl: float = 3600.0,
+    def __init__(self, state, mode: str = "none", threshold: float = DEFAULT_THRESHOLD, ttl: float = 3600.0,
                  max_entries: int = 10000, embedder=None):
         if mode not in ("none", "exact", "semantic"):
             raise ValueError(f"--answer-cache must be none, exact or semantic, got {mode!r}.")
@@ -303,7 +304,7 @@ def add_cli_args(g) -> None:
     g.add_argument("--answer-cache", default="none", choices=["none", "exact", "semantic"],
                    help="answer deterministic requests from a cache: exact (same request) or "
                         "semantic (exact, then the nearest past query above --semantic-threshold)")
-    g.add_argument("--semantic-threshold", type=float, default=0.875,
+    g.add_argument("--semantic-threshold", type=float, default=DEFAULT_THRESHOLD,
                    help="cosine similarity a semantic-cache hit needs (all-MiniLM-L6-v2)")
     g.add_argument("--answer-cache-ttl", type=float, default=3600.0, help="seconds an answer stays cached")
     g.add_argument("--answer-cache-size", type=int, default=10000, help="most answers cached (LRU)")

@@ -319,6 +319,12 @@ def test_w8a8_on_a_trained_model_keeps_most_greedy_tokens(monkeypatch):
     assert top1 >= 0.9 and kl <= 0.02, (top1, kl)
 
 
+def test_quantize_activations_without_int8_weights_is_refused():
+    """An unquantized model has nothing for W8A8 to run: refused, not ignored."""
+    with pytest.raises(ValueError, match="no int8 linear weights|held dequantized"):
+        LLM(str(STORIES_HF), quantize_activations=True)
+
+
 def linear_bytes(shapes, method: str) -> int:
     """Bytes of quantized linear weights [N, K] on the CPU, scales in bfloat16: int8 N*K + 2N;
     int4 N*K/2 (kvserve's nibbles; as much again for torch's packed copy where the CPU's plan
