@@ -24,7 +24,7 @@ import httpx
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from kvserve.dist.launcher import free_port  # noqa: E402
+from kvserve.fleet.launcher import free_port  # noqa: E402
 
 WORKLOADS = {"long prompt, short answer": (512, 16), "short prompt, long answer": (32, 128)}
 

@@ -59,7 +59,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvserve.dist.launcher import LocalReplicas, free_port, stop_server, wait_healthy  # noqa: E402
+from kvserve.fleet.launcher import LocalReplicas, free_port, stop_server, wait_healthy  # noqa: E402
 
 STORIES_HF = ROOT.parent / "shared" / "models" / "stories260K-hf"
 MODEL_DIR = Path(tempfile.gettempdir()) / "kvserve-bench-router-llama"

@@ -16,7 +16,7 @@ COMMAND_MODULES = [
     "kvserve.analysis.cli",     # plan, simulate
     "kvserve.server.cli",       # serve
     "kvserve.perplexity",       # perplexity
-    "kvserve.dist.router_cli",  # router
+    "kvserve.fleet.router_cli",  # router
 ]
 
 

@@ -9,7 +9,7 @@ import torch
 
 from kvserve.model.kv_quant import KV_CACHE_DTYPES, check_kv_cache_dtype
 from kvserve.model.quant import parse_quantization
-from kvserve.spec.config import SpeculativeConfig
+from kvserve.spec_decode.config import SpeculativeConfig
 
 CPU_SPEC_DISABLE_BY_BATCH_SIZE = 4    # speculative decoding's default load threshold on CPU
 
@@ -49,17 +49,17 @@ class EngineConfig:
     quantize_activations: bool = False     # int8 weights: steps over 8 rows run W8A8 (faster, less exact)
     # KV-cache quantization (kvserve/model/kv_quant.py): one byte per element + a scale per token-head
     kv_cache_dtype: str = "auto"           # "auto" (the model dtype) | "int8" | "fp8_e4m3" | "fp8_e5m2"
-    # Speculative decoding (kvserve/spec/): a dict or its JSON, e.g. {"method": "ngram",
+    # Speculative decoding (kvserve/spec_decode/): a dict or its JSON, e.g. {"method": "ngram",
     # "num_speculative_tokens": 4} or {"model": PATH | "self-int4", "num_speculative_tokens": 4}
     speculative_config: dict | str | None = None
-    # Tensor parallelism (kvserve/dist/): heads, MLP and vocabulary split over N ranks
+    # Tensor parallelism (kvserve/distributed/): heads, MLP and vocabulary split over N ranks
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"   # "mp" (local processes) | "ray" (Ray actors)
     # KV tiers below the pool (kv/connector.py, kv/tiers.py): evicted prefix blocks move down,
     # hits reload by copy: ["cpu:4GiB", "disk:/path:20GiB", "redis://127.0.0.1:6379"] or one string
     kv_tiers: list[str] | str | None = None
     kv_tier_reload: str = "auto"           # "auto" (seed 003's measured break-even) | "always" | "never"
-    # Disaggregated prefill/decode (kvserve/dist/pd_proxy.py): "prefill" writes every computed
+    # Disaggregated prefill/decode (kvserve/fleet/pd_proxy.py): "prefill" writes every computed
     # prompt block to the shared tier by the end of its step; "decode" reloads them from it
     kv_role: str = "both"                  # "both" | "prefill" | "decode"
 

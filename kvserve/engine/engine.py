@@ -20,7 +20,7 @@ from the same logits, with its own generator (seed + i), exactly as n separate r
 Beam search (`use_beam_search`) runs the beams as forked sequences (engine/beam_search.py).
 Prompt logprobs (`prompt_logprobs`): the runner also returns the rows of the prompt positions a
 request still needs, and the engine turns them into entries on the group's head
-(engine/prompt_logprobs.py). Speculative decoding (`speculative_config`): kvserve/spec/decoder.py.
+(engine/prompt_logprobs.py). Speculative decoding (`speculative_config`): kvserve/spec_decode/decoder.py.
 """
 from __future__ import annotations
 
@@ -31,10 +31,10 @@ import time
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.dist.executor import TPDriverRunner, TPWorkers, build_rank_model
+from kvserve.distributed.executor import TPDriverRunner, TPWorkers, build_rank_model
 from kvserve.engine import prompt_logprobs
 from kvserve.engine.kv_sizing import num_kv_blocks
-from kvserve.engine.model_runner import ModelRunner, make_attention_backend
+from kvserve.worker.model_runner import ModelRunner, make_attention_backend
 from kvserve.engine.output import OutputProcessor
 from kvserve.engine.beam_search import BeamGroup
 from kvserve.engine.fairness import PROMPT_FIELDS, make_policy, prompt_fields
@@ -48,7 +48,7 @@ from kvserve.model.loader import load_model_dir
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput, logprob_entry
 from kvserve.sample.params import SamplingParams
 from kvserve.sample.sampler import Sampler
-from kvserve.spec.decoder import SpecDecoder
+from kvserve.spec_decode.decoder import SpecDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class LLMEngine:
                              f"max_position_embeddings {model_cfg.max_position_embeddings}.")
         config.max_model_len = max_len
         tp = config.tensor_parallel_size
-        if tp > 1:      # this process is rank 0 of tp (kvserve/dist/): its slice, then the workers
+        if tp > 1:      # this process is rank 0 of tp (kvserve/distributed/): its slice, then the workers
             self.model = build_rank_model(config, model_cfg, weights, 0, tp, self.device)
             self.tp_workers = TPWorkers(config, tp, config.distributed_executor_backend)
         else:

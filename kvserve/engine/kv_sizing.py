@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.engine.model_runner import ModelRunner
+from kvserve.worker.model_runner import ModelRunner
 from kvserve.kv.manager import cdiv
 
 DEFAULT_CPU_KV_BYTES = 1 << 30

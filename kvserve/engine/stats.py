@@ -36,7 +36,7 @@ class EngineStats:
     kv_cache_dtype: str = "auto"           # "auto" (the model dtype) | "int8" | "fp8_e4m3" | "fp8_e5m2"
     kv_bytes_per_token: int = 0            # K and V of every layer, scales included
     num_kv_tokens: int = 0                 # tokens the device pool holds: blocks * block_size
-    # Speculative decoding (kvserve/spec/; vLLM's spec_decode_* counters; 0 when off)
+    # Speculative decoding (kvserve/spec_decode/; vLLM's spec_decode_* counters; 0 when off)
     spec_decode_num_drafts: int = 0                  # sequences verified with drafts
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0

@@ -66,9 +66,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                         "thread of the server process")
     g.add_argument("--engine-threads", type=int, default=None,
                    help="torch threads of the engine (default: torch's, which follows OMP_NUM_THREADS)")
-    from kvserve.dist.router_cli import add_data_parallel_args
+    from kvserve.fleet.router_cli import add_data_parallel_args
 
-    add_data_parallel_args(p)       # --data-parallel-size N: replicas behind a router (kvserve/dist/)
+    add_data_parallel_args(p)       # --data-parallel-size N: replicas behind a router (kvserve/fleet/)
 
 
 def served_name(args) -> str:
@@ -96,7 +96,7 @@ def cmd_serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tenants = tenant_registry(args)     # before any replica starts: one salt secret file for all
     if getattr(args, "data_parallel_size", 1) > 1:
-        from kvserve.dist.router_cli import serve_data_parallel
+        from kvserve.fleet.router_cli import serve_data_parallel
 
         return serve_data_parallel(args)
     log = logging.getLogger("kvserve.server")

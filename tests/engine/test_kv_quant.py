@@ -13,7 +13,7 @@ import torch
 from kvserve import LLM
 from kvserve.analysis import kvmath
 from kvserve.config import EngineConfig
-from kvserve.engine.model_runner import ModelRunner
+from kvserve.worker.model_runner import ModelRunner
 from kvserve.model import kv_quant
 from kvserve.perplexity import make_chunks, perplexity, tokenize
 from tests.conftest import STORIES_HF

@@ -1,4 +1,4 @@
-"""Speculative decoding (kvserve/spec/): config errors, the n-gram proposer, rejection sampling
+"""Speculative decoding (kvserve/spec_decode/): config errors, the n-gram proposer, rejection sampling
 keeping the target's distribution (chi-square, fixed seeds: deterministic), stops that land
 inside an accepted run, logprobs, load awareness and the counters. The equality tests against
 speculation off and against transformers are in tests/reference/test_spec_exactness.py."""
@@ -14,9 +14,9 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import CPU_SPEC_DISABLE_BY_BATCH_SIZE, EngineConfig
-from kvserve.spec.config import SpeculativeConfig
-from kvserve.spec.ngram import ngram_lookup
-from kvserve.spec.verify import accept_greedy, rejection_sample
+from kvserve.spec_decode.config import SpeculativeConfig
+from kvserve.spec_decode.ngram import ngram_lookup
+from kvserve.spec_decode.verify import accept_greedy, rejection_sample
 from tests.conftest import STORIES_C, STORIES_HF
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
@@ -92,7 +92,7 @@ def test_accept_greedy():
 def test_each_row_is_processed_with_the_drafts_before_it():
     """Row i is penalised (and min_tokens-masked) as if drafts 1..i were already output."""
     from kvserve.engine.request import Request
-    from kvserve.spec.verify import verify
+    from kvserve.spec_decode.verify import verify
 
     logits = torch.tensor([[0.0, 3.0, 2.0, 0.0]] * 4)              # argmax 1, then 2
     pen = Request("a", [0], SamplingParams(temperature=0.0, frequency_penalty=2.0))

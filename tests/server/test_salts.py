@@ -117,8 +117,8 @@ def test_explicit_salt_stays_in_its_tenant_and_tenant_blocks_survive_a_restart(t
 def test_prefill_and_decode_instances_share_tenant_blocks(tmp_path):
     """`kvserve proxy` in front of a prefill and a decode instance with one keys file and one
     salt secret file: the decode instance loads the tenant's prompt blocks from the store."""
-    from tests.dist.live import start_replicas
-    from tests.dist.test_pd import LiveProxy
+    from tests.fleet.live import start_replicas
+    from tests.fleet.test_pd import LiveProxy
     from tests.redis_live import redis_server
 
     keys = tmp_path / "keys.json"

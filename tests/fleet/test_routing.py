@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvserve.dist.launcher import replica_argv
-from kvserve.dist.prefix_key import RequestHasher, load_tokenizer
-from kvserve.dist.replicas import BlockLRU, ReplicaSet
+from kvserve.fleet.launcher import replica_argv
+from kvserve.fleet.prefix_key import RequestHasher, load_tokenizer
+from kvserve.fleet.replicas import BlockLRU, ReplicaSet
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.prefix_cache import HashPrefixCache, SeqCacheState
 from kvserve.server.chat import ChatRenderer

@@ -1,4 +1,4 @@
-"""Live replicas (`kvserve.dist.launcher.LocalReplicas`) and `kvserve router` subprocesses on
+"""Live replicas (`kvserve.fleet.launcher.LocalReplicas`) and `kvserve router` subprocesses on
 127.0.0.1, started and stopped by the tests, and Prometheus scraping helpers."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from kvserve.dist.launcher import LocalReplicas, free_port, stop_server
+from kvserve.fleet.launcher import LocalReplicas, free_port, stop_server
 
 ROOT = Path(__file__).resolve().parents[2]
 STORIES_HF = ROOT.parent / "shared" / "models" / "stories260K-hf"

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.dist.breaker import CircuitBreaker, backpressure_reason
-from kvserve.dist.prefix_key import RequestHasher
+from kvserve.fleet.breaker import CircuitBreaker, backpressure_reason
+from kvserve.fleet.prefix_key import RequestHasher
 
 from .test_router_failover import BODY, Backends, run
 
@@ -145,7 +145,7 @@ def test_an_open_replica_comes_back_through_one_probe_after_the_cool_down():
 def test_backpressure_on_an_older_request_leaves_the_probe_slot_taken():
     """A request sent while the breaker was closed meets backpressure while the half-open probe is
     out: only the probe's own `end` frees the slot, so no second probe goes out meanwhile."""
-    from kvserve.dist.replicas import Pick, ReplicaSet
+    from kvserve.fleet.replicas import Pick, ReplicaSet
 
     clock = Clock()
     rs = ReplicaSet(["http://a"], failure_threshold=1, cooldown_s=5.0, clock=clock)

@@ -1,4 +1,4 @@
-"""Tensor parallelism (kvserve/dist/): tensor_parallel_size=2 over gloo with the mp executor gives
+"""Tensor parallelism (kvserve/distributed/): tensor_parallel_size=2 over gloo with the mp executor gives
 the greedy tokens of tensor_parallel_size=1 and of transformers, logprobs within 1e-4 in float32
 (the all-reduce changes the summation order), under chunked prefill, tiny blocks, prefix hits and
 preemption in both modes; a worker that dies fails the step with a clear error, at once."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.dist.tensor_parallel import check_tp_size, shard_config
+from kvserve.distributed.tensor_parallel import check_tp_size, shard_config
 from kvserve.model.config import ModelConfig
 
 from tests.conftest import STORIES_HF

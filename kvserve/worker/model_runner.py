@@ -172,7 +172,7 @@ class ModelRunner:
 
     def forward(self, input_ids, positions, meta, logits_indices) -> torch.Tensor:
         """One forward pass of the model over this runner's KV pools (the hook a tensor-parallel
-        driver wraps to send the same pass to its workers: kvserve/dist/executor.py)."""
+        driver wraps to send the same pass to its workers: kvserve/distributed/executor.py)."""
         return self.model.forward(input_ids, positions, meta, self.kv_caches, logits_indices)
 
 

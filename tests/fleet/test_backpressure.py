@@ -12,10 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from kvserve.dist.pd_proxy import PDProxy, build_proxy_app
-from kvserve.dist.prefix_key import RequestHasher
-from kvserve.dist.replicas import ReplicaSet
-from kvserve.dist.router import Router
+from kvserve.fleet.pd_proxy import PDProxy, build_proxy_app
+from kvserve.fleet.prefix_key import RequestHasher
+from kvserve.fleet.replicas import ReplicaSet
+from kvserve.fleet.router import Router
 
 from .live import MODEL, LiveRouter, scrape, start_replicas
 from .test_router_failover import BODY, Backends

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.spec.config import SpeculativeConfig
-from kvserve.spec.ngram import NgramProposer, Proposer
-from kvserve.spec.verify import Verified, verify
+from kvserve.spec_decode.config import SpeculativeConfig
+from kvserve.spec_decode.ngram import NgramProposer, Proposer
+from kvserve.spec_decode.verify import Verified, verify
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class SpecDecodeStats:
 def make_proposer(cfg: SpeculativeConfig, engine) -> Proposer:
     if cfg.method == "ngram":
         return NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-    from kvserve.spec.draft import DraftModelProposer
+    from kvserve.spec_decode.draft import DraftModelProposer
     return DraftModelProposer(cfg, engine)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvserve.dist.launcher import free_port, stop_server
+from kvserve.fleet.launcher import free_port, stop_server
 
 from .live import ENV, MODEL, ROOT, STORIES_HF
 

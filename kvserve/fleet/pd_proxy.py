@@ -42,9 +42,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from kvserve.dist.breaker import DEFAULT_COOLDOWN_S, DEFAULT_FAILURE_THRESHOLD, backpressure_reason
-from kvserve.dist.replicas import ReplicaSet
-from kvserve.dist.router import Router, error_response, forward_headers
+from kvserve.fleet.breaker import DEFAULT_COOLDOWN_S, DEFAULT_FAILURE_THRESHOLD, backpressure_reason
+from kvserve.fleet.replicas import ReplicaSet
+from kvserve.fleet.router import Router, error_response, forward_headers
 
 logger = logging.getLogger("kvserve.proxy")
 

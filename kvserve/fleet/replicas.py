@@ -29,7 +29,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvserve.dist.breaker import (DEFAULT_COOLDOWN_S, DEFAULT_FAILURE_THRESHOLD, OPEN,
+from kvserve.fleet.breaker import (DEFAULT_COOLDOWN_S, DEFAULT_FAILURE_THRESHOLD, OPEN,
                                   CircuitBreaker)
 
 POLICIES = ("cache-aware", "round-robin", "least-loaded")

@@ -1,4 +1,4 @@
-"""Disaggregated prefill/decode (kvserve/dist/pd_proxy.py): `kvserve proxy` in front of a
+"""Disaggregated prefill/decode (kvserve/fleet/pd_proxy.py): `kvserve proxy` in front of a
 `--role prefill` server and two `--role decode` servers sharing a Redis KV store. Greedy answers
 through the proxy equal a collocated engine's, token for token, streamed or not, and the decode
 instance took the prompt's KV from the store (it never saw the prompt before); with the prefill
@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from kvserve import SamplingParams
-from kvserve.dist.launcher import free_port, stop_server
-from tests.dist.live import ENV, ROOT, STORIES_HF, scrape, start_replicas
+from kvserve.fleet.launcher import free_port, stop_server
+from tests.fleet.live import ENV, ROOT, STORIES_HF, scrape, start_replicas
 from tests.redis_live import redis_server
 from tests.server.live import reference_llm
 

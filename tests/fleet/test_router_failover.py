@@ -11,8 +11,8 @@ import json
 
 import httpx
 
-from kvserve.dist.replicas import ReplicaSet
-from kvserve.dist.router import Router, build_router_app
+from kvserve.fleet.replicas import ReplicaSet
+from kvserve.fleet.router import Router, build_router_app
 
 BODY = {"model": "m", "prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]}
 

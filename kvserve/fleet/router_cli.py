@@ -27,8 +27,8 @@ import os
 import signal
 import sys
 
-from kvserve.dist.breaker import DEFAULT_COOLDOWN_S, DEFAULT_FAILURE_THRESHOLD
-from kvserve.dist.replicas import DEFAULT_BALANCE_THRESHOLD, DEFAULT_LRU_BLOCKS, POLICIES, ReplicaSet
+from kvserve.fleet.breaker import DEFAULT_COOLDOWN_S, DEFAULT_FAILURE_THRESHOLD
+from kvserve.fleet.replicas import DEFAULT_BALANCE_THRESHOLD, DEFAULT_LRU_BLOCKS, POLICIES, ReplicaSet
 
 log = logging.getLogger("kvserve.router")
 
@@ -71,7 +71,7 @@ def _add_breaker_args(p, prefix: str) -> None:
 
 def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
     """The flags `kvserve serve` takes for data parallelism (server/cli.py calls this)."""
-    g = p.add_argument_group("data parallel (kvserve/dist/router_cli.py)")
+    g = p.add_argument_group("data parallel (kvserve/fleet/router_cli.py)")
     g.add_argument("--data-parallel-size", type=int, default=1,
                    help="serve N replicas of the engine behind a cache-aware router")
     if "--distributed-executor-backend" not in p._option_string_actions:
@@ -84,7 +84,7 @@ def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_hasher(model: str | None, block_size: int, chat_template: str | None):
-    from kvserve.dist.prefix_key import RequestHasher, load_tokenizer
+    from kvserve.fleet.prefix_key import RequestHasher, load_tokenizer
 
     tok = load_tokenizer(model) if model else None
     return RequestHasher(tok, block_size, namespace=model or "", chat_template=chat_template)
@@ -97,7 +97,7 @@ def run_router(urls: list[str], hasher, policy: str, balance_threshold: int, hea
     """Serve the router until SIGTERM/SIGINT; False if it could not start (e.g. port taken)."""
     import uvicorn
 
-    from kvserve.dist.router import Router, build_router_app
+    from kvserve.fleet.router import Router, build_router_app
 
     replicas = ReplicaSet(urls, policy, balance_threshold, lru_blocks, cb_failure_threshold, cb_timeout_s)
     app = build_router_app(Router(replicas, hasher, health_interval))
@@ -134,7 +134,7 @@ def _sigterm_exit(*_):
 
 def serve_data_parallel(args) -> int:
     """`kvserve serve --data-parallel-size N`: N replicas and the router in front of them."""
-    from kvserve.dist.launcher import LocalReplicas, RayReplicas, replica_argv
+    from kvserve.fleet.launcher import LocalReplicas, RayReplicas, replica_argv
     from kvserve.server.cli import add_cli_args
 
     _logging(args.log_level)
@@ -179,7 +179,7 @@ def cmd_proxy(args) -> int:
     """`kvserve proxy --prefill URLS --decode URLS`: disaggregated prefill/decode (dist/pd_proxy.py)."""
     import uvicorn
 
-    from kvserve.dist.pd_proxy import build_proxy_app, make_proxy
+    from kvserve.fleet.pd_proxy import build_proxy_app, make_proxy
 
     _logging(args.log_level)
     prefill = [u.strip() for u in args.prefill.split(",") if u.strip()]

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvserve.engine.model_runner import ModelRunner, make_attention_backend
+from kvserve.worker.model_runner import ModelRunner, make_attention_backend
 from kvserve.kv.manager import KVCacheManager
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_model_dir
-from kvserve.spec.config import SELF_DRAFTS, SpeculativeConfig
-from kvserve.spec.ngram import Proposer
+from kvserve.spec_decode.config import SELF_DRAFTS, SpeculativeConfig
+from kvserve.spec_decode.ngram import Proposer
 
 PROBE = "The quick brown fox jumps over the lazy dog. 1234 \u00e9t\u00e9"
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvserve.dist.breaker import BACKPRESSURE_REASONS, CLOSED, HALF_OPEN, OPEN
-from kvserve.dist.replicas import ReplicaSet
+from kvserve.fleet.breaker import BACKPRESSURE_REASONS, CLOSED, HALF_OPEN, OPEN
+from kvserve.fleet.replicas import ReplicaSet
 
 _BREAKER_STATE = {CLOSED: 0.0, HALF_OPEN: 1.0, OPEN: 2.0}
 

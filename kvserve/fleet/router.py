@@ -43,10 +43,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from kvserve.dist.breaker import backpressure_reason
-from kvserve.dist.prefix_key import RequestHasher
-from kvserve.dist.replicas import Replica, ReplicaSet
-from kvserve.dist.router_metrics import RouterMetrics
+from kvserve.fleet.breaker import backpressure_reason
+from kvserve.fleet.prefix_key import RequestHasher
+from kvserve.fleet.replicas import Replica, ReplicaSet
+from kvserve.fleet.router_metrics import RouterMetrics
 
 logger = logging.getLogger("kvserve.router")
 

@@ -6,7 +6,7 @@ The scheduler runs once, on the driver. Every forward pass and every block move 
 swap) the driver's runner makes is first broadcast to the workers (`broadcast_object_list` over
 the torch.distributed group: the step's token ids, positions and attention metadata, or the
 block pairs); every rank then runs its slice of the same pass, meeting at the all-reduces of
-kvserve/dist/tensor_parallel.py. Workers keep no scheduling state: each has a `ModelRunner` over
+kvserve/distributed/tensor_parallel.py. Workers keep no scheduling state: each has a `ModelRunner` over
 its slice of the model and its own KV pools, with the driver's block numbering.
 
 A worker that dies is noticed before the next broadcast (mp: its process sentinel) or by the
@@ -26,8 +26,8 @@ import socket
 import torch
 import torch.distributed as dist
 
-from kvserve.dist.tensor_parallel import TPGroup, shard_config, shard_weights
-from kvserve.engine.model_runner import ModelRunner, make_attention_backend
+from kvserve.distributed.tensor_parallel import TPGroup, shard_config, shard_weights
+from kvserve.worker.model_runner import ModelRunner, make_attention_backend
 
 logger = logging.getLogger(__name__)
 

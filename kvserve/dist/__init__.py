@@ -1,2 +1,0 @@
-"""Past one process: tensor parallelism (tensor_parallel.py, executor.py) and data-parallel
-replicas behind a cache-aware router."""

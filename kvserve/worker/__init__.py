@@ -1,0 +1,1 @@
+"""The model runner: packs a step's tokens, runs the forward pass, samples."""
