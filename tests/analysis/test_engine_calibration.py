@@ -57,7 +57,6 @@ def test_largest_budget_on_the_analytic_model_is_the_edge(itl_ms):
 # -- the engine ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llm():
-    pytest.importorskip("kvserve.llm")
     if not STORIES_HF.exists():
         pytest.skip("stories260K-hf not found")
     from kvserve import LLM
