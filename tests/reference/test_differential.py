@@ -5,7 +5,8 @@ prefix caching off/hash/radix) and through an unconstrained one (a big pool, a b
 prefix cache). Every request that finished in both must be equal, token for token (prefix-equal
 where the constrained run stopped it for length because it outgrew the pool); integrity holds
 after every step; no step raises; nothing spins; nothing stays registered; greedy requests
-equal `transformers`."""
+equal `transformers`; and over its seeds each constrained setting really preempted (by
+recompute or by swap, as set), shared blocks and copied on write (`check_pressure`)."""
 from __future__ import annotations
 
 import random
@@ -122,14 +123,40 @@ def reference():
     return unconstrained()
 
 
-@pytest.mark.parametrize("seed", range(48))
-def test_constrained_engine_equals_unconstrained(reference, seed):
-    rng = random.Random(seed)
-    settings = dict(CONSTRAINED[seed % len(CONSTRAINED)], watermark=rng.choice([0.0, 0.05]))
-    workload = make_workload(rng, rng.randrange(6, 12))
-    stats = check_against(reference, settings, workload)
-    print(seed, settings, "preemptions", stats.num_preemptions_total,
-          "swapped", stats.num_swap_preemptions_total, "steps", stats.num_steps)
+def check_pressure(settings: dict, stats: list) -> None:
+    """Over its seeds, a constrained setting exercised what it is there for: preemption (by swap
+    or by recompute, as set), prefix-cache hits (when on), copy on write (block size > 1: with
+    one-token blocks every shared block is full, so nothing is ever copied) and radix
+    partial-block copies. Sums of the engines' `stats()` counters."""
+    total = lambda name: sum(getattr(s, name) for s in stats)
+    swaps = total("num_swap_preemptions_total")
+    if settings.get("preemption_mode", "recompute") == "swap":
+        assert swaps > 0, ("never swapped", settings)
+    else:
+        assert total("num_preemptions_total") - swaps > 0, ("never preempted by recompute", settings)
+    if settings.get("enable_prefix_caching", True):
+        assert total("prefix_cache_hits_total") > 0, ("no prefix-cache hit", settings)
+    if settings["block_size"] > 1:
+        assert total("num_cow_copies_total") > 0, ("never copied on write", settings)
+    if settings.get("prefix_cache") == "radix":
+        assert total("num_partial_block_copies_total") > 0, ("no radix partial-block copy", settings)
+
+
+SEEDS = range(48)    # seed s runs CONSTRAINED[s % 6]
+
+
+@pytest.mark.parametrize("setting", range(len(CONSTRAINED)))
+def test_constrained_engine_equals_unconstrained(reference, setting):
+    stats = []
+    for seed in SEEDS[setting::len(CONSTRAINED)]:
+        rng = random.Random(seed)
+        settings = dict(CONSTRAINED[setting], watermark=rng.choice([0.0, 0.05]))
+        workload = make_workload(rng, rng.randrange(6, 12))
+        try:
+            stats.append(check_against(reference, settings, workload))
+        except AssertionError as e:
+            raise AssertionError(f"seed {seed}: {e}") from e
+    check_pressure(CONSTRAINED[setting], stats)
 
 
 def test_greedy_under_pressure_equals_transformers(reference):
