@@ -4,10 +4,11 @@ with the same worker code.
 
 The scheduler runs once, on the driver. Every forward pass and every block move (copy on write,
 swap) the driver's runner makes is first broadcast to the workers (`broadcast_object_list` over
-the torch.distributed group: the step's token ids, positions and attention metadata, or the
-block pairs); every rank then runs its slice of the same pass, meeting at the all-reduces of
-kvserve/distributed/tensor_parallel.py. Workers keep no scheduling state: each has a `ModelRunner` over
-its slice of the model and its own KV pools, with the driver's block numbering.
+a gloo group, tensors on the host: the step's token ids, positions and attention metadata, or
+the block pairs; on CUDA rank r owns device r); every rank then runs its slice of the same
+pass, meeting at the all-reduces of kvserve/distributed/tensor_parallel.py. Workers keep no
+scheduling state: each has a `ModelRunner` over its slice of the model and its own KV pools,
+with the driver's block numbering.
 
 A worker that dies is noticed before the next broadcast (mp: its process sentinel) or by the
 collective itself (its peer's connection closes; every collective has a deadline,
@@ -26,7 +27,8 @@ import socket
 import torch
 import torch.distributed as dist
 
-from kvserve.distributed.tensor_parallel import TPGroup, shard_config, shard_weights
+from kvserve.distributed.tensor_parallel import (TPGroup, bind_rank_device, rank_device, shard_config,
+                                               shard_weights, to_device, to_host)
 from kvserve.worker.model_runner import ModelRunner, make_attention_backend
 
 logger = logging.getLogger(__name__)
@@ -44,15 +46,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init_group(rank: int, size: int, init_method: str, device: torch.device) -> None:
+def _init_group(rank: int, size: int, init_method: str, device: torch.device):
+    """Join the model's group (NCCL on CUDA, else gloo); returns the gloo group of the messages."""
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method,
                             rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
+    return dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
 
 
-def _recv():
+def _recv(group, device: torch.device):
     box = [None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return to_device(box[0], device)
 
 
 def build_rank_model(config, model_cfg, weights, rank: int, size: int, device: torch.device):
@@ -72,18 +76,18 @@ def run_worker(config, rank: int, size: int, init_method: str) -> None:
     from kvserve.model.loader import load_model_dir
 
     torch.set_num_threads(threads_per_rank(size))
-    device = torch.device(f"cuda:{rank}") if torch.device(config.device).type == "cuda" else torch.device("cpu")
+    device = bind_rank_device(config.device, rank)
     model_cfg, weights, _ = load_model_dir(config.model, native=config.quantization != "dequant",
                                            dtype=config.torch_dtype, device=device)
     model = build_rank_model(config, model_cfg, weights, rank, size, device)
     del weights
-    _init_group(rank, size, init_method, device)
+    group = _init_group(rank, size, init_method, device)
     try:
-        _, num_blocks, num_cpu_blocks = _recv()
+        _, num_blocks, num_cpu_blocks = _recv(group, device)
         runner = ModelRunner(model, num_blocks, config.block_size)
         runner.init_swap_space(num_cpu_blocks)
         while True:
-            msg = _recv()
+            msg = _recv(group, device)
             if msg[0] == "forward":
                 runner.forward(*msg[1:])
             elif msg[0] == "kv_ops":
@@ -99,6 +103,7 @@ class TPWorkers:
 
     def __init__(self, config, size: int, backend: str = "mp"):
         self.size, self.backend = size, backend
+        rank_device(config.device, size - 1)        # one CUDA device per rank, checked before any start
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.procs, self.actors = [], []
         if backend == "mp":
@@ -113,7 +118,7 @@ class TPWorkers:
         else:
             raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', got {backend!r}.")
         torch.set_num_threads(threads_per_rank(size))
-        _init_group(0, size, init_method, torch.device(config.device))
+        self.group = _init_group(0, size, init_method, bind_rank_device(config.device, 0))
         self.closed = False
         atexit.register(self.close)
 
@@ -127,7 +132,7 @@ class TPWorkers:
         if self.closed:
             raise RuntimeError("the tensor-parallel workers were shut down")
         self.check_alive()
-        dist.broadcast_object_list([msg], src=0)
+        dist.broadcast_object_list([to_host(msg)], src=0, group=self.group)
 
     def close(self) -> None:
         """Stop the workers and leave the group (idempotent)."""
@@ -136,7 +141,7 @@ class TPWorkers:
         self.closed = True
         try:
             self.check_alive()
-            dist.broadcast_object_list([("stop",)], src=0)
+            dist.broadcast_object_list([("stop",)], src=0, group=self.group)
         except Exception:  # noqa: BLE001 -- a dead worker: kill the rest below
             pass
         for p in self.procs:
