@@ -20,12 +20,12 @@ import threading
 import time
 from collections import OrderedDict
 
-from kvserve.kv.tiers import _WrittenInBackground
+from kvserve.kv.tier_store import WrittenInBackground
 
 log = logging.getLogger(__name__)
 
 
-class DiskStore(_WrittenInBackground):
+class DiskStore(WrittenInBackground):
     """One file per block under `root`, written in the background, LRU by file time."""
 
     kind = "disk"

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import threading
 
-from kvserve.kv.tiers import _WrittenInBackground
+from kvserve.kv.tier_store import WrittenInBackground
 
 
-class RedisStore(_WrittenInBackground):
+class RedisStore(WrittenInBackground):
     """Blocks in a Redis server shared by several kvserve instances (written through, by a
     background thread in pipelined batches; reads see the queued writes at once)."""
 

@@ -17,14 +17,15 @@ or instances never serves one salt's KV to another.
   optionally with a TTL; capacity is the server's own `maxmemory` policy.
 
 `parse_tier_specs` reads `kv_tiers` (`["cpu:4GiB", "disk:/path:20GiB", "redis://127.0.0.1:6379"]`).
-No store decides anything: `kv/connector.py` chooses what to save where and what to load.
+The stores' interface is `KVStore` (kv/tier_store.py). No store decides anything:
+`kv/connector.py` chooses what to save where and what to load.
 """
 from __future__ import annotations
 
-import queue
 import re
-import threading
 from collections import OrderedDict
+
+from kvserve.kv.tier_store import KVStore
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
@@ -36,45 +37,6 @@ def parse_size(text: str) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot read {text!r} as a size: write e.g. 4GiB, 500MB or a number of bytes.")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-class KVStore:
-    """A key -> payload map. `write_through`: the connector saves every block it labels here
-    (not only evicted ones): the disk (survives a restart) and Redis (shared) are written through."""
-
-    kind = "store"
-    write_through = False
-    failures = 0          # writes the store itself saw fail (the disk's background writer)
-    bytes_refused = 0     # payload bytes it did not store because of them, or of a full disk
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def contains_many(self, keys: list[bytes]) -> list[bool]:
-        raise NotImplementedError
-
-    def get(self, key: bytes) -> bytes | None:
-        raise NotImplementedError
-
-    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
-        return [self.get(k) for k in keys]
-
-    def put_many(self, items: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-        """Store the payloads; returns what had to leave to make room (to move down a tier)."""
-        raise NotImplementedError
-
-    def delete(self, key: bytes) -> None:
-        raise NotImplementedError
-
-    def usage(self) -> tuple[int, int]:
-        """(blocks held, bytes held); (-1, -1) where the store cannot say cheaply."""
-        return -1, -1
-
-    def flush(self) -> None:
-        """Wait for background writes."""
-
-    def close(self) -> None:
-        self.flush()
 
 
 class CpuStore(KVStore):
@@ -121,23 +83,6 @@ class CpuStore(KVStore):
 
     def usage(self):
         return len(self._lru), self.nbytes
-
-
-class _WrittenInBackground(KVStore):
-    """A store whose writes a background thread runs from `_queue` (`_write_loop`; None stops it)."""
-
-    def _start_writer(self, name: str) -> None:
-        self._queue: queue.Queue = queue.Queue()
-        self._writer = threading.Thread(target=self._write_loop, name=name, daemon=True)
-        self._writer.start()
-
-    def flush(self):
-        self._queue.join()
-
-    def close(self):
-        self.flush()
-        self._queue.put(None)
-        self._writer.join(timeout=5)
 
 
 def parse_tier_spec(spec: str, open_store: bool = True) -> KVStore | None:
