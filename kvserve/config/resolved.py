@@ -1,0 +1,124 @@
+"""`Config`: the engine's configuration once resolved (vLLM's VllmConfig): frozen sections, every
+"auto" and None that depends on the model decided once, from `EngineConfig.resolve(model_config)`.
+The engine and the API read it and never write it (assigning a field raises FrozenInstanceError).
+
+    config.model.max_model_len      config.cache.block_size     config.scheduler.max_num_seqs
+    config.parallel.tensor_parallel_size    config.speculative (None: off)    config.tiers.kv_role
+
+Each flat EngineConfig field lands in exactly one section under its own name (speculative_config
+becomes `speculative`, the parsed SpeculativeConfig).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvserve.config.speculative import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from kvserve.config.engine_config import EngineConfig
+    from kvserve.model.config import ModelConfig
+
+# EngineConfig.dtype spellings -> the torch dtype name
+DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+               "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+
+
+@dataclass(frozen=True)
+class ModelLoadConfig:
+    """Which weights, where, in which dtype and quantization, up to which context."""
+    model: str
+    device: str                         # "cpu" | "cuda" ("auto" decided)
+    dtype: str                          # a torch dtype name: "float32" | "bfloat16" | "float16"
+    max_model_len: int                  # <= the model's max_position_embeddings
+    quantization: str | None            # None | "int8" | "int4" | "dequant"
+    quantization_group_size: int | None
+    quantize_activations: bool
+    seed: int | None
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV pool (its size as asked: the block count needs the loaded model) and reuse."""
+    block_size: int
+    num_kv_blocks: int | None
+    kv_cache_memory: int | None
+    gpu_memory_utilization: float
+    kv_cache_dtype: str
+    enable_prefix_caching: bool
+    prefix_cache: str                   # "hash" | "radix"
+    swap_space: int
+    share_blocks: bool
+
+    @property
+    def prefix_cache_kind(self) -> str | None:
+        """The prefix cache in use: "hash", "radix" or None (prefix caching off)."""
+        return self.prefix_cache if self.enable_prefix_caching else None
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Who runs each step, under which budget, and what happens when the pool is full."""
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    watermark: float
+    cache_aware_scheduling: bool        # None decided: on with the radix cache
+    max_wait_steps: int
+    scheduling_policy: str
+    preemption_mode: str
+    preemption_warn_threshold: int
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int
+    distributed_executor_backend: str
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """KV tiers below the pool and the disaggregated prefill/decode role."""
+    kv_tiers: tuple[str, ...]           # top first; () for none
+    kv_tier_reload: str
+    kv_role: str
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelLoadConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    speculative: SpeculativeConfig | None
+    tiers: TierConfig
+
+
+def _section(cls, engine: "EngineConfig", **decided):
+    """`cls` filled from the same-named fields of `engine`, with `decided` values instead."""
+    return cls(**{f.name: decided[f.name] if f.name in decided else getattr(engine, f.name)
+                  for f in dataclasses.fields(cls)})
+
+
+def resolve_config(engine: "EngineConfig", model_config: "ModelConfig") -> Config:
+    """Decide what depends on the model: max_model_len against max_position_embeddings, and dtype
+    "auto" (float32 for now)."""
+    max_pos = model_config.max_position_embeddings
+    max_len = engine.max_model_len or max_pos
+    if max_len > max_pos:
+        raise ValueError(f"max_model_len {max_len} exceeds the model's "
+                         f"max_position_embeddings {max_pos}.")
+    dtype = "float32" if engine.dtype == "auto" else DTYPE_NAMES[engine.dtype]
+    return Config(
+        model=_section(ModelLoadConfig, engine, dtype=dtype, max_model_len=max_len),
+        cache=_section(CacheConfig, engine),
+        scheduler=_section(SchedulerConfig, engine, cache_aware_scheduling=engine.use_cache_aware_scheduling),
+        parallel=_section(ParallelConfig, engine),
+        speculative=engine.speculative,
+        tiers=_section(TierConfig, engine, kv_tiers=tuple(engine.kv_tiers or ())))
