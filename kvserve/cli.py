@@ -1,4 +1,4 @@
-"""`kvserve` command line: generate | chat | serve | bench | plan | simulate.
+"""`kvserve` command line: generate | chat | serve | bench | plan | simulate | perplexity | router | proxy.
 
 Each subcommand lives beside the code it drives and registers itself here through a
 `register(subparsers)` function, so this file only wires them together.
@@ -14,9 +14,8 @@ COMMAND_MODULES = [
     "kvserve.entrypoints",      # generate, bench throughput
     "kvserve.chat_cli",         # chat
     "kvserve.analysis.cli",     # plan, simulate
-    "kvserve.server.cli",       # serve
     "kvserve.perplexity",       # perplexity
-    "kvserve.fleet.router_cli",  # router
+    "kvserve.fleet.router_cli",  # serve (one server: server/cli.py; --data-parallel-size N), router, proxy
 ]
 
 

@@ -1,6 +1,6 @@
 """Data-parallel replicas: N `kvserve serve` processes with the same engine flags, each on a free
 port, started here (`LocalReplicas`) or as Ray actors (`RayReplicas`), for the router in front
-(dist/router.py; seed 003, "Radix trees": replicas of one model behind a prefix-aware router).
+(fleet/router.py; seed 003, "Radix trees": replicas of one model behind a prefix-aware router).
 
 A replica is a whole `kvserve serve` -- HTTP server, engine process, its own KV cache -- so the
 router talks to it over the same OpenAI API a client would, and a replica that dies takes
@@ -31,10 +31,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 PR_SET_PDEATHSIG = 1
 
-# Flags of `kvserve serve` that belong to the data-parallel launcher and the router, not to replicas.
-LAUNCHER_DESTS = {"data_parallel_size", "host", "port", "help", "func", "command",
-                  "router_policy", "router_balance_threshold", "router_health_interval",
-                  "ray_replica_num_cpus"}
+# Server flags each replica gets its own value of (spawn_server), not the launcher's.
+LAUNCHER_DESTS = {"host", "port"}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -43,13 +41,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def replica_argv(args: argparse.Namespace, parser: argparse.ArgumentParser,
-                 skip: set[str] = frozenset()) -> list[str]:
-    """The flags of `args` that differ from `parser`'s defaults, as a command line: what every
-    replica is started with (launcher and router flags left out)."""
+def replica_argv(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+    """The flags of `parser` (one server's: server/cli.py) whose values in `args` differ from
+    their defaults, as a command line: what every replica is started with. Flags `parser` lacks
+    (data parallelism, the router's) and --host/--port are left out."""
     out: list[str] = []
     for a in parser._actions:
-        if a.dest in LAUNCHER_DESTS or a.dest in skip or not a.option_strings or not hasattr(args, a.dest):
+        if a.dest in LAUNCHER_DESTS or not a.option_strings or not hasattr(args, a.dest):
             continue
         value = getattr(args, a.dest)
         if value == a.default:

@@ -1,5 +1,6 @@
-"""`kvserve router` and `kvserve serve --data-parallel-size N` (seed 003, "Radix trees": replicas
-behind a prefix-aware router; Mooncake's cache-centric scheduling).
+"""`kvserve router`, `kvserve proxy` and `kvserve serve`: one server (server/cli.py) or, with
+`--data-parallel-size N`, N replicas behind a prefix-aware router (seed 003, "Radix trees";
+Mooncake's cache-centric scheduling).
 
     kvserve router --backends URL1,URL2,... [--model PATH] [--chat-template FILE] [--block-size 16]
                    [--policy cache-aware|round-robin|least-loaded] [--balance-threshold 4]
@@ -11,13 +12,13 @@ the router routes token-id prompts by prefix and everything else by load. `--blo
 the replicas' (default 16, the engine's), or no key will ever match their blocks' boundaries.
 `--cb-failure-threshold` consecutive failures (connection errors, timeouts, 5xx; never 429 or a
 503 with Retry-After) take a replica out; `--cb-timeout-duration-secs` later one probe request
-may bring it back (vllm-router's names; dist/breaker.py).
+may bring it back (vllm-router's names; fleet/breaker.py).
 
     kvserve serve --data-parallel-size N [--distributed-executor-backend mp|ray] [engine flags...]
 
-starts N replicas (`kvserve serve` with the same engine flags on free loopback ports, or Ray
-actors) and the router on --host/--port; SIGTERM or Ctrl-C stops the router (in-flight requests
-finish, up to --shutdown-timeout), then every replica.
+starts N replicas (`kvserve serve` with the same engine and server flags on free loopback
+ports, or Ray actors) and the router on --host/--port; SIGTERM or Ctrl-C stops the router
+(in-flight requests finish, up to --shutdown-timeout), then every replica.
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ import sys
 
 from kvserve.fleet.breaker import DEFAULT_COOLDOWN_S, DEFAULT_FAILURE_THRESHOLD
 from kvserve.fleet.replicas import DEFAULT_BALANCE_THRESHOLD, DEFAULT_LRU_BLOCKS, POLICIES, ReplicaSet
+from kvserve.server.cli import add_cli_args
+from kvserve.server.cli import cmd_serve as serve_one
 
 log = logging.getLogger("kvserve.router")
 
@@ -61,26 +64,31 @@ def _add_policy_args(p, prefix: str) -> None:
 
 
 def _add_breaker_args(p, prefix: str) -> None:
-    for a in (p.add_argument(f"--{prefix}cb-failure-threshold", type=int, default=DEFAULT_FAILURE_THRESHOLD,
-                             help="consecutive failures (connection errors, timeouts, 5xx; not 429 or "
-                                  "503 with Retry-After) that take a replica out"),
-              p.add_argument(f"--{prefix}cb-timeout-duration-secs", type=float, default=DEFAULT_COOLDOWN_S,
-                             help="seconds a replica stays out before one probe request may bring it back")):
-        a.data_parallel_only = bool(prefix)     # `serve --data-parallel-size`: not an engine flag
+    p.add_argument(f"--{prefix}cb-failure-threshold", type=int, default=DEFAULT_FAILURE_THRESHOLD,
+                   help="consecutive failures (connection errors, timeouts, 5xx; not 429 or "
+                        "503 with Retry-After) that take a replica out")
+    p.add_argument(f"--{prefix}cb-timeout-duration-secs", type=float, default=DEFAULT_COOLDOWN_S,
+                   help="seconds a replica stays out before one probe request may bring it back")
 
 
-def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
-    """The flags `kvserve serve` takes for data parallelism (server/cli.py calls this)."""
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """`kvserve serve`: one server's flags (server/cli.py) and those of data parallelism. Replicas
+    get the former only (a parser of server/cli.py's flags alone picks them out)."""
+    add_cli_args(p)
     g = p.add_argument_group("data parallel (kvserve/fleet/router_cli.py)")
     g.add_argument("--data-parallel-size", type=int, default=1,
-                   help="serve N replicas of the engine behind a cache-aware router")
-    if "--distributed-executor-backend" not in p._option_string_actions:
-        a = g.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"],
-                           help="where replicas run: local processes (mp) or Ray actors (ray)")
-        a.data_parallel_only = True     # not an engine flag: replicas are not given it
+                   help="serve N replicas of the engine behind a cache-aware router "
+                        "(--distributed-executor-backend ray: as Ray actors)")
     g.add_argument("--ray-replica-num-cpus", type=float, default=1.0,
                    help="Ray: CPUs each replica actor reserves")
     _add_policy_args(g, "router-")
+
+
+def cmd_serve(args) -> int:
+    """One server (server/cli.py), or N replicas behind the router with --data-parallel-size N."""
+    if args.data_parallel_size > 1:
+        return serve_data_parallel(args)
+    return serve_one(args)
 
 
 def build_hasher(model: str | None, block_size: int, chat_template: str | None):
@@ -135,15 +143,15 @@ def _sigterm_exit(*_):
 def serve_data_parallel(args) -> int:
     """`kvserve serve --data-parallel-size N`: N replicas and the router in front of them."""
     from kvserve.fleet.launcher import LocalReplicas, RayReplicas, replica_argv
-    from kvserve.server.cli import add_cli_args
+    from kvserve.server.answers import tenant_registry
 
     _logging(args.log_level)
+    tenant_registry(args)       # before any replica starts: one salt secret file for all
     n = args.data_parallel_size
-    parser = argparse.ArgumentParser()
-    add_cli_args(parser)
-    backend = getattr(args, "distributed_executor_backend", None) or "mp"
-    dp_only = {a.dest for a in parser._actions if getattr(a, "data_parallel_only", False)}
-    argv = replica_argv(args, parser, dp_only)
+    replica_flags = argparse.ArgumentParser()
+    add_cli_args(replica_flags)
+    backend = args.distributed_executor_backend
+    argv = replica_argv(args, replica_flags)
     env = {}
     if not args.engine_threads and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))   # no oversubscription
@@ -197,6 +205,11 @@ def cmd_proxy(args) -> int:
 
 
 def register(subparsers) -> None:
+    s = subparsers.add_parser("serve", help="serve a model over the OpenAI API",
+                              description="load a model and serve it over the OpenAI API "
+                                          "(N replicas behind a router with --data-parallel-size N)")
+    add_serve_args(s)
+    s.set_defaults(func=cmd_serve)
     p = subparsers.add_parser("router", help="route OpenAI requests over kvserve replicas, cache-aware",
                               description=__doc__.splitlines()[0])
     add_router_args(p)

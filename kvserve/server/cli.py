@@ -8,6 +8,9 @@
                   [--scheduling-policy fcfs|priority|vtc]
                   [engine flags: --max-num-seqs, --block-size, ...]
 
+The `kvserve serve` subcommand is registered by fleet/router_cli.py, which adds
+`--data-parallel-size N` (replicas behind a router) and runs one server here when N is 1.
+
 The engine runs in its own process by default (server/engine_core.py), so HTTP, tokenization,
 SSE and JSON never take the GIL from the step loop; `--engine-layout thread` keeps it in a
 thread of the server process.
@@ -24,51 +27,59 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import dataclass, field
+
+from kvserve.config.cli_args import add_dataclass_args, flag
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """The server's own flags of `kvserve serve` (generated from these fields, config/cli_args.py);
+    the tenant and answer-cache flags come from server/answers.py."""
+    host: str = field(default="127.0.0.1", metadata=flag("interface to bind (default 127.0.0.1)"))
+    port: int = field(default=8000, metadata=flag("port to listen on"))
+    api_key: str | None = field(default_factory=lambda: os.environ.get("KVSERVE_API_KEY"), metadata=flag(
+        "require 'Authorization: Bearer KEY' on /v1 routes (default: $KVSERVE_API_KEY)"))
+    served_model_name: str | None = field(default=None, metadata=flag(
+        "model name in requests and /v1/models (default: the model directory's base name; "
+        "SmolLM2-135M-Instruct for the default model)"))
+    max_waiting: int = field(default=1024, metadata=flag(
+        "refuse new requests with 503 while this many are already waiting (0 disables the limit)"))
+    chat_template: str | None = field(default=None, metadata=flag(
+        "jinja2 chat template file (default: the model's, else a plain fallback)"))
+    shutdown_timeout: float = field(default=30.0, metadata=flag(
+        "seconds in-flight requests may run on after SIGTERM"))
+    log_level: str = field(default="info", metadata=flag(
+        "log level of the server and the engine", choices=("critical", "error", "warning", "info", "debug")))
+    max_prompts_per_request: int = field(default=1024, metadata=flag(
+        "most prompts one /v1/completions request may carry (400 beyond)"))
+    stream_stall_timeout: float = field(default=120.0, metadata=flag(
+        "abort a request whose client has read none of its output for this many seconds, freeing "
+        "its seat and KV blocks (0 disables)"))
+    metrics_public: bool = field(default=False, metadata=flag(
+        "serve /metrics without an API key even when keys are set (default: it needs one)"))
+    metrics_tenant_labels: bool = field(default=False, metadata=flag(
+        "name tenants in /metrics labels (default: a stable pseudonym, t-<sha256 prefix>)"))
+    escape_special_tokens_in_content: bool | None = field(default=None, metadata=flag(
+        "tokenize special-token text in chat message content as plain text, never as control "
+        "tokens (default: on with --api-keys, off otherwise)"))
+    engine_layout: str = field(default="process", metadata=flag(
+        "run the engine in its own process (default; vLLM v1's EngineCore) or in a thread of the "
+        "server process", choices=("process", "thread")))
+    engine_threads: int | None = field(default=None, metadata=flag(
+        "torch threads of the engine (default: torch's, which follows OMP_NUM_THREADS)"))
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
+    """The flags of one `kvserve serve`: the engine's, then the server's (`--data-parallel-size`,
+    replicas behind a router, is fleet/router_cli.py's)."""
     from kvserve.config import EngineConfig
+    from kvserve.server.answers import add_cli_args as add_tenant_cache_args
 
     EngineConfig.add_cli_args(p)
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KVSERVE_API_KEY)")
-    from kvserve.server.answers import add_cli_args as add_tenant_cache_args
-
+    add_dataclass_args(g, ServerArgs)
     add_tenant_cache_args(g)        # --api-keys FILE, --salt-secret-file, --answer-cache, ...
-    g.add_argument("--served-model-name", default=None,
-                   help="model name in requests and /v1/models (default: the model directory's base "
-                        "name; SmolLM2-135M-Instruct for the default model)")
-    g.add_argument("--max-waiting", type=int, default=1024,
-                   help="refuse new requests with 503 while this many are already waiting "
-                        "(0 disables the limit)")
-    g.add_argument("--chat-template", default=None,
-                   help="jinja2 chat template file (default: the model's, else a plain fallback)")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests may run on after SIGTERM")
-    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    g.add_argument("--max-prompts-per-request", type=int, default=1024,
-                   help="most prompts one /v1/completions request may carry (400 beyond)")
-    g.add_argument("--stream-stall-timeout", type=float, default=120.0,
-                   help="abort a request whose client has read none of its output for this many "
-                        "seconds, freeing its seat and KV blocks (0 disables)")
-    g.add_argument("--metrics-public", action="store_true",
-                   help="serve /metrics without an API key even when keys are set (default: it needs one)")
-    g.add_argument("--metrics-tenant-labels", action="store_true",
-                   help="name tenants in /metrics labels (default: a stable pseudonym, t-<sha256 prefix>)")
-    g.add_argument("--escape-special-tokens-in-content", action=argparse.BooleanOptionalAction,
-                   default=None, help="tokenize special-token text in chat message content as plain "
-                   "text, never as control tokens (default: on with --api-keys, off otherwise)")
-    g.add_argument("--engine-layout", default="process", choices=["process", "thread"],
-                   help="run the engine in its own process (default; vLLM v1's EngineCore) or in a "
-                        "thread of the server process")
-    g.add_argument("--engine-threads", type=int, default=None,
-                   help="torch threads of the engine (default: torch's, which follows OMP_NUM_THREADS)")
-    from kvserve.fleet.router_cli import add_data_parallel_args
-
-    add_data_parallel_args(p)       # --data-parallel-size N: replicas behind a router (kvserve/fleet/)
 
 
 def served_name(args) -> str:
@@ -86,7 +97,7 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from kvserve.config import EngineConfig
-    from kvserve.engine.engine import LLMEngine
+    from kvserve.frontend.llm_engine import LLMEngine
     from kvserve.server.answers import answer_cache_options, tenant_registry
     from kvserve.server.app import build_app
     from kvserve.server.chat import escape_special_tokens
@@ -94,11 +105,7 @@ def cmd_serve(args) -> int:
     from kvserve.server.shutdown import ANSWER_GRACE_S, DeadlineServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    tenants = tenant_registry(args)     # before any replica starts: one salt secret file for all
-    if getattr(args, "data_parallel_size", 1) > 1:
-        from kvserve.fleet.router_cli import serve_data_parallel
-
-        return serve_data_parallel(args)
+    tenants = tenant_registry(args)
     log = logging.getLogger("kvserve.server")
     config = EngineConfig.from_cli_args(args)
     if args.engine_layout == "process":
@@ -126,7 +133,7 @@ def cmd_serve(args) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout + ANSWER_GRACE_S,
                             access_log=False)
-    server = DeadlineServer(config, app.state.kvserve.async_engine, args.shutdown_timeout)
+    server = DeadlineServer(config, app.state.kvserve.core_client, args.shutdown_timeout)
     # uvicorn re-raises the signal that stopped it once it has shut down; with a no-op handler
     # in place that re-raise is harmless and a graceful SIGTERM ends with exit status 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
@@ -135,13 +142,6 @@ def cmd_serve(args) -> int:
         return 1            # e.g. the port was taken
     log.info("server stopped")
     return 0
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser("serve", help="serve a model over the OpenAI API",
-                              description=__doc__.splitlines()[0])
-    add_cli_args(p)
-    p.set_defaults(func=cmd_serve)
 
 
 if __name__ == "__main__":

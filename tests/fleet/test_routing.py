@@ -144,13 +144,16 @@ def test_bad_router_configuration_is_a_value_error():
 
 
 def test_replicas_get_the_engine_flags_and_not_the_launchers():
+    from kvserve.fleet.router_cli import add_serve_args
     from kvserve.server.cli import add_cli_args
 
-    p = argparse.ArgumentParser()
+    serve = argparse.ArgumentParser()
+    add_serve_args(serve)
+    args = serve.parse_args(["--model", "/m", "--block-size", "8", "--no-enable-prefix-caching",
+                             "--data-parallel-size", "2", "--port", "9000", "--router-policy", "round-robin",
+                             "--max-num-seqs", "4"])
+    p = argparse.ArgumentParser()       # one server's flags: what a replica takes
     add_cli_args(p)
-    args = p.parse_args(["--model", "/m", "--block-size", "8", "--no-enable-prefix-caching",
-                         "--data-parallel-size", "2", "--port", "9000", "--router-policy", "round-robin",
-                         "--max-num-seqs", "4"])
     argv = replica_argv(args, p)
     assert argv[:2] == ["--model", "/m"]
     assert {"--block-size", "8", "--no-enable-prefix-caching", "--max-num-seqs", "4"} <= set(argv)
