@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import time
 
 import pytest
 import torch
@@ -85,11 +84,9 @@ def test_a_dead_worker_fails_the_step_at_once():
         worker = engine.tp_workers.procs[0]
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(10)
-        t0 = time.monotonic()
+        # the very next step names the dead worker (not a collective's 60 s timeout, not a hang)
         with pytest.raises(RuntimeError, match="tensor-parallel worker 1 died"):
-            for _ in range(10):
-                engine.step()
-        assert time.monotonic() - t0 < 5
+            engine.step()
     finally:
         close(llm)
 
@@ -142,11 +139,12 @@ def test_server_with_a_dead_tp_worker_fails_requests_and_reports_unhealthy():
                    if b"resource_tracker" not in open(f"/proc/{c}/cmdline", "rb").read()]
         assert len(workers) == 1
         os.kill(workers[0], signal.SIGKILL)
-        t0 = time.monotonic()
-        r = httpx.post(server.base_url + "/v1/completions", trust_env=False, timeout=60,
+        # the dead worker is seen before the next forward pass; the 30 s timeout (half the
+        # collectives' COLLECTIVE_TIMEOUT) raises if the core waited on it instead
+        r = httpx.post(server.base_url + "/v1/completions", trust_env=False, timeout=30,
                        json={"prompt": "Once upon a time", "max_tokens": 50})
         assert r.status_code in (500, 503)
-        assert httpx.get(server.base_url + "/health", trust_env=False).status_code == 500
-        assert time.monotonic() - t0 < 10
+        assert httpx.get(server.base_url + "/health", trust_env=False, timeout=30).status_code == 500
+        assert "tensor-parallel worker 1 died" in server.log()
     finally:
         server.stop()
