@@ -9,7 +9,6 @@ import asyncio
 import json
 import re
 import threading
-import time
 
 import httpx
 import pytest
@@ -72,11 +71,15 @@ def test_prompts_per_request_are_bounded(server):
     assert r.status_code == 400
     err = error(r)
     assert err["param"] == "prompt" and f"at most {n} prompts" in err["message"]
-    # 300,000 one-token prompts (the 1.5 MB body) are refused as cheaply
-    t0 = time.monotonic()
+    # 300,000 one-token prompts (the 1.5 MB body) are refused by their count, before
+    # any of them reaches the engine
+    before = server.wait_idle()
     r = post(server.base_url, {"prompt": [[5]] * 300_000, "max_tokens": 1})
-    assert r.status_code == 400 and time.monotonic() - t0 < 5
-    server.wait_idle()
+    assert r.status_code == 400
+    err = error(r)
+    assert err["code"] == "too_many_prompts" and err["message"].endswith("got 300000"), err
+    after = server.wait_idle()
+    assert after["kvserve:prompt_tokens_total"] == before["kvserve:prompt_tokens_total"]
     # the limit itself is served, in chunks that leave the event loop free
     r = post(server.base_url, {"prompt": [PROMPT] * n, "max_tokens": 1, "temperature": 0})
     assert r.status_code == 200 and len(r.json()["choices"]) == n
@@ -139,19 +142,15 @@ def test_client_leaving_while_prompts_are_added_stops_adding_and_aborts_the_rest
 # ---------------------------------------------------------------- defect 3: huge prompts
 
 
-def _stream_gaps(base: str, out: dict, started: threading.Event):
+def _stream(base: str, out: dict, started: threading.Event):
     body = {"prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "temperature": 0, "stream": True}
-    last, gaps, parts = None, [], []
+    parts = []
     with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120, trust_env=False) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
-                now = time.monotonic()
-                if last is not None:
-                    gaps.append(now - last)
-                last = now
                 parts.append(json.loads(line[6:])["choices"][0]["text"])
                 started.set()
-    out["gaps"], out["text"] = gaps, "".join(parts)
+    out["text"] = "".join(parts)
 
 
 def test_a_huge_prompt_is_refused_before_tokenizing_and_stalls_no_one(server):
@@ -160,25 +159,21 @@ def test_a_huge_prompt_is_refused_before_tokenizing_and_stalls_no_one(server):
                                                      ignore_eos=True))[0].outputs[0].text
     huge = "Once upon a time there was a cat. " * 600_000           # 20 MB
     out, started = {}, threading.Event()
-    t = threading.Thread(target=_stream_gaps, args=(server.base_url, out, started))
+    t = threading.Thread(target=_stream, args=(server.base_url, out, started))
     t.start()
     assert started.wait(60)
-    health = []
     for path, body in (("/v1/completions", {"prompt": huge}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]})):
-        t0 = time.monotonic()
         r = post(server.base_url, body, path=path)
         assert r.status_code == 400, r.text[:300]
         err = error(r)
         assert err["code"] == "context_length_exceeded" and "maximum context length is 512" in err["message"]
-        assert time.monotonic() - t0 < 5          # tokenizing it took ~30 s before
-        t0 = time.monotonic()
+        # "at least N tokens": refused by its UTF-8 length (`check_text_fits`), never tokenized (a
+        # tokenized prompt's error gives its exact count; tokenizing this one took ~30 s)
+        assert re.search(r"your prompt has at least \d+ tokens", err["message"]), err["message"]
         assert httpx.get(server.base_url + "/health", trust_env=False, timeout=10).status_code == 200
-        health.append(time.monotonic() - t0)
     t.join(120)
-    assert out["text"] == want
-    # nobody stalled: the stream's longest pause and /health stay far below a tokenization
-    assert max(out["gaps"]) < 2.0 and max(health) < 2.0, (max(out["gaps"]), health)
+    assert not t.is_alive() and out["text"] == want      # the stream beside them is unharmed
 
 
 # ---------------------------------------------------------------- defect 4: list fields
