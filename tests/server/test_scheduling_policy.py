@@ -1,15 +1,18 @@
 """`--scheduling-policy priority` end to end: the request's `priority` field reaches the
-scheduler. One seat: while a long request holds it, a low-priority request arrives before a
-high-priority one; the high-priority one runs first. (The engine runs in a thread of the server
-here; tests/server/test_tenants.py covers the process layout.)"""
+scheduler. One seat: while a long request holds it, a low-priority request is queued before a
+high-priority one; the high-priority one runs first. The order of arrival is the server's own
+signal, not a sleep: each next request is sent once /metrics shows the previous one waiting.
+(The engine runs in a thread of the server here; tests/server/test_tenants.py covers the
+process layout.)"""
 from __future__ import annotations
 
 import asyncio
-import json
+import re
 
 import httpx
 import pytest
 
+from kvserve.server.metrics import tenant_pseudonym
 from tests.server.live import LiveServer
 
 
@@ -23,37 +26,56 @@ def server(tmp_path_factory):
     srv.stop()
 
 
-async def _order(server, jobs):
-    done: list[str] = []
-    async with httpx.AsyncClient(base_url=server.base_url, timeout=120, trust_env=False) as client:
-        async def one(name, key, body, delay):
-            await asyncio.sleep(delay)
-            r = await client.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
-            assert r.status_code == 200, r.text
-            done.append(name)
-        await asyncio.gather(*(one(*j) for j in jobs))
-    return done
-
-
-# Three long requests of the most urgent level (0: tenant "any"'s floor) hold the one seat, one
-# after the other, for 3 x 480 decode steps: the small ones arrive (0.1 s, 0.2 s) long before.
+# The seat holder, of the most urgent level (0: tenant "any"'s floor): 480 decode steps, while
+# the two small requests need only two /metrics round trips to be queued behind it.
 HOG = {"prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True, "temperature": 0}
-HOGS = [(f"hog{i}", "k-any", HOG, 0.0) for i in range(3)]
 SMALL = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
 
 
+def _in_engine(running: int, waiting: int):
+    return lambda m: m["kvserve:num_requests_running"] == running and m["kvserve:num_requests_waiting"] == waiting
+
+
+async def _order(server, first, second) -> list[str]:
+    """Send the hog, then `first`, then `second` (each (name, key, body)), each once the server
+    shows the one before it in the engine; the names in the order they finished."""
+    done: list[str] = []
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=120, trust_env=False) as client:
+        async def one(name, key, body):
+            r = await client.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200, (r.text, server.log())
+            done.append(name)
+
+        tasks = [asyncio.create_task(one("hog", "k-any", HOG))]
+        for i, job in enumerate((first, second)):
+            await asyncio.to_thread(server.wait_for, f"the hog running, {i} queued behind it", _in_engine(1, i))
+            tasks.append(asyncio.create_task(one(*job)))
+        # Both small requests wait while the hog still holds the seat: only the scheduler orders them.
+        await asyncio.to_thread(server.wait_for, "the hog running, 2 queued behind it", _in_engine(1, 2))
+        await asyncio.gather(*tasks)
+    return done
+
+
 def test_priority_field_orders_the_queue(server):
-    done = asyncio.run(_order(server, HOGS + [
-        ("low", "k-any", {**SMALL, "priority": 5}, 0.1),
-        ("high", "k-any", {**SMALL, "priority": 1}, 0.2)]))
-    assert done[3:] == ["high", "low"], done
+    done = asyncio.run(_order(server, ("low", "k-any", {**SMALL, "priority": 5}),
+                              ("high", "k-any", {**SMALL, "priority": 1})))
+    assert done == ["hog", "high", "low"], done
+
+
+def _tenant_requests(m: dict, tenant: str) -> float:
+    """kvserve:tenant_requests_total of `tenant`, whose label is its pseudonym."""
+    label = f'tenant="{tenant_pseudonym(tenant)}"'
+    return sum(v for k, v in m.items() if k.startswith("kvserve:tenant_requests_total{") and label in k)
 
 
 def test_tenant_priority_floor(server):
     """Tenant "low" (priority 3) cannot jump ahead of a level-2 request by asking for 0."""
-    done = asyncio.run(_order(server, HOGS + [
-        ("low-tenant", "k-low", {**SMALL, "priority": 0}, 0.1),
-        ("other", "k-any", {**SMALL, "priority": 2}, 0.2)]))
-    assert done[3:] == ["other", "low-tenant"], done
-    m = server.metrics()
-    assert json.dumps(sorted(k for k in m if "tenant_requests_total{" in k))
+    before = server.metrics()
+    done = asyncio.run(_order(server, ("low-tenant", "k-low", {**SMALL, "priority": 0}),
+                              ("other", "k-any", {**SMALL, "priority": 2})))
+    assert done == ["hog", "other", "low-tenant"], done
+    after = server.metrics()
+    # Counted per tenant (the hog and "other" are tenant "any"'s), under pseudonyms, never names.
+    assert _tenant_requests(after, "low") - _tenant_requests(before, "low") == 1
+    assert _tenant_requests(after, "any") - _tenant_requests(before, "any") == 2
+    assert not [k for k in after if re.search(r'tenant="(low|any)"', k)]
