@@ -30,7 +30,7 @@ import json, sys, torch
 sys.path.insert(0, {bench!r})
 from common import bench_model_dir, make_workload, model_vocab_size, run_kvserve
 from kvserve.config import EngineConfig
-from kvserve.engine.engine import LLMEngine
+from kvserve.frontend.llm_engine import LLMEngine
 torch.set_num_threads({threads})
 model = bench_model_dir()
 n, p, o = {row}

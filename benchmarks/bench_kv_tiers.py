@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvserve import SamplingParams  # noqa: E402
 from kvserve.config import EngineConfig  # noqa: E402
-from kvserve.engine.engine import LLMEngine  # noqa: E402
+from kvserve.frontend.llm_engine import LLMEngine  # noqa: E402
 
 STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 STORIES_HF = STORIES.parent / "stories260K-hf"

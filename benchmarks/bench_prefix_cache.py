@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvserve import SamplingParams  # noqa: E402
 from kvserve.config import EngineConfig  # noqa: E402
-from kvserve.engine.engine import LLMEngine  # noqa: E402
+from kvserve.frontend.llm_engine import LLMEngine  # noqa: E402
 
 MODEL_DIR = Path(os.environ.get("KVSERVE_PREFIX_BENCH_MODEL", "/tmp/kvserve-bench-prefix-llama"))
 VOCAB = 512

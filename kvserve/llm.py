@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from kvserve.chat_template import ChatRenderer
 from kvserve.config import EngineConfig
-from kvserve.engine.engine import LLMEngine
+from kvserve.frontend.llm_engine import LLMEngine
 from kvserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from kvserve.sample.params import BeamSearchParams, SamplingParams
 

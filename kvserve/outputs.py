@@ -13,15 +13,6 @@ class Logprob:
     decoded_token: str | None = None
 
 
-def logprob_entry(token_id: int, logprob: float, rank: int, top, piece) -> dict[int, Logprob]:
-    """One position's logprobs as vLLM returns them: the token's own, then the top
-    (token, logprob) pairs ranked from 1; `piece(token_id)` gives each token's text."""
-    entry = {token_id: Logprob(logprob, rank, piece(token_id))}
-    for top_rank, (tid, lp) in enumerate(top or (), start=1):
-        entry.setdefault(tid, Logprob(lp, top_rank, piece(tid)))
-    return entry
-
-
 @dataclass
 class CompletionOutput:
     index: int

@@ -78,9 +78,10 @@ def score_chunks(engine, chunks: list[list[int]],
     for i, c in enumerate(chunks):
         index[f"ppl-{i}"] = i
         engine.add_request(f"ppl-{i}", {"prompt_token_ids": c}, params)
-    saved = engine.prompt_logprobs_hook
+    sampling = engine.core.sampling
+    saved = sampling.prompt_logprobs_hook
     if on_rows is not None:
-        engine.prompt_logprobs_hook = lambda req, pos, logits: on_rows(index[req.parent_id], pos, logits)
+        sampling.prompt_logprobs_hook = lambda req, pos, logits: on_rows(index[req.parent_id], pos, logits)
     done, nxt = {}, 0
     try:
         while nxt < len(chunks):
@@ -99,7 +100,7 @@ def score_chunks(engine, chunks: list[list[int]],
                 yield nxt, done.pop(nxt)
                 nxt += 1
     finally:
-        engine.prompt_logprobs_hook = saved
+        sampling.prompt_logprobs_hook = saved
         engine.abort_request([rid for rid, i in index.items() if i >= nxt])
 
 

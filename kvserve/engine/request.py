@@ -119,10 +119,9 @@ class Request:
         self.num_preemptions = 0
         self.metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
         self.arrival_seq = arrival_seq             # breaks arrival-time ties: later = larger
-        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
-        # The group head's prompt logprobs, set by the engine when asked for (vLLM's shape:
-        # [None, {token id: Logprob}, ...], one entry per prompt token; engine/prompt_logprobs.py).
-        self.prompt_logprobs: list[dict | None] | None = None
+        # The group head's count of prompt logprob entries made (the first token's null one
+        # included), when asked for (engine/prompt_logprobs.py); the entries go out as deltas.
+        self.num_prompt_logprobs: int | None = None
         self.cumulative_logprob = 0.0
         self.seed = seed
         self.generator: torch.Generator | None = None  # made by the sampler on its device
@@ -167,7 +166,7 @@ class Request:
     def must_compute_prompt(self) -> bool:
         """Its prompt logprobs are not all recorded yet: every prompt position must run through
         the model (no prefix-cache hit), as vLLM does for prompt_logprobs requests."""
-        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+        return self.num_prompt_logprobs is not None and self.num_prompt_logprobs < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -30,12 +30,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
-
 from kvserve.engine.beam_search import advance_beams
 from kvserve.engine.queues import RequestQueues
+from kvserve.engine.core_io import SequenceDelta
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.kv.manager import KVCacheManager
+from kvserve.sample.sampler import Sampled
+from kvserve.worker.output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 S = RequestStatus
@@ -66,7 +67,6 @@ class Scheduler(RequestQueues):
                  watermark_blocks: int = 0, *, preemption_mode: str = "recompute",
                  cache_aware: bool = False, max_wait_steps: int = 64,
                  preemption_warn_threshold: int = 3, stall_steps: int = 8,
-                 stop_checker: Callable[[Request, int], RequestStatus | None] | None = None,
                  eos_token_id: int | None = None, max_model_len: int = 1 << 30,
                  num_speculative_tokens: int = 0, spec_disable_by_batch_size: int | None = None):
         super().__init__(kv, max_num_seqs, preemption_mode, preemption_warn_threshold)
@@ -75,7 +75,6 @@ class Scheduler(RequestQueues):
         self.cache_aware = cache_aware
         self.max_wait_steps = max_wait_steps
         self.stall_steps = stall_steps
-        self.stop_checker = stop_checker or _length_only
         self.eos_token_id = eos_token_id
         self.max_model_len = max_model_len
         self.num_speculative_tokens = num_speculative_tokens
@@ -284,14 +283,16 @@ class Scheduler(RequestQueues):
         return max(0, min(n, capacity - req.num_computed_tokens))
 
     # -- after the forward pass: the one owner of post-step transitions -----------------------
-    def update_from_output(self, out: SchedulerOutput, samples: dict, candidates: dict) -> list[str]:
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput
+                           ) -> tuple[list[str], dict[str, SequenceDelta], dict[str, list]]:
         """Apply one step: the scheduled tokens now have K/V (label the full blocks); forks of
-        n > 1 happen; each sampled token is appended and checked for stops (`samples`: request
-        id -> token id, a verified speculative run [accepted drafts..., target token], or an
-        exception, which fails that request alone); beams with candidates
-        wait for their group, and every ready beam group advances, whether or not this step
-        ran a forward pass. Returns the user request ids whose output changed."""
+        n > 1 happen; each sequence's sampled tokens (one, or a verified speculative run) are
+        appended and checked for stops, a failure fails its sequence alone; beams with
+        candidates wait for their group, and every ready beam group advances, whether or not
+        this step ran a forward pass. Returns (the user request ids whose output changed, the
+        step's delta of every sequence that made tokens, new prompt-logprob entries by head)."""
         touched: dict[str, None] = {r.parent_id: None for r in out.finished}
+        deltas: dict[str, SequenceDelta] = {}
         by_id = {}
         drafts = out.draft_tokens
         for req, n in out.scheduled:
@@ -300,26 +301,28 @@ class Scheduler(RequestQueues):
             by_id[req.request_id] = req
             if req.num_computed_tokens == req.num_prompt_tokens and req.num_output_tokens == 0:
                 self.counters.prompt_tokens += req.num_prompt_tokens
-        for rid, cands in candidates.items():
+        for rid, entries in result.prompt_logprobs.items():
+            by_id[rid].num_prompt_logprobs += len(entries)
+            touched[by_id[rid].parent_id] = None
+        for rid, cands in result.beam_candidates.items():
             req = by_id[rid]
             req.beam_candidates = cands
             req.transition(S.WAITING_FOR_BEAMS)
-        for rid in list(samples):
+        for rid in list(result.sampled) + list(result.failed):
             parent = by_id.get(rid)
             for kid in self.fork_waiters.pop(rid, ()) if parent is not None else ():
                 self.fork(parent, kid)
                 by_id[kid.request_id] = kid
-        for rid, result in samples.items():
+        for rid, why in result.failed.items():
             req = by_id[rid]
-            if req.is_finished:
-                continue
-            if isinstance(result, BaseException):
-                self.finish(req, S.FINISHED_ERROR, f"{type(result).__name__}: {result}")
-            elif isinstance(result, list):
-                self._append_run(req, result)
-            else:
-                self._append_token(req, result)
-            touched[req.parent_id] = None
+            if not req.is_finished:
+                self.finish(req, S.FINISHED_ERROR, why)
+                touched[req.parent_id] = None
+        for rid, run in result.sampled.items():
+            req = by_id[rid]
+            if not req.is_finished:
+                self._append_run(req, run, deltas)
+                touched[req.parent_id] = None
         for rid in drafts:                     # rejected drafts' K/V: their blocks go back
             req = by_id[rid]
             if not req.is_finished:
@@ -335,7 +338,7 @@ class Scheduler(RequestQueues):
         self._stalled = 0 if progress or not self.has_unfinished() else self._stalled + 1
         if self._stalled >= self.stall_steps:
             touched.update(dict.fromkeys(self._fail_stalled()))
-        return list(touched)
+        return list(touched), deltas, result.prompt_logprobs
 
     def append_token(self, req: Request, token_id: int) -> None:
         """Append a token the sequence produced and record when."""
@@ -347,28 +350,41 @@ class Scheduler(RequestQueues):
         m.last_token_time = now
         m.token_times.append(now)
 
-    def _append_token(self, req: Request, token_id: int) -> None:
-        self.append_token(req, token_id)
-        try:
-            status = self.stop_checker(req, token_id)
-        except Exception as e:  # noqa: BLE001 -- one request's detokenizer bug fails it alone
-            logger.exception("output processing failed for request %s", req.request_id)
-            self.finish(req, S.FINISHED_ERROR, f"output processing failed: {type(e).__name__}: {e}")
-            return
-        if status is not None:
-            self.finish(req, status)
-
-    def _append_run(self, req: Request, tokens: list[int]) -> None:
-        """A verified speculative run: accepted drafts then the target's token. Each token
-        before the last was a draft the target ran, so its K/V is in the cache: the sequence's
-        computed tokens grow with it. A stop (token, string, max_tokens, length) ends the run."""
-        for i, t in enumerate(tokens):
+    def _append_run(self, req: Request, run: list[Sampled], deltas: dict[str, SequenceDelta]) -> None:
+        """Sampled tokens: one, or a verified speculative run (accepted drafts then the target's
+        token). Each token before the last was a draft the target ran, so its K/V is in the
+        cache: the sequence's computed tokens grow with it. A stop (EOS, a stop token,
+        max_tokens, max_model_len) ends the run; stop strings are the frontend's."""
+        logprobs = req.params.logprobs is not None
+        d = deltas[req.request_id] = SequenceDelta(req.index, new_logprobs=[] if logprobs else None)
+        for i, s in enumerate(run):
             if i:
                 req.num_computed_tokens += 1
-            self._append_token(req, t)
-            if req.is_finished:
+            self.append_token(req, s.token_id)
+            d.new_token_ids.append(s.token_id)
+            if logprobs:
+                d.new_logprobs.append(s)
+            status = self.stop_status(req, s.token_id)
+            if status is not None:
+                self.finish(req, status)
                 return
-        self.kv.cache_blocks(req)              # label the full blocks the accepted drafts filled
+        if len(run) > 1:
+            self.kv.cache_blocks(req)          # label the full blocks the accepted drafts filled
+
+    def stop_status(self, req: Request, token_id: int) -> RequestStatus | None:
+        """The core's stop rules, on token ids (the token is already appended): EOS and stop
+        token ids once min_tokens are out, then max_tokens and max_model_len."""
+        p = req.params
+        n_out = req.num_output_tokens
+        if n_out >= p.min_tokens:
+            if token_id == req.eos_token_id and not p.ignore_eos:
+                return S.FINISHED_STOPPED
+            if token_id in p.stop_token_id_set:         # O(1) however many ids
+                req.stop_reason = token_id
+                return S.FINISHED_STOPPED
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or req.num_tokens >= self.max_model_len:
+            return S.FINISHED_LENGTH
+        return None
 
     def _fail_stalled(self) -> list[str]:
         """The watchdog: no progress for `stall_steps` steps. Fail every unfinished request with
@@ -384,9 +400,3 @@ class Scheduler(RequestQueues):
             group.live.clear()
         self._stalled = 0
         return sorted({r.parent_id for r in stuck})
-
-def _length_only(req: Request, token_id: int) -> RequestStatus | None:
-    p = req.params
-    if p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:
-        return S.FINISHED_LENGTH
-    return None

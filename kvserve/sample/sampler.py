@@ -11,19 +11,23 @@ distribution (log_softmax of the unprocessed logits), with the sampled token's r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from kvserve.engine.request import Request
+if TYPE_CHECKING:
+    from kvserve.engine.request import Request
 
 
-@dataclass
-class SampleResult:
+@dataclass(slots=True)
+class Sampled:
+    """One position's token and its log-probability under the raw model distribution: its rank
+    (1 = most likely) and, when asked for, the top-k alternatives as (token id, logprob)."""
+
     token_id: int
-    logprob: float                                  # raw log-probability of the token
-    rank: int                                       # 1 = most likely
-    top: list[tuple[int, float]] | None = None      # top-k (token, logprob), if asked
+    logprob: float = 0.0
+    rank: int = 0
+    top: list[tuple[int, float]] | None = None
 
 
 def process_logits(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
@@ -156,7 +160,7 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed if seed is not None else torch.seed() % (2**63))
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampleResult]:
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[Sampled]:
         """logits [S, V] float32, one row per request in `reqs`."""
         raw = logits
         tokens = self._choose(process_logits(logits, reqs), reqs)   # [S] int64
@@ -170,9 +174,9 @@ class Sampler:
                 if need_lp[i] and r.params.logprobs:
                     n = r.params.logprobs
                     top = list(zip(top_ids[i][:n], top_lp[i][:n]))
-                results.append(SampleResult(t, lp_l[i], rank_l[i], top))
+                results.append(Sampled(t, lp_l[i], rank_l[i], top))
             return results
-        return [SampleResult(t, 0.0, 0) for t in tokens.tolist()]
+        return [Sampled(t, 0.0, 0) for t in tokens.tolist()]
 
     def _choose(self, x: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """x: `process_logits` of the step. Greedy rows take the argmax, sampled rows a draw."""

@@ -40,11 +40,12 @@ from kvserve.server.errors import install_error_handlers
 from kvserve.server.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from kvserve.server.openapi import ROUTES, install_openapi
 from kvserve.server.prompts import bound_state, echo_texts, max_tokens_for, prompt_items
-from kvserve.server.async_engine import AsyncEngine, EngineFrontend
+from kvserve.frontend.core_client import CoreClient
 from kvserve.server.chat import ChatRenderer
 from kvserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kvserve.server.openai_logprobs import chat_logprobs, completion_logprobs, echo_logprobs, echo_only
-from kvserve.server.submission import Submission, collect_or_disconnect, step_views
+from kvserve.server.streaming import SSE_HEADERS, stream_chat, stream_completions
+from kvserve.server.submission import Submission, collect_or_disconnect
 from kvserve.server.protocol import (
     APIError, ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
     ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatMessage,
@@ -60,10 +61,11 @@ class ServerState:
         self.model_name = served_model_name
         self.api_key = api_key
         self.metrics = ServerMetrics(served_model_name)
-        # An LLMEngine runs in a thread of this process; a ProcessEngine is already running.
-        self.async_engine = engine if isinstance(engine, EngineFrontend) else AsyncEngine(engine)
-        self.async_engine.bind(self.metrics, max_waiting, stream_stall_timeout)
-        self.engine = engine = self.async_engine
+        # An LLMEngine's core runs in a thread of this process; a CoreClient is already running.
+        self.core_client = (engine if isinstance(engine, CoreClient)
+                            else CoreClient.in_thread(getattr(engine, "core", engine)))
+        self.core_client.bind(self.metrics, max_waiting, stream_stall_timeout)
+        self.engine = engine = self.core_client
         self.tokenizer = engine.tokenizer
         self.chat = ChatRenderer(engine.tokenizer, chat_template) if engine.tokenizer is not None else None
         self.max_model_len = engine.config.max_model_len
@@ -75,8 +77,8 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
               stream_stall_timeout: float | None = None, api_keys=None,
               answer_cache: dict | None = None, metrics_public: bool = False,
               metrics_tenant_labels: bool = False, escape_special_tokens: bool = False) -> FastAPI:
-    """The FastAPI app serving `engine`: an `LLMEngine` (run by a thread of this process) or a
-    `ProcessEngine` (an engine core process). The engine loop starts with the app. `api_keys`:
+    """The FastAPI app serving `engine`: an `LLMEngine` or `EngineCore` (its core loop runs in
+    a thread of this process) or a `CoreClient` (frontend/core_client.py). The engine loop starts with the app. `api_keys`:
     a keys file's path or a loaded `TenantRegistry` (server/answers.install)."""
     state = ServerState(engine, served_model_name, api_key, max_waiting, chat_template,
                         stream_stall_timeout)
@@ -87,14 +89,14 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state.async_engine.start()
+        state.core_client.start()
         # What startup made lives as long as the server: out of the collector's way, so that a
         # full collection (say, after one body of 300,000 small lists) walks only new objects.
         gc.freeze()
         try:
             yield
         finally:
-            state.async_engine.shutdown()
+            state.core_client.shutdown()
             state.tokenization.shutdown()
             state.front.shutdown()
 
@@ -105,7 +107,7 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
 
     @app.get("/health")
     async def health():
-        dead = state.async_engine.dead
+        dead = state.core_client.dead
         if dead is not None:        # the exception is in the log, under the id
             return JSONResponse({"status": "error", "error": state.engine_failure.message(dead)}, 500)
         return JSONResponse({"status": "ok"})
@@ -151,10 +153,6 @@ def _sampling_params(req, max_tokens: int, logprobs: int | None,
         raise APIError(str(e)) from None
 
 
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
 def _usage(outputs: list, include_cached: bool = True) -> UsageInfo:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
@@ -175,7 +173,7 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
               for m in max_tokens]
     rid_prefix = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    sub = Submission(state, rid_prefix)
+    sub = Submission(state, rid_prefix, stream=req.stream)
     try:
         if not await sub.add_all(list(zip(items, params)), request):
             sub.abort_unfinished()                  # the client left while its prompts were added
@@ -191,9 +189,9 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
         raise
 
     if req.stream:
-        return StreamingResponse(_stream_completions(state, req, sub, rid_prefix, created, index_of,
-                                                     prompt_texts),
-                                 media_type="text/event-stream", headers=_SSE_HEADERS)
+        return StreamingResponse(stream_completions(state, req, sub, rid_prefix, created, index_of,
+                                                    prompt_texts),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
 
     final = await collect_or_disconnect(sub, request)
     if final is None:
@@ -217,78 +215,6 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
                               choices=choices, usage=_usage(outs)).model_dump()
 
 
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-async def _stream_completions(state, req: CompletionRequest, sub: Submission, rid_prefix: str,
-                              created: int, index_of: dict, prompt_texts: list[str]):
-    sent_text: dict[tuple[str, int], int] = {}
-    sent_tokens: dict[tuple[str, int], int] = {}
-    offsets: dict[tuple[str, int], int] = {}
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    finals: dict[str, object] = {}
-
-    def chunk(choices, usage=None):
-        obj = CompletionStreamResponse(id=rid_prefix, created=created, model=state.model_name,
-                                       choices=choices, usage=usage).model_dump()
-        if usage is None:
-            obj.pop("usage")
-        return _sse(obj)
-
-    # echo: the prompt's text first; with logprobs, once its prompt logprobs are in.
-    echo_pending = set(index_of.values()) if req.echo else set()
-    try:
-        if req.echo and req.logprobs is None:
-            for pi, text in enumerate(prompt_texts):
-                for j in range(req.n):
-                    yield chunk([CompletionChoice(index=pi * req.n + j, text=text)])
-            echo_pending.clear()
-        done: set[tuple[str, int]] = set()
-        async for out, steps in sub.outputs():
-            pi = index_of[out.request_id]
-            if req.max_tokens == 0:
-                out = echo_only(out)
-            if out.finished:
-                finals[out.request_id] = out
-            if pi in echo_pending:
-                echo_pending.discard(pi)
-                lp = echo_logprobs(state, out, None, req.logprobs, req.skip_special_tokens)
-                for j in range(req.n):
-                    offsets[(out.request_id, j)] = sum(len(t) for t in lp.tokens)
-                    yield chunk([CompletionChoice(index=pi * req.n + j, text=prompt_texts[pi], logprobs=lp)])
-            for c, n1, t1, fin in step_views(out, steps):
-                key = (out.request_id, c.index)
-                if key in done:
-                    continue
-                t0, n0 = sent_text.get(key, 0), sent_tokens.get(key, 0)
-                delta, new_ids = c.text[t0:t1], c.token_ids[n0:n1]
-                finish_reason = c.finish_reason if fin else None
-                # A chunk for every step that produced tokens, even when their text is held
-                # back (partial UTF-8, a possible stop string): chunk times are token times.
-                if not delta and not new_ids and finish_reason is None:
-                    continue
-                lp = None
-                if req.logprobs is not None and c.logprobs is not None and new_ids:
-                    lp = completion_logprobs(state, out.prompt_token_ids + c.token_ids[:n0], new_ids,
-                                              c.logprobs[n0:n1], offsets.get(key, 0),
-                                              req.logprobs, req.skip_special_tokens)
-                    offsets[key] = offsets.get(key, 0) + sum(len(t) for t in lp.tokens)
-                sent_text[key], sent_tokens[key] = t1, n1
-                if finish_reason is not None:
-                    done.add(key)
-                yield chunk([CompletionChoice(index=pi * req.n + c.index, text=delta, logprobs=lp,
-                                              finish_reason=finish_reason,
-                                              stop_reason=c.stop_reason if fin else None)])
-        if include_usage:
-            yield chunk([], usage=_usage([finals[r] for r in sub.request_ids]))
-        yield "data: [DONE]\n\n"
-    except APIError as e:
-        yield _sse(e.body())
-        yield "data: [DONE]\n\n"
-    finally:
-        sub.abort_unfinished()
-
-
 # ------------------------------------------------------------------ /v1/chat/completions
 
 
@@ -308,7 +234,7 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
     params = _sampling_params(req, max_tokens, k if req.logprobs else None)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    sub = Submission(state, rid)
+    sub = Submission(state, rid, stream=req.stream)
     try:
         item = {"prompt_token_ids": ids, "prompt": text}
         if req.cache_salt is not None:
@@ -321,8 +247,8 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
         raise
 
     if req.stream:
-        return StreamingResponse(_stream_chat(state, req, sub, rid, created, k),
-                                 media_type="text/event-stream", headers=_SSE_HEADERS)
+        return StreamingResponse(stream_chat(state, req, sub, rid, created, k),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
 
     final = await collect_or_disconnect(sub, request)
     if final is None:
@@ -339,60 +265,3 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
                                             stop_reason=c.stop_reason))
     return ChatCompletionResponse(id=rid, created=created, model=state.model_name, choices=choices,
                                   usage=_usage([out])).model_dump()
-
-
-async def _stream_chat(state, req: ChatCompletionRequest, sub: Submission, rid: str, created: int,
-                       k: int):
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    sent_text: dict[int, int] = {}
-    sent_tokens: dict[int, int] = {}
-    final = None
-
-    def chunk(choices, usage=None):
-        obj = ChatCompletionStreamResponse(id=rid, created=created, model=state.model_name,
-                                           choices=choices, usage=usage).model_dump()
-        if usage is None:
-            obj.pop("usage")
-        for ch in obj["choices"]:
-            ch["delta"] = {k: v for k, v in ch["delta"].items() if v is not None}
-        return _sse(obj)
-
-    started: set[int] = set()
-    done: set[int] = set()
-    try:
-        async for out, steps in sub.outputs():
-            if out.finished:
-                final = out
-            for c, n1, t1, fin in step_views(out, steps):
-                if c.index in done:
-                    continue
-                t0, n0 = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
-                delta, new_ids = c.text[t0:t1], c.token_ids[n0:n1]
-                finish_reason = c.finish_reason if fin else None
-                if not delta and not new_ids and finish_reason is None:
-                    continue
-                lp = None
-                if req.logprobs and c.logprobs is not None and new_ids:
-                    lp = ChatChoiceLogprobs(content=chat_logprobs(
-                        state, out.prompt_token_ids + c.token_ids[:n0], new_ids,
-                        c.logprobs[n0:n1], k, req.skip_special_tokens))
-                sent_text[c.index], sent_tokens[c.index] = t1, n1
-                # One chunk per engine step that produced tokens (text may be empty while a
-                # multi-byte character or a possible stop string is held back), the role on the
-                # first one and the finish reason on the last, so that chunk timestamps are token
-                # timestamps for a benchmark client.
-                role = None if c.index in started else "assistant"
-                started.add(c.index)
-                if finish_reason is not None:
-                    done.add(c.index)
-                yield chunk([ChatCompletionStreamChoice(
-                    index=c.index, delta=DeltaMessage(role=role, content=delta), logprobs=lp,
-                    finish_reason=finish_reason, stop_reason=c.stop_reason if fin else None)])
-        if include_usage and final is not None:
-            yield chunk([], usage=_usage([final]))
-        yield "data: [DONE]\n\n"
-    except APIError as e:
-        yield _sse(e.body())
-        yield "data: [DONE]\n\n"
-    finally:
-        sub.abort_unfinished()

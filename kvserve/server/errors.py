@@ -54,9 +54,9 @@ class EngineFailureReport:
 
 
 def error_response(state, exc: APIError) -> JSONResponse:
-    if exc.code == "engine_dead" and state.async_engine.dead is not None:
+    if exc.code == "engine_dead" and state.core_client.dead is not None:
         # The refusal's message names the exception: keep it in the log, not in the body.
-        exc = APIError(state.engine_failure.message(state.async_engine.dead), exc.status_code,
+        exc = APIError(state.engine_failure.message(state.core_client.dead), exc.status_code,
                        type=exc.type, code=exc.code, headers=exc.headers)
     if 400 <= exc.status_code < 500 and exc.status_code != 401:
         state.metrics.reject("bad_request")

@@ -9,7 +9,7 @@ from dataclasses import replace
 from kvserve.server.protocol import ChatLogprobToken, ChatTopLogprob, CompletionLogProbs
 
 
-_CONTEXT_TOKENS = 6
+CONTEXT_TOKENS = 6
 
 
 def logprob_entries(state, context: list[int], token_ids: list[int], tables: list[dict],
@@ -23,7 +23,7 @@ def logprob_entries(state, context: list[int], token_ids: list[int], tables: lis
     chosen tokens' texts concatenate to the completion text.
     """
     tok = state.tokenizer
-    seq = list(context[-_CONTEXT_TOKENS:])
+    seq = list(context[-CONTEXT_TOKENS:])
 
     def piece(prev_text: str, ids: list[int], tid: int) -> str:
         if tok is None:
@@ -42,8 +42,8 @@ def logprob_entries(state, context: list[int], token_ids: list[int], tables: lis
         seq.append(tid)
         text = piece(prev, seq, tid)
         prev = prev + text
-        if len(seq) > 4 * _CONTEXT_TOKENS:      # keep decoding cheap on long outputs
-            seq = seq[-_CONTEXT_TOKENS:]
+        if len(seq) > 4 * CONTEXT_TOKENS:      # keep decoding cheap on long outputs
+            seq = seq[-CONTEXT_TOKENS:]
             prev = tok.decode(seq, skip_special_tokens=skip_special) if tok is not None else ""
         out.append((text, chosen.logprob if chosen is not None else None, alts))
     return out

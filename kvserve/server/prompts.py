@@ -17,7 +17,7 @@ from kvserve.server.protocol import APIError, CompletionRequest
 
 def bound_state(state, max_prompts_per_request: int, max_waiting: int | None) -> None:
     """The per-request limits (server/limits.py), error ids and the API key as bytes."""
-    stats = getattr(state.async_engine, "last_stats", None)
+    stats = getattr(state.core_client, "last_stats", None)
     state.max_model_len = effective_max_model_len(state.max_model_len,
                                                   getattr(stats, "num_kv_tokens", None))
     bound = max_bytes_per_token(state.tokenizer) if state.tokenizer is not None else MIN_BYTES_PER_TOKEN_BOUND

@@ -1,7 +1,7 @@
 """The engine requests behind one HTTP request: one output collector for all of them
-(`async_engine.RequestOutputCollector`), their outputs as they come, failures as APIErrors
-(a request that failed alone in the engine is a 500 naming it), aborts when the client leaves,
-and the per-step views that let a slow reader stream the same chunks as a fast one."""
+(server/collector.py), their outputs as they come (a stream's deltas, or each final output),
+failures as APIErrors (a request that failed alone in the engine is a 500 naming it), and
+aborts when the client leaves."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +10,7 @@ from typing import AsyncIterator
 
 from fastapi import Request
 
-from kvserve.server.async_engine import RequestFailed, RequestOutputCollector
+from kvserve.server.collector import RequestFailed, RequestOutputCollector
 from kvserve.server.errors import internal_error
 from kvserve.server.limits import ADD_CHUNK
 from kvserve.server.protocol import APIError
@@ -21,18 +21,18 @@ logger = logging.getLogger("kvserve.server")
 class Submission:
     """The engine requests behind one HTTP request, all feeding one collector."""
 
-    def __init__(self, state, prefix: str):
+    def __init__(self, state, prefix: str, stream: bool = False):
         self.state = state
+        self.stream = stream
         self.collector = RequestOutputCollector()
         self.prefix = prefix
         self.request_ids: list[str] = []
         self.unfinished: set[str] = set()
 
     async def outputs(self) -> AsyncIterator:
-        """(latest cumulative RequestOutput, the steps it stands for) of every engine request,
-        as they come; see `RequestOutputCollector.get_nowait` for the steps."""
+        """Every engine request's outputs as they come: deltas when streaming, else the final."""
         while self.unfinished:
-            item, steps = await self.collector.get_with_steps()
+            item = await self.collector.get()
             if isinstance(item, RequestFailed):
                 self.unfinished.discard(item.request_id)
                 err = item.error
@@ -46,14 +46,14 @@ class Submission:
                     logger.error("request %s failed in the engine: %s", item.request_id, failed.error)
                     raise APIError(f"request {item.request_id} failed in the engine; the server "
                                    "keeps serving others", 500, type="server_error", code="request_failed")
-            yield item, steps
+            yield item
 
     async def add_all(self, items: list, request: Request | None = None) -> bool:
         """Queue an engine request for each (prompt, SamplingParams), ADD_CHUNK at a time: each
         chunk is queued at once and applied by the engine in one go, the event loop runs
         between chunks, and once the client has gone the rest is not added (False; the caller
         aborts what was). Raises the first refusal (400 / 503) of a chunk."""
-        engine = self.state.async_engine
+        engine = self.state.core_client
         for start in range(0, len(items), ADD_CHUNK):
             if start and request is not None and await request.is_disconnected():
                 return False
@@ -63,7 +63,7 @@ class Submission:
                 self.request_ids.append(rid)
                 self.unfinished.add(rid)
                 adds.append(engine.add_request(rid, item, params, self.collector,
-                                               prompt_text=item.get("prompt")))
+                                               prompt_text=item.get("prompt"), stream=self.stream))
             results = await asyncio.gather(*adds, return_exceptions=True)
             failed = next((r for r in results if isinstance(r, BaseException)), None)
             if failed is not None:
@@ -72,7 +72,7 @@ class Submission:
 
     def abort_unfinished(self) -> None:
         for rid in list(self.unfinished):
-            self.state.async_engine.abort(rid)
+            self.state.core_client.abort(rid)
         self.unfinished.clear()
 
 
@@ -87,7 +87,7 @@ async def collect_or_disconnect(sub: Submission, request: Request) -> dict[str, 
     """Final output of every engine request, or None when the client went away first."""
     async def collect():
         final = {}
-        async for out, _ in sub.outputs():
+        async for out in sub.outputs():
             if out.finished:
                 final[out.request_id] = out
         return final
@@ -105,22 +105,3 @@ async def collect_or_disconnect(sub: Submission, request: Request) -> dict[str, 
         if not collector.done():
             collector.cancel()
         sub.abort_unfinished()
-
-
-def step_views(out, steps):
-    """(completion, num tokens, text length, finished) for each chunk to send for `out`.
-
-    `steps` (from the collector) says how far each sequence had got at every engine step since
-    the last read, so a reader that fell behind sends the same chunks -- one per step, each the
-    difference from the previous one -- as a reader that kept up. Without steps, the output's
-    current state is the only step.
-    """
-    if not steps:
-        for c in out.outputs:
-            yield c, len(c.token_ids), len(c.text), c.finish_reason is not None
-        return
-    by_index = {c.index: c for c in out.outputs}
-    for index, num_tokens, text_len, finished in steps:
-        c = by_index.get(index)
-        if c is not None:
-            yield c, num_tokens, text_len, bool(finished)

@@ -187,7 +187,7 @@ class TenantMetrics:
 
     def install(self, state) -> None:
         """Tie engine request ids to tenants (when added) and count tokens (when finished)."""
-        engine, metrics = state.async_engine, state.metrics
+        engine, metrics = state.core_client, state.metrics
         add, finished, abort = engine.add_request, metrics.observe_finished, engine.abort
 
         # Under fcfs the engine needs none of them: its prompts stay as they were.

@@ -12,8 +12,7 @@ gamma drafted tokens contributes gamma + 1 tokens to the step instead of one"; s
                           num_computed_tokens over the accepted drafts only, labels full
                           verified blocks, and rolls back the rest (`KVCacheManager.rollback`)
     SpecDecoder.after_step
-                          the logprobs of the tokens that were appended; the proposer drops
-                          the state of sequences that left the running batch
+                          the proposer drops the state of sequences that left the running batch
 
 Beam search and n > 1 requests never speculate (the scheduler leaves them out): their
 sequences share blocks by copy on write, and speculating would write drafts into them.
@@ -27,7 +26,7 @@ import torch
 
 from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.ngram import NgramProposer, Proposer
-from kvserve.spec_decode.verify import Verified, verify
+from kvserve.spec_decode.verify import verify
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +63,6 @@ class SpecDecoder:
         self.vocab_size = engine.model_config.vocab_size
         self.proposer = proposer or make_proposer(cfg, engine)
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * cfg.num_speculative_tokens)
-        self._pending: list[tuple[object, Verified]] = []
         # sequence id -> (steps left to sit out, consecutive fully rejected drafts): a sequence
         # the proposer keeps guessing wrong (free text for n-gram lookup) stops costing k + 1 rows
         self._backoff: dict[str, tuple[int, int]] = {}
@@ -95,10 +93,11 @@ class SpecDecoder:
         return drafts
 
     def verify(self, logits: torch.Tensor, samplers: list, draft_tokens: dict[str, list[int]],
-               engine_gen: torch.Generator, piece) -> tuple[torch.Tensor, list, dict]:
+               engine_gen: torch.Generator, out) -> tuple[torch.Tensor, list]:
         """logits [rows, V] in the runner's layout (one row per sampler, k + 1 for a sampler
-        with drafts). Returns the plain samplers' logits and samplers, for the normal sampler,
-        and {sequence id: emitted tokens, or the exception that failed it}."""
+        with drafts). Puts each speculating sequence's emitted run (or its failure) into `out`
+        (a ModelRunnerOutput); returns the plain samplers' logits and samplers, for the normal
+        sampler."""
         plain_rows, plain, spec_rows, spec = [], [], [], []
         row = 0
         for r in samplers:
@@ -110,28 +109,28 @@ class SpecDecoder:
                 plain.append(r)
                 plain_rows.append(row)
             row += k + 1
-        runs: dict = {}
         if not spec:
-            return logits, samplers, runs
+            return logits, samplers
         spec_logits = logits[spec_rows]
         drafts = [draft_tokens[r.request_id] for r in spec]
         try:
-            results = verify(spec_logits, spec, drafts, engine_gen, piece)
+            results = verify(spec_logits, spec, drafts, engine_gen)
         except Exception:  # noqa: BLE001 -- find the request that fails; the others go on
             logger.exception("speculative verification failed; retrying request by request")
             results, at = [], 0
             for r, d in zip(spec, drafts):
                 try:
-                    results += verify(spec_logits[at:at + len(d) + 1], [r], [d], engine_gen, piece)
+                    results += verify(spec_logits[at:at + len(d) + 1], [r], [d], engine_gen)
                 except Exception as e:  # noqa: BLE001
                     results.append(e)
                 at += len(d) + 1
         s = self.stats
         for r, d, res in zip(spec, drafts, results):
             if isinstance(res, BaseException):
-                runs[r.request_id] = res
+                out.fail(r.request_id, res)
                 continue
-            runs[r.request_id] = res.tokens
+            out.sampled[r.request_id] = res.run
+            out.num_accepted_drafts[r.request_id] = res.num_accepted
             self._note(r.request_id, res.num_accepted)
             s.num_drafts += 1
             s.num_draft_tokens += len(d)
@@ -139,10 +138,8 @@ class SpecDecoder:
             s.accepted_per_pos += [0] * (len(d) - len(s.accepted_per_pos))
             for i in range(res.num_accepted):
                 s.accepted_per_pos[i] += 1
-            if res.logprobs is not None:
-                self._pending.append((r, res))
         same = len(plain_rows) == row
-        return (logits if same else logits[plain_rows]), plain, runs
+        return (logits if same else logits[plain_rows]), plain
 
     def _sitting_out(self, rid: str) -> bool:
         left, misses = self._backoff.get(rid, (0, 0))
@@ -160,15 +157,7 @@ class SpecDecoder:
         self._backoff[rid] = (min(2 ** (misses - 1), cap), misses)
 
     def after_step(self, scheduler) -> None:
-        """After update_from_output: logprob entries of the tokens that were appended (a stop
-        inside a run cuts it; `Request.logprobs` stays one entry per output token); the
-        proposer forgets sequences that left the running batch."""
-        for r, res in self._pending:
-            n = r.num_output_tokens - len(r.logprobs)
-            for entry, lp in res.logprobs[:max(0, n)]:
-                r.logprobs.append(entry)
-                r.cumulative_logprob += lp
-        self._pending = []
+        """After update_from_output: the proposer forgets sequences that left the running batch."""
         running = {r.request_id for r in scheduler.running}
         self.proposer.release(running)
         for rid in [rid for rid in self._backoff if rid not in running]:

@@ -24,8 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.outputs import logprob_entry
-from kvserve.sample.sampler import process_logits, request_generator, token_logprobs
+from kvserve.sample.sampler import Sampled, process_logits, request_generator, token_logprobs
 
 
 class _Ahead:
@@ -54,7 +53,11 @@ class _Ahead:
 class Verified:
     tokens: list[int]              # accepted drafts + one target token: what the sequence emits
     num_accepted: int              # drafts accepted
-    logprobs: list[tuple[dict, float]] | None = None   # (vLLM entry, logprob) per token, if asked
+    logprobs: list[Sampled] | None = None   # per emitted token, when the request asks for logprobs
+
+    @property
+    def run(self) -> list[Sampled]:
+        return self.logprobs if self.logprobs is not None else [Sampled(t) for t in self.tokens]
 
 
 def accept_greedy(target: list[int], drafts: list[int]) -> tuple[list[int], int]:
@@ -82,8 +85,8 @@ def rejection_sample(probs: torch.Tensor, drafts: list[int], gen: torch.Generato
     return drafts[:a] + [int((row / noise).argmax())], a
 
 
-def verify(logits: torch.Tensor, reqs: list, drafts: list[list[int]], engine_gen: torch.Generator,
-           piece=None) -> list[Verified]:
+def verify(logits: torch.Tensor, reqs: list, drafts: list[list[int]], engine_gen: torch.Generator
+           ) -> list[Verified]:
     """logits [sum(k_i + 1), V]: each request's k_i + 1 rows, in order. One Verified per request."""
     views, starts = [], []
     for r, d in zip(reqs, drafts):
@@ -100,11 +103,11 @@ def verify(logits: torch.Tensor, reqs: list, drafts: list[list[int]], engine_gen
             gen = request_generator(r, x.device) if r.seed is not None else engine_gen
             tokens, a = rejection_sample(torch.softmax(x[rows], dim=-1), d, gen)
         out.append(Verified(tokens, a))
-    _logprobs(logits, reqs, starts, out, piece or (lambda t: None))
+    _logprobs(logits, reqs, starts, out)
     return out
 
 
-def _logprobs(logits, reqs, starts, out: list[Verified], piece) -> None:
+def _logprobs(logits, reqs, starts, out: list[Verified]) -> None:
     want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
     if not want:
         return
@@ -117,6 +120,6 @@ def _logprobs(logits, reqs, starts, out: list[Verified], piece) -> None:
         n, entries = reqs[i].params.logprobs, []
         for t in out[i].tokens:
             top = list(zip(top_ids[at][:n], top_lp[at][:n])) if n else None
-            entries.append((logprob_entry(t, lp[at], rank[at], top, piece), lp[at]))
+            entries.append(Sampled(t, lp[at], rank[at], top))
             at += 1
         out[i].logprobs = entries

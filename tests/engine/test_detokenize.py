@@ -1,7 +1,7 @@
 """Incremental detokenization never emits a broken character, on byte-fallback tokens too."""
 from __future__ import annotations
 
-from kvserve.engine.output import IncrementalDetokenizer, held_back
+from kvserve.frontend.detokenizer import IncrementalDetokenizer, held_back
 from kvserve.model.loader import load_model_dir
 from tests.conftest import STORIES_C, STORIES_HF
 

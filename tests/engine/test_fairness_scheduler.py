@@ -9,6 +9,7 @@ from kvserve.engine.request import Request
 from kvserve.engine.scheduler import Scheduler
 from kvserve.kv.manager import KVCacheManager
 from kvserve.sample.params import SamplingParams
+from tests.engine.runner_outputs import runner_output
 
 
 def make(num_blocks=64, block_size=4, max_seqs=1, budget=64, policy=None, cache=None, cache_aware=False):
@@ -27,7 +28,7 @@ def req(rid, prompt, max_tokens=2, seq=0, **kw):
 def step(sched):
     out = sched.schedule()
     samples = {r.request_id: 7 for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
-    sched.update_from_output(out, samples, {})
+    sched.update_from_output(out, runner_output(samples, {}))
     return out
 
 

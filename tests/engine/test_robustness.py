@@ -11,6 +11,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.engine.request import IllegalTransition, Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler
 from kvserve.kv.manager import KVCacheManager
+from tests.engine.runner_outputs import runner_output
 from tests.conftest import STORIES_HF
 from tests.reference.hf_reference import hf_greedy
 from tests.reference.test_differential import make_workload, run
@@ -38,7 +39,7 @@ def drive(llm: LLM, requests: list[tuple[str, list[int], SamplingParams, int]], 
             break
     else:
         raise AssertionError("requests never finished")
-    assert not eng.groups and eng.get_num_unfinished_requests() == 0
+    assert not eng.core.groups and eng.get_num_unfinished_requests() == 0
     assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
     return done
 
@@ -88,7 +89,7 @@ def test_a_lone_request_that_outgrows_the_pool_is_retired():
               enable_prefix_caching=False)
     out = drive(llm, [("r", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=20, **GREEDY), 0)])
     assert out["r"].outputs[0].finish_reason == "length"
-    assert not llm.engine.requests and not llm.engine.output.detok
+    assert not llm.engine.requests and not llm.engine.output.requests
 
 
 def test_seat_cap_holds_for_samples_and_beams():
@@ -99,7 +100,7 @@ def test_seat_cap_holds_for_samples_and_beams():
         llm.engine.add_request("x", [1, 2, 3], SamplingParams(n=4))
     with pytest.raises(ValueError, match="beam_width=3 .* max_num_seqs is 2"):
         llm.engine.add_request("y", [1, 2, 3], SamplingParams(use_beam_search=True, beam_width=3))
-    assert not llm.engine.groups
+    assert not llm.engine.core.groups
     drive(llm, [("a", [1, 2, 3], SamplingParams(n=2, seed=1, max_tokens=8), 0),
                 ("b", [1, 4, 5], SamplingParams(use_beam_search=True, beam_width=2, max_tokens=5), 0),
                 ("c", [1, 6], SamplingParams(max_tokens=8), 2)])
@@ -119,7 +120,7 @@ def test_victim_is_the_latest_arrival_not_the_latest_admitted():
     sched.add(early)
     out = sched.schedule()
     assert [r.request_id for r, _ in out.scheduled] == ["late", "early"]
-    sched.update_from_output(out, {"late": 5, "early": 5}, {})
+    sched.update_from_output(out, runner_output({"late": 5, "early": 5}, {}))
     out = sched.schedule()               # both need a third block; the pool has none
     assert [r.request_id for r in out.preempted] == ["late"]
     assert [r.request_id for r, _ in out.scheduled] == ["early"]
@@ -147,7 +148,7 @@ def test_a_stall_fails_the_stuck_requests_with_a_clear_error(monkeypatch):
     assert len(outs) == 1 and outs[0].finished
     c = outs[0].outputs[0]
     assert c.finish_reason == "error" and "no progress" in c.error
-    assert not eng.has_unfinished_requests() and not eng.groups
+    assert not eng.has_unfinished_requests() and not eng.core.groups
 
 
 def test_one_failing_request_does_not_stop_the_others(monkeypatch):
@@ -155,22 +156,22 @@ def test_one_failing_request_does_not_stop_the_others(monkeypatch):
     llm = LLM(str(STORIES_HF))
     eng = llm.engine
     ref = llm.generate([{"prompt_token_ids": [1, 403, 261]}], SamplingParams(max_tokens=10, **GREEDY))
-    orig_check = eng.scheduler.stop_checker
+    orig_check = eng.output._stop_string
 
-    def bad_check(req, token_id):
-        if req.request_id == "bad-stop":
+    def bad_check(params, seq, token_id):
+        if seq.detok.tokens[:2] == [1, 5]:          # the "bad-stop" request's prompt
             raise RuntimeError("detokenizer exploded")
-        return orig_check(req, token_id)
+        return orig_check(params, seq, token_id)
 
-    orig_sampler = eng.sampler
+    orig_sampler = eng.core.sampling.sampler
 
     def bad_sampler(logits, reqs):
         if any(r.request_id == "bad-sample" for r in reqs):
             raise RuntimeError("sampler exploded")
         return orig_sampler(logits, reqs)
 
-    monkeypatch.setattr(eng.scheduler, "stop_checker", bad_check)
-    monkeypatch.setattr(eng, "sampler", bad_sampler)
+    monkeypatch.setattr(eng.output, "_stop_string", bad_check)
+    monkeypatch.setattr(eng.core.sampling, "sampler", bad_sampler)
     got = drive(llm, [("good", [1, 403, 261], SamplingParams(max_tokens=10, **GREEDY), 0),
                       ("bad-stop", [1, 5, 6], SamplingParams(max_tokens=10), 0),
                       ("bad-sample", [1, 7, 8], SamplingParams(max_tokens=10), 0)])

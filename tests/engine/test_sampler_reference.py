@@ -256,7 +256,7 @@ def test_min_p_applies_after_top_p():
 
 
 def test_logprobs_are_raw_model_logprobs_with_ranks():
-    """SampleResult.logprob / rank / top (logprobs=k) come from log_softmax of the unprocessed
+    """Sampled.logprob / rank / top (logprobs=k) come from log_softmax of the unprocessed
     logits, whatever penalties and filters chose the token (as vLLM's default)."""
     SP = SamplingParams
     params = [

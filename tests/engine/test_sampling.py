@@ -60,7 +60,7 @@ def test_max_and_min_tokens(llm):
 def test_eos_stops_unless_ignore_eos(llm):
     # Find where greedy would go, then make one of its tokens the EOS id of this engine.
     greedy = gen(llm, "Once upon a time", temperature=0.0, max_tokens=20)
-    eng = llm.engine
+    eng = llm.engine.core
     saved = eng.eos_token_id
     eng.eos_token_id = greedy.token_ids[3]
     try:

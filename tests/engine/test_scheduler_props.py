@@ -19,6 +19,7 @@ from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler
 from kvserve.kv.manager import KVCacheManager
 from kvserve.sample.params import SamplingParams
+from tests.engine.runner_outputs import runner_output
 
 PREFIXES = [[11, 12, 13, 14, 15, 16, 17, 18, 19], [11, 12, 13, 14, 40, 41], [50, 51, 52, 53, 54, 55, 56, 57]]
 EMPTY = -1
@@ -85,7 +86,7 @@ def run_step(sched: Scheduler, shadow: ShadowKV, budget: int, max_seqs: int) -> 
             else:
                 for r in [req] + sched.fork_waiters.get(req.request_id, []):
                     samples[r.request_id] = fake_token(r)
-    sched.update_from_output(out, samples, candidates)
+    sched.update_from_output(out, runner_output(samples, candidates))
     assert sched.num_seats_taken <= max_seqs
     kv.check_integrity()
     sched.check_integrity()

@@ -265,7 +265,7 @@ def test_draft_model_cache_rolls_back(random_model_dir):
     draft = str(random_model_dir("llama"))
     llm = LLM(str(STORIES_C), block_size=2, speculative_config={"model": draft, "num_speculative_tokens": 3,
                                                                 "max_backoff_steps": 0})
-    proposer = llm.engine.spec.proposer
+    proposer = llm.engine.core.spec.proposer
     seen = []
     propose = proposer.propose
 

@@ -21,6 +21,7 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.kv.manager import KVCacheManager, cdiv
 from kvserve.kv.radix_cache import RADIX_LABEL
 from kvserve.sample.params import SamplingParams
+from tests.engine.runner_outputs import runner_output
 from tests.engine import test_scheduler_props as base
 
 
@@ -109,7 +110,7 @@ def spec_step(sched: Scheduler, shadow: DraftShadow, rng: random.Random, budget:
             else:
                 for r in [req] + sched.fork_waiters.get(req.request_id, []):
                     samples[r.request_id] = base.fake_token(r)
-    sched.update_from_output(out, samples, candidates)
+    sched.update_from_output(out, runner_output(samples, candidates))
     for rid, (req, start, table) in before.items():
         assert req.num_computed_tokens <= start + len(samples[rid])
         shadow.verified(table, start + 1, req.num_computed_tokens)

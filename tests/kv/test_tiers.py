@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvserve.config import EngineConfig
-from kvserve.engine.engine import LLMEngine
+from kvserve.frontend.llm_engine import LLMEngine
 from kvserve.kv.block_io import pack_block, unpack_block
 from kvserve.kv.disk_store import DiskStore
 from kvserve.kv.reload_rule import ReloadRule

@@ -57,7 +57,7 @@ def run(llm: LLM, workload: list[dict], check: bool) -> tuple[dict, set]:
             except ValueError:
                 refused.add(r["id"])
         for r in workload:
-            if r["abort"] == step and r["id"] in eng.groups:
+            if r["abort"] == step and r["id"] in eng.core.groups:
                 eng.abort_request(r["id"])
                 done.pop(r["id"], None)
         for out in eng.step():
@@ -67,7 +67,7 @@ def run(llm: LLM, workload: list[dict], check: bool) -> tuple[dict, set]:
             eng.check_integrity()
         step += 1
         assert step < MAX_STEPS, "the engine spins: requests never finish"
-    assert not eng.groups and not eng.scheduler.has_unfinished(), "a request stayed registered"
+    assert not eng.core.groups and not eng.scheduler.has_unfinished(), "a request stayed registered"
     assert not eng.kv.block_tables and not eng.kv.swapped_tables
     assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
     assert eng.scheduler.counters.num_failed == 0, [o.outputs[0].error for o in done.values()]

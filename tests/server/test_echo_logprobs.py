@@ -12,7 +12,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from kvserve.config import EngineConfig
-from kvserve.engine.engine import LLMEngine
+from kvserve.frontend.llm_engine import LLMEngine
 from kvserve.server.app import build_app
 from tests.reference.hf_reference import load_hf
 

@@ -9,7 +9,7 @@ import re
 from fastapi.testclient import TestClient
 
 from kvserve.config import EngineConfig
-from kvserve.engine.engine import LLMEngine
+from kvserve.frontend.llm_engine import LLMEngine
 from kvserve.server.app import build_app
 
 from .live import STORIES_HF
@@ -17,7 +17,7 @@ from .live import STORIES_HF
 
 def test_engine_fault_fails_inflight_requests_and_health(caplog):
     engine = LLMEngine(EngineConfig(model=str(STORIES_HF)))
-    real_step = engine.step
+    real_step = engine.core.step
     calls = {"n": 0}
 
     def faulty_step():
@@ -26,7 +26,7 @@ def test_engine_fault_fails_inflight_requests_and_health(caplog):
             raise RuntimeError("injected fault")
         return real_step()
 
-    engine.step = faulty_step
+    engine.core.step = faulty_step
     app = build_app(engine, "stories")
     with TestClient(app) as client:
         assert client.get("/health").status_code == 200
@@ -59,15 +59,17 @@ def test_one_request_failing_in_the_engine_gets_500_and_others_go_on():
     """A failure in one request's output processing fails that request alone: its client gets
     a 500 naming it, a concurrent request returns its exact text, the server stays healthy."""
     engine = LLMEngine(EngineConfig(model=str(STORIES_HF)))
-    real_check = engine.scheduler.stop_checker
-
-    def check(req, token_id):
-        if req.prompt_token_ids[-1] == engine.tokenizer.encode("Tom")[-1] and req.num_output_tokens == 3:
-            raise RuntimeError("injected detokenizer fault")
-        return real_check(req, token_id)
-
-    engine.scheduler.stop_checker = check
     app = build_app(engine, "stories")
+    output = app.state.kvserve.core_client.output       # the frontend's output processor
+    real_check = output._stop_string
+    tom = engine.tokenizer.encode("Tom")[-1]
+
+    def check(params, seq, token_id):       # called with the 3rd output token appended
+        if len(seq.out.token_ids) == 3 and seq.detok.tokens[-3] == tom:
+            raise RuntimeError("injected detokenizer fault")
+        return real_check(params, seq, token_id)
+
+    output._stop_string = check
     good = {"prompt": "Once upon a time", "max_tokens": 20, "temperature": 0}
     with TestClient(app) as client:
         want = client.post("/v1/completions", json=good).json()["choices"][0]["text"]

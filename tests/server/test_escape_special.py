@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from kvserve.chat_escape import encode_escaped
 from kvserve.config import EngineConfig
-from kvserve.engine.engine import LLMEngine
+from kvserve.frontend.llm_engine import LLMEngine
 from kvserve.model.tokenizer import HFTokenizer
 from kvserve.server.app import build_app
 from kvserve.server.chat import ChatRenderer, escape_special_tokens

@@ -12,11 +12,12 @@ import threading
 
 import httpx
 import pytest
+from types import SimpleNamespace
 
 from kvserve import SamplingParams
 from kvserve.config import EngineConfig
-from kvserve.engine.engine import LLMEngine
-from kvserve.engine.output import OutputProcessor
+from kvserve.frontend.llm_engine import LLMEngine
+from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.server.app import build_app
 from kvserve.server.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST
@@ -109,7 +110,7 @@ def test_client_leaving_while_prompts_are_added_stops_adding_and_aborts_the_rest
 
     state = build_app(LLMEngine(EngineConfig(model=str(STORIES_HF))), "stories").state.kvserve
     added, aborted = [], []
-    real_add, real_abort = state.async_engine.add_request, state.async_engine.abort
+    real_add, real_abort = state.core_client.add_request, state.core_client.abort
 
     async def add(rid, *a, **k):
         added.append(rid)
@@ -119,22 +120,22 @@ def test_client_leaving_while_prompts_are_added_stops_adding_and_aborts_the_rest
         aborted.append(rid)
         real_abort(rid)
 
-    state.async_engine.add_request, state.async_engine.abort = add, abort
+    state.core_client.add_request, state.core_client.abort = add, abort
 
     class GoneClient:
         async def is_disconnected(self):
             return True
 
     async def main():
+        state.core_client.start()
         req = CompletionRequest.model_validate({"prompt": [PROMPT] * (3 * ADD_CHUNK), "max_tokens": 400,
                                                 "ignore_eos": True})
         return await server_app._completions(state, req, GoneClient())
 
-    state.async_engine.start()
     try:
         resp = asyncio.run(main())
     finally:
-        state.async_engine.shutdown()
+        state.core_client.shutdown()
     assert resp.status_code == 499
     assert len(added) == ADD_CHUNK and sorted(aborted) == sorted(added)
 
@@ -204,11 +205,10 @@ def test_stop_token_check_is_a_set_lookup():
     assert p.stop_token_id_set == frozenset(range(1024))
     p.stop_token_ids = [7]
     assert p.stop_token_id_set == {7}
-    proc = OutputProcessor(None, 512)
+    sched = SimpleNamespace(max_model_len=512)
     req = Request("r", [1, 2], p, 0.0, eos_token_id=2)
-    proc.start(req)
     req.token_ids.append(7)                    # append the sampled token as the scheduler does
-    assert proc.process_token(req, 7) == RequestStatus.FINISHED_STOPPED and req.stop_reason == 7
+    assert Scheduler.stop_status(sched, req, 7) == RequestStatus.FINISHED_STOPPED and req.stop_reason == 7
 
 
 # ---------------------------------------------------------------- defect 5: Content-Type

@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvserve.config import EngineConfig
-from kvserve.engine.engine import LLMEngine
+from kvserve.frontend.llm_engine import LLMEngine
 from kvserve.server.app import build_app
 from kvserve.server.cli import add_cli_args
 from kvserve.server.metrics import tenant_pseudonym

@@ -131,7 +131,7 @@ def client():
     from fastapi.testclient import TestClient
 
     from kvserve.config import EngineConfig
-    from kvserve.engine.engine import LLMEngine
+    from kvserve.frontend.llm_engine import LLMEngine
     from kvserve.server.app import build_app
 
     app = build_app(LLMEngine(EngineConfig(model=str(STORIES_HF), max_model_len=128)), "stories")

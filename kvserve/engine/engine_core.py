@@ -1,0 +1,277 @@
+"""EngineCore: the step loop of DESIGN.md's picture, on token ids only.
+
+    add_request -> Scheduler.schedule -> (block copies, swaps) -> ModelRunner.execute
+    -> StepSampler -> Scheduler.update_from_output -> EngineCoreOutputs (token deltas)
+
+One `step()` is the same pipeline on every path, the empty step included: schedule under the
+token budget -> run the block moves the KV cache manager queued (swap out, swap in, copy on
+write; checked) -> one packed forward pass -> sample one token (or beam candidates, or verify
+drafts) for every sequence whose known tokens are all computed, as a typed ModelRunnerOutput
+(worker/sampling.py) -> `Scheduler.update_from_output`, the one writer of requests after a
+step (appends, token stops, forks, beam steps, the stall watchdog) -> one EngineCoreOutput per
+user request that changed, holding only that step's new tokens (engine/core_io.py); finished
+requests are retired at once. The core never sees text: tokenizing, stop strings and
+detokenizing are the frontend's (kvserve/frontend/), which aborts a sequence whose stop string
+it found (`abort_sequence`).
+
+Failures stay with their request: a sampler error fails only the row that raises. Only a
+failing forward pass (shared by everyone) propagates.
+
+Sharing (issue 3): `SamplingParams(n > 1)` prefills the prompt once; when its first sample's
+prompt is done, the other samples fork its block table and every sample draws its first token
+from the same logits, with its own generator (seed + i), exactly as n separate requests would.
+Beam search (`use_beam_search`) runs the beams as forked sequences (engine/beam_search.py).
+Speculative decoding (`speculative_config`): kvserve/spec_decode/decoder.py.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.distributed.executor import TPDriverRunner, TPWorkers, build_rank_model
+from kvserve.engine import prompt_logprobs
+from kvserve.engine.beam_search import BeamGroup
+from kvserve.engine.core_io import (BeamResult, CoreLimits, EngineCoreOutput, EngineCoreRequest,
+                                    SequenceDelta)
+from kvserve.engine.fairness import make_policy
+from kvserve.engine.kv_sizing import num_kv_blocks
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.stats import EngineStats, collect_stats
+from kvserve.kv.connector import TieredConnector
+from kvserve.kv.manager import KVCacheManager
+from kvserve.model.llama import LlamaModel
+from kvserve.model.loader import load_model_dir
+from kvserve.sample.sampler import Sampler
+from kvserve.spec_decode.decoder import SpecDecoder
+from kvserve.worker.model_runner import ModelRunner, make_attention_backend
+from kvserve.worker.output import ModelRunnerOutput
+from kvserve.worker.sampling import StepSampler
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        # A GGUF file's tensors load in their own types unless quantization="dequant" asks for
+        # the model dtype (int8 / int4 then requantize, matrix by matrix: fusion.linear_weight).
+        model_cfg, weights, self.tokenizer = load_model_dir(
+            config.model, native=config.quantization != "dequant", dtype=config.torch_dtype,
+            device=self.device)
+        self.model_config = model_cfg
+        if config.dtype == "auto":
+            config.dtype = "float32"
+        max_len = config.max_model_len or model_cfg.max_position_embeddings
+        if max_len > model_cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_len} exceeds the model's "
+                             f"max_position_embeddings {model_cfg.max_position_embeddings}.")
+        config.max_model_len = max_len
+        tp = config.tensor_parallel_size
+        if tp > 1:      # this process is rank 0 of tp (kvserve/distributed/): its slice, then the workers
+            self.model = build_rank_model(config, model_cfg, weights, 0, tp, self.device)
+            self.tp_workers = TPWorkers(config, tp, config.distributed_executor_backend)
+        else:
+            attn = make_attention_backend(model_cfg, config.block_size, config.kv_cache_dtype)
+            self.model = LlamaModel(model_cfg, weights, attn, self.device, config.torch_dtype,
+                                    config.quantization, config.quantization_group_size,
+                                    quantize_activations=config.quantize_activations)
+        del weights
+        num_blocks = num_kv_blocks(config, self.model.cfg, model_cfg, self.device)
+        per_block = ModelRunner.kv_bytes_per_block(self.model.cfg, config.block_size, config.torch_dtype,
+                                                   config.kv_cache_dtype)     # this rank's KV heads
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %s, %d bytes/token",
+                    num_blocks, config.block_size, num_blocks * config.block_size,
+                    config.kv_cache_dtype, per_block // config.block_size)
+        num_cpu_blocks = 0
+        if config.preemption_mode == "swap":
+            num_cpu_blocks = min(config.swap_space // per_block, 4 * num_blocks)
+        self.kv = KVCacheManager(num_blocks, config.block_size, prefix_cache=config.prefix_cache_kind,
+                                 cache_namespace=f"{config.model}|{config.dtype}|{config.kv_cache_dtype}",
+                                 num_cpu_blocks=num_cpu_blocks, kv_connector=TieredConnector.from_config(config))
+        self.runner = (TPDriverRunner(self.model, num_blocks, config.block_size, self.tp_workers) if tp > 1
+                       else ModelRunner(self.model, num_blocks, config.block_size))
+        self.runner.init_swap_space(num_cpu_blocks)
+        if self.kv.connector is not None:            # KV tiers: saves/loads run in the runner
+            self.kv.connector.attach_runner(self.runner)
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        if eos is None:
+            eos = model_cfg.eos_token_id[0] if isinstance(model_cfg.eos_token_id, list) else model_cfg.eos_token_id
+        self.eos_token_id = eos
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
+                                   watermark_blocks=int(config.watermark * num_blocks),
+                                   preemption_mode=config.preemption_mode,
+                                   cache_aware=config.use_cache_aware_scheduling,
+                                   max_wait_steps=config.max_wait_steps,
+                                   preemption_warn_threshold=config.preemption_warn_threshold,
+                                   eos_token_id=eos, max_model_len=max_len,
+                                   **SpecDecoder.scheduler_kwargs(config.speculative))
+        self.scheduler.policy = make_policy(config.scheduling_policy)     # engine/fairness.py
+        self.spec = SpecDecoder(config.speculative, self) if config.speculative is not None else None
+        self.sampling = StepSampler(Sampler(model_cfg.vocab_size, self.device, config.seed), self.spec)
+        self.groups: dict[str, list[Request]] = {}      # user request id -> its sequences
+        self._finish_sent: dict[str, set[int]] = {}     # user request id -> samples whose end went out
+        self._arrivals = itertools.count()
+        self._stats = EngineStats(0, 0, 0.0, num_blocks, num_blocks, 0, 0, 0,
+                                  kv_cache_dtype=config.kv_cache_dtype,
+                                  kv_bytes_per_token=per_block // config.block_size,
+                                  num_kv_tokens=num_blocks * config.block_size)
+
+    @property
+    def limits(self) -> CoreLimits:
+        """What the frontend checks a request against before it is sent (frontend/processor.py)."""
+        return CoreLimits(self.model_config.vocab_size, self.config.max_model_len, self.config.max_num_seqs,
+                          self.kv.pool.num_blocks, self.config.block_size, self.scheduler.watermark_blocks,
+                          self.eos_token_id)
+
+    # -- requests ----------------------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request the frontend has tokenized and checked (`CoreLimits`)."""
+        rid, params = request.request_id, request.params
+        if rid in self.groups:
+            raise ValueError(f"request id {rid!r} is already in the engine.")
+        seq = next(self._arrivals)
+
+        def new_seq(seq_id: str, index: int = 0, seed: int | None = None) -> Request:
+            return Request(seq_id, request.prompt_token_ids, params, request.arrival_time,
+                           eos_token_id=self.eos_token_id, parent_id=rid, index=index, seed=seed,
+                           cache_salt=request.cache_salt, arrival_seq=seq, priority=request.priority,
+                           tenant=request.tenant, tenant_weight=request.tenant_weight)
+
+        if params.use_beam_search:
+            head = new_seq(f"{rid}#beam0")
+            prompt_logprobs.start(head)
+            group = BeamGroup(rid, params.beam_width, params.n, params.length_penalty, head, [head])
+            self.groups[rid] = group.live
+            self.scheduler.add_beam_group(group)
+            return
+        seqs = [new_seq(rid if params.n == 1 else f"{rid}#{i}", i,
+                        None if params.seed is None else params.seed + i) for i in range(params.n)]
+        self.groups[rid] = seqs
+        prompt_logprobs.start(seqs[0])
+        if self.config.share_blocks:
+            self.scheduler.add_samples(seqs)
+        else:
+            for r in seqs:
+                self.scheduler.add(r)
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Abort requests by user id: every sequence is finished and its blocks freed."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            for r in list(self.groups.get(rid, ())):
+                if not r.is_finished:
+                    self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
+            self._retire(rid)
+
+    def abort_sequence(self, request_id: str, index: int) -> None:
+        """Sample `index` of a request ends (the frontend found its stop string): its blocks are
+        freed; the request is retired once every sample has ended."""
+        seqs = self.groups.get(request_id)
+        if seqs is None or request_id in self.scheduler.beam_groups:
+            return
+        for r in seqs:
+            if r.index == index and not r.is_finished:
+                self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
+        if all(r.is_finished for r in seqs):
+            self._retire(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.groups)
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        """Every sequence of every unfinished request, by sequence id."""
+        return {r.request_id: r for seqs in self.groups.values() for r in seqs}
+
+    # -- the step ----------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule(self.spec.propose(self.scheduler) if self.spec else None)
+        ops = self.kv.take_pending()                 # checked: no read after a write
+        if ops:
+            self.runner.apply_kv_ops(ops)
+        result = ModelRunnerOutput()
+        if sched.scheduled:
+            batch = [(req, n, self.kv.block_ids(req.request_id)) for req, n in sched.scheduled]
+            bs = self.config.block_size
+            for req, n, ids in batch:      # the hand-off's invariant: every token has a slot
+                assert len(ids) * bs >= req.num_computed_tokens + n, f"{req} scheduled without slots"
+            wanted = prompt_logprobs.wanted_rows(sched.scheduled)
+            logits, samplers, prompt_rows = self.runner.execute(batch, wanted, sched.draft_tokens)
+            result = self.sampling(logits, samplers, prompt_rows, sched.draft_tokens,
+                                   self.scheduler.fork_waiters)
+        touched, deltas, prompt_entries = self.scheduler.update_from_output(sched, result)
+        if self.config.kv_role == "prefill":     # the prompt's KV is in the shared store before its answer
+            self.kv.connector.flush(self.runner)
+        if self.spec is not None:
+            self.spec.after_step(self.scheduler)
+        now = time.monotonic()
+        outputs = [self._output(rid, deltas, prompt_entries, now) for rid in touched if rid in self.groups]
+        for out in outputs:
+            if out.finished:
+                self._retire(out.request_id)
+        self._stats.num_steps += 1
+        self._stats.step_time_total += time.perf_counter() - t0
+        return outputs
+
+    def _output(self, rid: str, deltas: dict, prompt_entries: dict, now: float) -> EngineCoreOutput:
+        """The step's delta of request `rid`: its sequences' new tokens, and each finish once."""
+        group = self.scheduler.beam_groups.get(rid)
+        seqs = self.groups[rid] if group is None else [group.head]
+        head = seqs[0]
+        out = EngineCoreOutput(rid, [], False, now, head.num_cached_tokens or 0,
+                               head.metrics.first_scheduled_time,
+                               prompt_entries.get(head.request_id))
+        if group is not None:
+            out.finished = group.finished
+            if group.finished:
+                out.beams = [BeamResult(h.token_ids, h.logprobs, h.cumulative_logprob, h.finish_reason,
+                                        h.stop_reason) for h in group.best(group.n)]
+                out.error = head.error if not out.beams else None
+            return out
+        sent = self._finish_sent.setdefault(rid, set())
+        for r in seqs:
+            d = deltas.get(r.request_id)
+            if r.is_finished and r.index not in sent:
+                sent.add(r.index)
+                d = d or SequenceDelta(r.index)
+                d.finish_reason, d.error = r.status.value, r.error
+                d.stop_reason = r.stop_reason if isinstance(r.stop_reason, int) else None
+            if d is not None:
+                out.seqs.append(d)
+        out.finished = all(r.is_finished for r in seqs)
+        return out
+
+    def _retire(self, request_id: str) -> None:
+        self.groups.pop(request_id, None)
+        self._finish_sent.pop(request_id, None)
+        self.scheduler.beam_groups.pop(request_id, None)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent)."""
+        if getattr(self, "tp_workers", None) is not None:
+            self.tp_workers.close()
+        if getattr(self, "kv", None) is not None and self.kv.connector is not None:
+            self.kv.connector.close(self.runner)     # pending saves, then the disk writer
+
+    def stats(self) -> EngineStats:
+        return collect_stats(self)
+
+    def check_integrity(self) -> None:
+        """No leaked block, no lost request: pool and refcounts, the scheduler's queues against
+        the statuses and the KV manager's tables, and every registered request unfinished."""
+        self.kv.check_integrity()
+        self.scheduler.check_integrity()
+        if self.spec is not None:
+            self.spec.check_integrity(self.scheduler)
+        for rid, seqs in self.groups.items():
+            assert any(not r.is_finished for r in seqs), f"request {rid} finished but is still registered"

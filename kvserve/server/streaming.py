@@ -1,0 +1,152 @@
+"""Server-sent events for /v1/completions and /v1/chat/completions: one path for both.
+
+The outputs of a stream are deltas (frontend/output_processor.py, output kind "delta"): each
+holds only the text, token ids and logprobs one engine step added, so a chunk costs what its
+step made, whatever the stream's length. `_chunks` walks them once for both endpoints, keeping
+per sequence the few tokens of context a logprob's text is read in (server/openai_logprobs.py)
+and the counts usage needs; each endpoint only shapes its chunk. A chunk goes out for every step
+that produced tokens, even when their text is held back (a partial UTF-8 character, a possible
+stop string), so chunk times are token times for a benchmark client.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+from kvserve.server.openai_logprobs import CONTEXT_TOKENS, chat_logprobs, completion_logprobs, echo_logprobs
+from kvserve.server.protocol import (
+    APIError, ChatChoiceLogprobs, ChatCompletionStreamChoice, ChatCompletionStreamResponse, CompletionChoice,
+    CompletionStreamResponse, DeltaMessage, UsageInfo)
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def usage(num_prompt: int, num_completion: int, num_cached: int | None) -> UsageInfo:
+    return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                     total_tokens=num_prompt + num_completion,
+                     prompt_tokens_details={"cached_tokens": num_cached} if num_cached is not None else None)
+
+
+class _Counts:
+    def __init__(self):
+        self.prompt: dict[str, int] = {}
+        self.completion = 0
+        self.cached: dict[str, int] = {}
+
+    def usage(self) -> UsageInfo:
+        return usage(sum(self.prompt.values()), self.completion, sum(self.cached.values()))
+
+
+async def _chunks(sub, counts: _Counts):
+    """(output, completion delta, context tokens before it) for every sequence delta of every
+    engine request of `sub`, in the order they come; the context is the last CONTEXT_TOKENS
+    tokens (prompt, then earlier output) before the delta's first token."""
+    tails: dict[tuple[str, int], list[int]] = {}
+    async for out in sub.outputs():
+        counts.prompt[out.request_id] = len(out.prompt_token_ids)
+        counts.cached[out.request_id] = out.num_cached_tokens or 0
+        for c in out.outputs:
+            key = (out.request_id, c.index)
+            tail = tails.get(key)
+            if tail is None:
+                tail = list(out.prompt_token_ids[-CONTEXT_TOKENS:])
+            counts.completion += len(c.token_ids)
+            yield out, c, tail
+            tails[key] = (tail + list(c.token_ids))[-CONTEXT_TOKENS:]
+
+
+async def stream_completions(state, req, sub, rid_prefix: str, created: int, index_of: dict,
+                             prompt_texts: list[str]):
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    offsets: dict[tuple[str, int], int] = {}
+    counts = _Counts()
+
+    def chunk(choices, usage_info=None):
+        obj = CompletionStreamResponse(id=rid_prefix, created=created, model=state.model_name,
+                                       choices=choices, usage=usage_info).model_dump()
+        if usage_info is None:
+            obj.pop("usage")
+        return sse(obj)
+
+    # echo: the prompt's text first; with logprobs, once its prompt logprobs are in.
+    echo_pending = set(index_of.values()) if req.echo else set()
+    try:
+        if req.echo and req.logprobs is None:
+            for pi, text in enumerate(prompt_texts):
+                for j in range(req.n):
+                    yield chunk([CompletionChoice(index=pi * req.n + j, text=text)])
+            echo_pending.clear()
+        async for out, c, tail in _chunks(sub, counts):
+            pi = index_of[out.request_id]
+            if pi in echo_pending:
+                echo_pending.discard(pi)
+                lp = echo_logprobs(state, out, None, req.logprobs, req.skip_special_tokens)
+                for j in range(req.n):
+                    offsets[(out.request_id, j)] = sum(len(t) for t in lp.tokens)
+                    yield chunk([CompletionChoice(index=pi * req.n + j, text=prompt_texts[pi], logprobs=lp)])
+            if req.max_tokens == 0:
+                counts.completion -= len(c.token_ids)
+                c = _no_tokens(c)
+            key = (out.request_id, c.index)
+            lp = None
+            if req.logprobs is not None and c.logprobs and c.token_ids:
+                lp = completion_logprobs(state, tail, c.token_ids, c.logprobs, offsets.get(key, 0),
+                                         req.logprobs, req.skip_special_tokens)
+                offsets[key] = offsets.get(key, 0) + sum(len(t) for t in lp.tokens)
+            yield chunk([CompletionChoice(index=pi * req.n + c.index, text=c.text, logprobs=lp,
+                                          finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+        if include_usage:
+            yield chunk([], usage_info=counts.usage())
+        yield "data: [DONE]\n\n"
+    except APIError as e:
+        yield sse(e.body())
+        yield "data: [DONE]\n\n"
+    finally:
+        sub.abort_unfinished()
+
+
+def _no_tokens(c):
+    """echo with max_tokens=0 (vLLM's rule): the one token generated to get there is dropped."""
+    return replace(c, text="", token_ids=[], stop_reason=None,
+                   finish_reason="length" if c.finish_reason is not None else None,
+                   logprobs=[] if c.logprobs is not None else None)
+
+
+async def stream_chat(state, req, sub, rid: str, created: int, k: int):
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    counts = _Counts()
+    started: set[int] = set()
+
+    def chunk(choices, usage_info=None):
+        obj = ChatCompletionStreamResponse(id=rid, created=created, model=state.model_name,
+                                           choices=choices, usage=usage_info).model_dump()
+        if usage_info is None:
+            obj.pop("usage")
+        for ch in obj["choices"]:
+            ch["delta"] = {key: v for key, v in ch["delta"].items() if v is not None}
+        return sse(obj)
+
+    try:
+        async for out, c, tail in _chunks(sub, counts):
+            lp = None
+            if req.logprobs and c.logprobs and c.token_ids:
+                lp = ChatChoiceLogprobs(content=chat_logprobs(state, tail, c.token_ids, c.logprobs, k,
+                                                              req.skip_special_tokens))
+            # The role on the first chunk of each choice, the finish reason on its last.
+            role = None if c.index in started else "assistant"
+            started.add(c.index)
+            yield chunk([ChatCompletionStreamChoice(
+                index=c.index, delta=DeltaMessage(role=role, content=c.text), logprobs=lp,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+        if include_usage:
+            yield chunk([], usage_info=counts.usage())
+        yield "data: [DONE]\n\n"
+    except APIError as e:
+        yield sse(e.body())
+        yield "data: [DONE]\n\n"
+    finally:
+        sub.abort_unfinished()
