@@ -25,6 +25,7 @@ Speculative decoding (`speculative_config`): kvserve/spec_decode/decoder.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -65,13 +66,12 @@ class EngineCore:
             config.model, native=config.quantization != "dequant", dtype=config.torch_dtype,
             device=self.device)
         self.model_config = model_cfg
-        if config.dtype == "auto":
-            config.dtype = "float32"
-        max_len = config.max_model_len or model_cfg.max_position_embeddings
-        if max_len > model_cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len {max_len} exceeds the model's "
-                             f"max_position_embeddings {model_cfg.max_position_embeddings}.")
-        config.max_model_len = max_len
+        # Resolved once against the model (config/resolved.py); the caller's config is never
+        # written: the engine keeps a copy with dtype and max_model_len decided.
+        self.resolved = config.resolve(model_cfg)
+        max_len = self.resolved.model.max_model_len
+        self.config = config = dataclasses.replace(config, dtype=self.resolved.model.dtype,
+                                                   max_model_len=max_len)
         tp = config.tensor_parallel_size
         if tp > 1:      # this process is rank 0 of tp (kvserve/distributed/): its slice, then the workers
             self.model = build_rank_model(config, model_cfg, weights, 0, tp, self.device)

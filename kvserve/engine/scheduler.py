@@ -19,11 +19,9 @@ seat can run while requests wait (beams waiting for siblings that do not fit), t
 other group is recomputed; `stall_steps` steps with no progress fail the stuck requests with
 a clear error instead of spinning.
 
-Speculative decoding (kvserve/spec_decode/): `spec_candidates()` names the sequences that may verify
-drafts this step (plain n == 1 decodes; none above `spec_disable_by_batch_size` running) and
-how many; `schedule(drafts)` gives each its last token + k drafts when the budget and the pool
-spare them (drafts never preempt anyone); `update_from_output` appends the verified run, counts
-only accepted drafts as computed and rolls the rest back (`KVCacheManager.rollback`).
+Speculative decoding (kvserve/spec_decode/): `spec_candidates()` names who may verify drafts
+and how many; `schedule(drafts)` gives each its last token + k drafts the budget and pool spare
+(drafts never preempt); `update_from_output` appends the verified run and rolls the rest back.
 """
 from __future__ import annotations
 

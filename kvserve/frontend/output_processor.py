@@ -139,8 +139,9 @@ class OutputProcessor:
                     stops.append((req.request_id, d.index))
                     break
             else:
-                if d.finish_reason is not None:
+                if d.finish_reason is not None:      # ended in the core: nothing is held back
                     c.finish_reason, c.stop_reason, c.error = d.finish_reason, d.stop_reason, d.error
+                    c.text = seq.detok.text
             changed = True
         return changed
 
@@ -165,7 +166,8 @@ class OutputProcessor:
                     c.finish_reason, c.stop_reason = "stop", s
                     c.text = d.text
                     return True
-        c.text = d.text
+        # What the user may see now: text that might start a stop string is held back.
+        c.text = d.text[:len(d.text) - held_back(d.text, p.stop_strings)] if p.stop_strings else d.text
         return False
 
     def _beams(self, req: _Request, co: EngineCoreOutput) -> None:
@@ -192,13 +194,6 @@ class OutputProcessor:
         return entry
 
     # -- what a step emits -------------------------------------------------------------------
-    def visible_text(self, req: _Request, seq: _Sequence) -> str:
-        """The text the user may see now (stop-string prefixes held back while running)."""
-        text = seq.out.text
-        if seq.out.finish_reason is not None or not req.params.stop_strings:
-            return text
-        return text[:len(text) - held_back(text, req.params.stop_strings)]
-
     def _delta(self, req: _Request) -> RequestOutput:
         out = req.output
         comps = []
@@ -206,7 +201,7 @@ class OutputProcessor:
             c = seq.out
             if seq.ended:
                 continue
-            text = self.visible_text(req, seq)
+            text = c.text
             new_text, new_ids = text[seq.sent_text:], c.token_ids[seq.sent_tokens:]
             if not new_text and not new_ids and c.finish_reason is None:
                 continue

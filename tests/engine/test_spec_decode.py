@@ -306,7 +306,7 @@ def test_a_step_streams_several_tokens_and_aborts_free_everything():
     while eng.has_unfinished_requests():
         eng.step()
     assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
-    assert eng.spec.proposer.kv.num_free_blocks == eng.spec.proposer.kv.pool.num_blocks
+    assert eng.core.spec.proposer.kv.num_free_blocks == eng.core.spec.proposer.kv.pool.num_blocks
 
 
 def test_a_draft_that_is_always_rejected_backs_off(random_model_dir):
