@@ -4,7 +4,7 @@
 `step` runs one core step (engine/engine_core.py: token deltas out) and turns its deltas into
 RequestOutputs (frontend/output_processor.py), aborting in the core every sequence whose stop
 string it found. `LLM` runs on it; the server uses the same three pieces with the core in a
-thread or a process of its own (frontend/core_client.py).
+thread or a process of its own (server/core_client.py).
 """
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ from kvserve.server.errors import install_error_handlers
 from kvserve.server.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from kvserve.server.openapi import ROUTES, install_openapi
 from kvserve.server.prompts import bound_state, echo_texts, max_tokens_for, prompt_items
-from kvserve.frontend.core_client import CoreClient
+from kvserve.server.core_client import CoreClient
 from kvserve.server.chat import ChatRenderer
 from kvserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kvserve.server.openai_logprobs import chat_logprobs, completion_logprobs, echo_logprobs, echo_only
@@ -78,7 +78,7 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
               answer_cache: dict | None = None, metrics_public: bool = False,
               metrics_tenant_labels: bool = False, escape_special_tokens: bool = False) -> FastAPI:
     """The FastAPI app serving `engine`: an `LLMEngine` or `EngineCore` (its core loop runs in
-    a thread of this process) or a `CoreClient` (frontend/core_client.py). The engine loop starts with the app. `api_keys`:
+    a thread of this process) or a `CoreClient` (server/core_client.py). The engine loop starts with the app. `api_keys`:
     a keys file's path or a loaded `TenantRegistry` (server/answers.install)."""
     state = ServerState(engine, served_model_name, api_key, max_waiting, chat_template,
                         stream_stall_timeout)

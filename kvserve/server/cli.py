@@ -11,7 +11,7 @@
 The `kvserve serve` subcommand is registered by fleet/router_cli.py, which adds
 `--data-parallel-size N` (replicas behind a router) and runs one server here when N is 1.
 
-The engine runs in its own process by default (server/engine_core.py), so HTTP, tokenization,
+The engine core runs in its own process by default (engine/core_loop.py, server/core_client.py), so HTTP, tokenization,
 SSE and JSON never take the GIL from the step loop; `--engine-layout thread` keeps it in a
 thread of the server process.
 
@@ -97,11 +97,11 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from kvserve.config import EngineConfig
-    from kvserve.frontend.llm_engine import LLMEngine
+    from kvserve.engine.engine_core import EngineCore
+    from kvserve.server.core_client import CoreClient
     from kvserve.server.answers import answer_cache_options, tenant_registry
     from kvserve.server.app import build_app
     from kvserve.server.chat import escape_special_tokens
-    from kvserve.server.engine_client import ProcessEngine
     from kvserve.server.shutdown import ANSWER_GRACE_S, DeadlineServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -110,14 +110,14 @@ def cmd_serve(args) -> int:
     config = EngineConfig.from_cli_args(args)
     if args.engine_layout == "process":
         try:
-            engine = ProcessEngine(config, args.engine_threads, args.log_level)
+            engine = CoreClient.in_process(config, args.engine_threads, args.log_level)
         except RuntimeError as e:
             log.error("%s", e)
             return 1
     else:
         if args.engine_threads:
             torch.set_num_threads(args.engine_threads)
-        engine = LLMEngine(config)
+        engine = EngineCore(config)
     name = served_name(args)
     app = build_app(engine, name, api_key=args.api_key or None,
                     max_waiting=args.max_waiting if args.max_waiting > 0 else None,
