@@ -15,7 +15,8 @@ slower at 1-8 rows on every SIMD capability: `python benchmarks/bench_cpu_paths.
 benchmarks/results/cpu_paths_f32_activations.json; an AVX-512 BF16 host standing in for
 the others, load average 1.3-2.1), so a kernel call casts the activations to bfloat16 and the
 result back; the scales are stored in bfloat16 on the CPU on every capability, so a weight holds
-the same values everywhere. Other devices have no kernel: they dequantize, in the model dtype.
+the same values everywhere. Other devices (CUDA) have no kernel of kvserve's: quantized weights
+there are refused with a ValueError naming the fix (`refuse_off_cpu`), not dequantized per call.
 
 Which path a step takes is cpu_kernels.kernel_plan()'s, by CPU capability (measured there):
   int8: at most `int8_kernel_max_rows` rows (decode batches) run the weight-only kernel; a bigger
@@ -124,6 +125,19 @@ def quantize_int4(w: torch.Tensor, group_size: int,
     return q.to(torch.uint8).view(N, K), scale
 
 
+def refuse_off_cpu(method: str, device) -> None:
+    """ValueError unless `device` is the CPU: kvserve's quantized matmuls are CPU kernels, and
+    elsewhere (CUDA) a quantized weight would be dequantized on every call of every step."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return
+    raise ValueError(f"{method} weights on {device.type}: kvserve runs quantized weights with CPU kernels "
+                     f"only (on {device.type} they would be dequantized on every step). Load the model in "
+                     "a float dtype there: quantization='dequant' for a GGUF file's quantized tensors, "
+                     "or no quantization (and no self-int8/self-int4 draft) with dtype='bfloat16' or "
+                     "'float16'; or run on device='cpu'.")
+
+
 class QuantizedWeight:
     """A linear layer's weight [N, K] kept quantized. `linear(x)` = x @ W.T + bias on the
     quantized bytes for steps of <= `kernel_max_rows` rows, else through a per-call dequantize."""
@@ -137,10 +151,7 @@ class QuantizedWeight:
     def _setup(self, method: str, shape, dtype: torch.dtype, device: torch.device, why_not: str | None = None):
         """`why_not`: the reason this weight's shape cannot take the kernel (one warning), or None."""
         self.shape, self.dtype = tuple(shape), dtype
-        if device.type != "cpu":
-            self.compute_dtype = self.dense_dtype = dtype
-            self.kernel_max_rows = -1
-            return
+        refuse_off_cpu(method, device)
         plan = kernel_plan()
         self.compute_dtype, self.dense_dtype = CPU_SCALE_DTYPE, plan.dense_dtype
         self.kernel_max_rows = getattr(plan, f"{method}_kernel_max_rows")
@@ -356,20 +367,17 @@ def quantize(w: torch.Tensor, method: str, group_size: int | None, dtype: torch.
     (K not a multiple of the group) is stored as int8 instead."""
     if method not in METHODS:
         raise ValueError(f"quantization must be one of {', '.join(METHODS)}, got {method!r}.")
+    refuse_off_cpu(method, device)
     N, K = w.shape
     if method == "int4":
         group = group_size or (128 if K % 128 == 0 else 32)
         if K % group == 0:
-            return Int4Weight(*quantize_int4(w, group, _scale_dtype(dtype, device)), dtype=dtype,
+            return Int4Weight(*quantize_int4(w, group, CPU_SCALE_DTYPE), dtype=dtype,
                               device=device, name=name)
         logger.info("%s [%d, %d] does not fit int4 groups of %d; stored as int8", name, N, K, group)
-    return Int8Weight(*quantize_int8(w, _scale_dtype(dtype, device)), dtype=dtype, device=device)
+    return Int8Weight(*quantize_int8(w, CPU_SCALE_DTYPE), dtype=dtype, device=device)
 
 
 def keeps_quantized(device) -> bool:
     """False where the plan keeps quantized weights dequantized (cpu_kernels: float_resident)."""
     return torch.device(device).type != "cpu" or not kernel_plan().float_resident
-
-
-def _scale_dtype(dtype: torch.dtype, device) -> torch.dtype:
-    return CPU_SCALE_DTYPE if torch.device(device).type == "cpu" else dtype
