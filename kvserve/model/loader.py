@@ -1,10 +1,13 @@
 """Find and load a model: an HF directory (config.json + safetensors, memory-mapped), Karpathy's
 llama2.c checkpoint (`*.bin` + `tok*.bin`, layout in stories260K/FORMAT.md), or a GGUF file
-(gguf.py), given directly or as the only `*.gguf` in a directory without config.json."""
+(gguf.py), given directly or as the only `*.gguf` in a directory without config.json.
+`checkpoint_dtype` and `read_model_config` read what a checkpoint is without loading its
+tensors; `resolve_dtype` decides `dtype="auto"` from the first."""
 from __future__ import annotations
 
 import json
 import struct
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -14,47 +17,128 @@ from kvserve.model.config import ModelConfig
 from kvserve.model.gguf import load_gguf
 from kvserve.model.tokenizer import HFTokenizer, Llama2cTokenizer, Tokenizer
 
+# Checkpoint tensor types (safetensors' and GGUF's names) that are plain floating point.
+FLOAT_TYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
 
 def load_model_dir(path: str, **gguf_options) -> tuple[ModelConfig, dict, Tokenizer | None]:
     """(config, weights with HF names, tokenizer) for an HF or llama2.c model directory, or a
     GGUF file (`gguf_options`: load_gguf's native, dtype, device)."""
+    kind, files = _locate(path)
+    if kind == "gguf":
+        return load_gguf(files[0], **gguf_options)
+    return _load_hf(*files) if kind == "hf" else _load_llama2c(*files)
+
+
+def _locate(path: str) -> tuple[str, tuple]:
+    """What `path` holds: ("gguf", (file,)), ("hf", (directory,)) or ("llama2c", (checkpoint,
+    tokenizer)); ValueError naming what to pass otherwise."""
     root = Path(path)
     if root.is_file():
-        return load_gguf(root, **gguf_options)
+        return "gguf", (root,)
     if not root.is_dir():
         raise ValueError(f"model path {path!r} does not exist; pass a .gguf file, or a directory "
                          "holding config.json and *.safetensors, or a llama2.c checkpoint and tok*.bin.")
     if (root / "config.json").exists():
-        return _load_hf(root)
+        return "hf", (root,)
     ggufs = sorted(root.glob("*.gguf"))
     if len(ggufs) == 1:
-        return load_gguf(ggufs[0], **gguf_options)
+        return "gguf", (ggufs[0],)
     if ggufs:
         raise ValueError(f"{path!r} holds several GGUF files ({[p.name for p in ggufs]}); pass "
                          "the path of the one to load.")
     toks = sorted(root.glob("tok*.bin"))
     ckpts = sorted(p for p in root.glob("*.bin") if p not in toks)
     if len(ckpts) == 1 and len(toks) == 1:
-        return _load_llama2c(ckpts[0], toks[0])
+        return "llama2c", (ckpts[0], toks[0])
     raise ValueError(f"{path!r} is neither an HF model directory (no config.json), nor holds a "
                      f".gguf file, nor is a llama2.c one (found checkpoints {[p.name for p in ckpts]}, "
                      f"tokenizers {[p.name for p in toks]}; need exactly one of each).")
 
 
-def _load_hf(root: Path):
+def checkpoint_dtype(path: str) -> torch.dtype:
+    """The floating-point dtype a checkpoint stores its weights in, read from its headers: the
+    float type (F32, BF16, F16) holding the most elements -- of every safetensors tensor, of a
+    GGUF file's non-quantized tensors (float32 when there are none) -- and float32 for llama2.c."""
+    kind, files = _locate(path)
+    counts: Counter = Counter()
+    if kind == "hf":
+        from safetensors import safe_open
+        for f in sorted(files[0].glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    part = st.get_slice(name)
+                    counts[part.get_dtype()] += int(np.prod(part.get_shape()))
+    elif kind == "gguf":
+        from kvserve.model.gguf import open_gguf
+        for t in open_gguf(files[0]).tensors:
+            counts[t.tensor_type.name] += int(t.n_elements)
+    floats = [(n, t) for t, n in counts.most_common() if t in FLOAT_TYPES]
+    return FLOAT_TYPES[floats[0][1]] if floats else torch.float32
+
+
+def resolve_dtype(config_dtype: str, checkpoint_dtype: torch.dtype, device) -> torch.dtype:
+    """The model dtype for `dtype=config_dtype` (a name: "float32", "bf16", ... or "auto").
+    "auto" is the checkpoint's dtype on a GPU (bf16 stays bf16, fp16 fp16, float32 float32). On
+    the CPU it is what runs fastest there for that weight type (`python
+    benchmarks/bench_auto_dtype.py`): bf16 checkpoints run in bf16 where the CPU has bf16
+    instructions (cpu_kernels' plan computes in bf16), else in float32 (bf16 GEMMs emulated are
+    2-4x float32's); fp16 and float32 checkpoints run in float32 (torch's CPU fp16 matmuls are
+    slower than float32's)."""
+    if config_dtype != "auto":
+        from kvserve.config import DTYPES
+        if config_dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {config_dtype!r}.")
+        return DTYPES[config_dtype]
+    if torch.device(device).type != "cpu":
+        return checkpoint_dtype
+    from kvserve.model.cpu_kernels import kernel_plan
+    if checkpoint_dtype == torch.bfloat16 and kernel_plan().dense_dtype == torch.bfloat16:
+        return torch.bfloat16
+    return torch.float32
+
+
+def read_model_config(path: str) -> ModelConfig:
+    """The model's ModelConfig without loading its weights (headers and config.json only; a
+    GGUF file's Llama 3 rope_freqs factors are left to the load)."""
+    kind, files = _locate(path)
+    if kind == "hf":
+        return _hf_config(files[0])
+    if kind == "gguf":
+        from kvserve.model.gguf import _plan_tensors, config_from_metadata, open_gguf, read_metadata
+        reader = open_gguf(files[0])
+        cfg = config_from_metadata(read_metadata(reader), files[0])[0]
+        _plan_tensors({t.name: t for t in reader.tensors}, cfg, files[0])    # vocabulary, tying
+        return cfg
+    with open(files[0], "rb") as f:
+        return _llama2c_config(struct.unpack("<7i", f.read(28)))
+
+
+def _hf_config(root: Path) -> ModelConfig:
     from safetensors import safe_open
 
     cfg = ModelConfig.from_hf(json.loads((root / "config.json").read_text()))
     files = sorted(root.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors weights in {str(root)!r}.")
-    weights: dict[str, torch.Tensor] = {}
+    names = set()
     for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            names.update(st.keys())
+    if "lm_head.weight" not in names:
+        cfg.tie_word_embeddings = True
+    return cfg
+
+
+def _load_hf(root: Path):
+    from safetensors import safe_open
+
+    cfg = _hf_config(root)
+    weights: dict[str, torch.Tensor] = {}
+    for f in sorted(root.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
                 weights[name] = st.get_tensor(name)
-    if "lm_head.weight" not in weights:
-        cfg.tie_word_embeddings = True
     tok = HFTokenizer(root) if (root / "tokenizer.json").exists() else None
     if tok is not None and tok.eos_token_id is None and isinstance(cfg.eos_token_id, int):
         tok.eos_token_id = cfg.eos_token_id
@@ -70,9 +154,10 @@ def _permute_rotate_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 def _load_llama2c(ckpt: Path, tok_path: Path):
     raw = ckpt.read_bytes()
-    dim, hidden, n_layers, n_heads, n_kv, vocab, seq_len = struct.unpack_from("<7i", raw, 0)
-    shared = vocab > 0
-    vocab = abs(vocab)
+    cfg = _llama2c_config(struct.unpack_from("<7i", raw, 0))
+    dim, hidden, n_layers, n_heads, n_kv = (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers,
+                                            cfg.num_heads, cfg.num_kv_heads)
+    vocab, seq_len, shared = cfg.vocab_size, cfg.max_position_embeddings, cfg.tie_word_embeddings
     hs = dim // n_heads
     kvd = n_kv * hs
     data = np.frombuffer(raw, dtype="<f4", offset=28)
@@ -112,9 +197,15 @@ def _load_llama2c(ckpt: Path, tok_path: Path):
             p + "mlp.down_proj.weight": w2[i],
             p + "mlp.up_proj.weight": w3[i],
         })
-    cfg = ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=vocab, hidden_size=dim, intermediate_size=hidden,
-        num_layers=n_layers, num_heads=n_heads, num_kv_heads=n_kv, head_dim=hs, rms_norm_eps=1e-5,
-        rope_theta=10000.0, max_position_embeddings=seq_len, tie_word_embeddings=shared,
-        bos_token_id=1, eos_token_id=2)
     return cfg, weights, Llama2cTokenizer(tok_path, vocab)
+
+
+def _llama2c_config(header: tuple) -> ModelConfig:
+    """A llama2.c version-0 header (dim, hidden, layers, heads, KV heads, vocab, seq_len; a
+    negative vocab: an unshared classifier follows the weights) as a ModelConfig."""
+    dim, hidden, n_layers, n_heads, n_kv, vocab, seq_len = header
+    return ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=abs(vocab), hidden_size=dim, intermediate_size=hidden,
+        num_layers=n_layers, num_heads=n_heads, num_kv_heads=n_kv, head_dim=dim // n_heads,
+        rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=seq_len,
+        tie_word_embeddings=vocab > 0, bos_token_id=1, eos_token_id=2)
