@@ -1,30 +1,81 @@
 """How many KV blocks the pool gets (seed 003's memory budget): `num_kv_blocks` when given,
 else the byte budget over the bytes of one block of this rank's KV heads -- 1 GiB on CPU, on
-CUDA vLLM's `gpu_memory_utilization` rule -- never more than every seat at max_model_len needs."""
+CUDA vLLM's `gpu_memory_utilization` rule -- never more than every seat at max_model_len needs.
+
+A draft model (speculative decoding, spec_decode/draft.py) keeps its own pool inside the same
+budget: both pools get the same number of blocks, so both hold the same number of tokens, and
+the budget splits between them in proportion to their bytes per token (target + draft per
+block). On CUDA the draft's weights, loaded after the budget is measured, are taken off it."""
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
 
 import torch
 
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.kv.manager import cdiv
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
-def num_kv_blocks(cfg, rank_model_cfg, model_cfg, device: torch.device) -> int:
-    """`rank_model_cfg`: the slice of the model this process holds (its KV heads)."""
-    if cfg.num_kv_blocks is not None:
-        return cfg.num_kv_blocks
+@dataclass(frozen=True)
+class KVPoolSizes:
+    """The KV pools of one rank: `num_blocks` each for the target and (when there is one) the draft."""
+    num_blocks: int
+    block_size: int
+    target_bytes_per_block: int
+    draft_bytes_per_block: int = 0       # 0: no draft model
+    budget: int | None = None            # the bytes split between the pools (None: num_kv_blocks given)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def describe(self) -> str:
+        target = self.num_blocks * self.target_bytes_per_block
+        text = f"KV pools: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens"
+        if not self.draft_bytes_per_block:
+            return f"{text}, {target / 2**20:.1f} MiB"
+        draft = self.num_blocks * self.draft_bytes_per_block
+        share = target / (target + draft)
+        return (f"{text} for the target ({target / 2**20:.1f} MiB, {share:.0%}) and as many for the "
+                f"draft model ({draft / 2**20:.1f} MiB, {1 - share:.0%})"
+                + (f" of a {self.budget / 2**20:.1f} MiB budget" if self.budget is not None else ""))
+
+
+def kv_pool_sizes(cfg, rank_model_cfg, model_cfg, device: torch.device) -> KVPoolSizes:
+    """`rank_model_cfg`: the slice of the model this process holds (its KV heads); `model_cfg`
+    the whole target (a "self" draft's shape)."""
+    from kvserve.spec_decode.draft import draft_footprint
+
     per_block = ModelRunner.kv_bytes_per_block(rank_model_cfg, cfg.block_size, cfg.torch_dtype,
                                                cfg.kv_cache_dtype)
+    draft_per_block, draft_weights = draft_footprint(cfg, model_cfg)
+    if cfg.num_kv_blocks is not None:
+        return KVPoolSizes(cfg.num_kv_blocks, cfg.block_size, per_block, draft_per_block)
     budget = cfg.kv_cache_memory
     if budget is None:
-        budget = cuda_kv_budget(cfg, model_cfg, device) if device.type == "cuda" else DEFAULT_CPU_KV_BYTES
+        budget = (cuda_kv_budget(cfg, model_cfg, device) - draft_weights if device.type == "cuda"
+                  else DEFAULT_CPU_KV_BYTES)
     cap = cfg.max_num_seqs * cdiv(cfg.max_model_len, cfg.block_size) + 1
-    n = min(budget // per_block, cap)
+    both = per_block + draft_per_block
+    n = min(budget // both, cap)
     if n < 1:
-        raise ValueError(f"kv_cache_memory={budget} bytes holds no block of {per_block} bytes.")
-    return int(n)
+        raise ValueError(f"kv_cache_memory={budget} bytes holds no block of {both} bytes"
+                         + (f" ({per_block} for the target, {draft_per_block} for the draft model)"
+                            if draft_per_block else "") + ".")
+    return KVPoolSizes(int(n), cfg.block_size, per_block, draft_per_block, budget)
+
+
+def num_kv_blocks(cfg, rank_model_cfg, model_cfg, device: torch.device) -> int:
+    """The number of blocks of the target's pool (`kv_pool_sizes`); logs the split with a draft."""
+    sizes = kv_pool_sizes(cfg, rank_model_cfg, model_cfg, device)
+    if sizes.draft_bytes_per_block:
+        logger.info(sizes.describe())
+    return sizes.num_blocks
 
 
 def cuda_kv_budget(cfg, m, device: torch.device) -> int:

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from kvserve.worker.model_runner import ModelRunner, make_attention_backend
 from kvserve.kv.manager import KVCacheManager
 from kvserve.model.llama import LlamaModel
-from kvserve.model.loader import load_model_dir
+from kvserve.model.loader import load_model_dir, read_model_config
 from kvserve.spec_decode.config import SELF_DRAFTS, SpeculativeConfig
 from kvserve.spec_decode.ngram import Proposer
 
@@ -39,6 +41,21 @@ class DraftSeq:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+
+def draft_footprint(ec, target_cfg) -> tuple[int, int]:
+    """(bytes of one KV block, bytes of float weights) of the draft model `ec.speculative`
+    names, from its config alone (a "self" draft has `target_cfg`'s shape); (0, 0) without one.
+    kv_sizing budgets the draft's pool with the target's from these, before either is built."""
+    spec = ec.speculative
+    if spec is None or spec.method != "draft_model":
+        return 0, 0
+    m = target_cfg if spec.model in SELF_DRAFTS else read_model_config(spec.model)
+    E, D, I = m.hidden_size, m.head_dim, m.intermediate_size
+    params = (m.vocab_size * E * (1 if m.tie_word_embeddings else 2)
+              + m.num_layers * (2 * E * (m.num_heads + m.num_kv_heads) * D + 3 * E * I))
+    return (ModelRunner.kv_bytes_per_block(m, ec.block_size, ec.torch_dtype),
+            params * torch.empty((), dtype=ec.torch_dtype).element_size())
 
 
 def _common_prefix(a: list[int], b: list[int], n: int) -> int:
@@ -71,7 +88,7 @@ class DraftModelProposer(Proposer):
                                 ec.quantization_group_size if quant == ec.quantization else None)
         del weights
         self.max_positions = model_cfg.max_position_embeddings
-        num_blocks = engine.kv.pool.num_blocks            # as many token slots as the target's pool
+        num_blocks = engine.kv.pool.num_blocks   # as many as the target's: kv_sizing budgets both
         self.kv = KVCacheManager(num_blocks, bs)           # no prefix cache: draft K/V are private
         self.runner = ModelRunner(self.model, num_blocks, bs)
         self.seqs: dict[str, DraftSeq] = {}
