@@ -4,7 +4,7 @@
 largest budget that meets an ITL target, from a saved fit or the analytic step model)."""
 from __future__ import annotations
 
-from .cli import _add_hw, _add_model, _hw, _step_model, kv_table, table
+from .cli_common import _add_hw, _add_model, _hw, _step_model, kv_table, table
 
 ENGINE_HINT = "needs the kvserve engine (from kvserve import LLM)"
 

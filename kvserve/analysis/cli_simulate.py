@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from .cli import _add_hw, _add_model, _hw, table
+from .cli_common import _add_hw, _add_model, _hw, table
 from .specs import get_model
 
 
