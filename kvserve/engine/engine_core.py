@@ -72,30 +72,31 @@ class EngineCore:
         max_len = self.resolved.model.max_model_len
         self.config = config = dataclasses.replace(config, dtype=self.resolved.model.dtype,
                                                    max_model_len=max_len)
-        tp = config.tensor_parallel_size
+        r = self.resolved
+        tp = r.parallel.tensor_parallel_size
         if tp > 1:      # this process is rank 0 of tp (kvserve/distributed/): its slice, then the workers
             self.model = build_rank_model(config, model_cfg, weights, 0, tp, self.device)
-            self.tp_workers = TPWorkers(config, tp, config.distributed_executor_backend)
+            self.tp_workers = TPWorkers(config, tp, r.parallel.distributed_executor_backend)
         else:
-            attn = make_attention_backend(model_cfg, config.block_size, config.kv_cache_dtype)
-            self.model = LlamaModel(model_cfg, weights, attn, self.device, config.torch_dtype,
-                                    config.quantization, config.quantization_group_size,
-                                    quantize_activations=config.quantize_activations)
+            attn = make_attention_backend(model_cfg, r.cache.block_size, r.cache.kv_cache_dtype)
+            self.model = LlamaModel(model_cfg, weights, attn, self.device, r.model.torch_dtype,
+                                    r.model.quantization, r.model.quantization_group_size,
+                                    quantize_activations=r.model.quantize_activations)
         del weights
         num_blocks = num_kv_blocks(config, self.model.cfg, model_cfg, self.device)
-        per_block = ModelRunner.kv_bytes_per_block(self.model.cfg, config.block_size, config.torch_dtype,
-                                                   config.kv_cache_dtype)     # this rank's KV heads
+        per_block = ModelRunner.kv_bytes_per_block(self.model.cfg, r.cache.block_size, r.model.torch_dtype,
+                                                   r.cache.kv_cache_dtype)     # this rank's KV heads
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %s, %d bytes/token",
-                    num_blocks, config.block_size, num_blocks * config.block_size,
-                    config.kv_cache_dtype, per_block // config.block_size)
+                    num_blocks, r.cache.block_size, num_blocks * r.cache.block_size,
+                    r.cache.kv_cache_dtype, per_block // r.cache.block_size)
         num_cpu_blocks = 0
-        if config.preemption_mode == "swap":
-            num_cpu_blocks = min(config.swap_space // per_block, 4 * num_blocks)
-        self.kv = KVCacheManager(num_blocks, config.block_size, prefix_cache=config.prefix_cache_kind,
-                                 cache_namespace=f"{config.model}|{config.dtype}|{config.kv_cache_dtype}",
+        if r.scheduler.preemption_mode == "swap":
+            num_cpu_blocks = min(r.cache.swap_space // per_block, 4 * num_blocks)
+        self.kv = KVCacheManager(num_blocks, r.cache.block_size, prefix_cache=r.cache.prefix_cache_kind,
+                                 cache_namespace=f"{r.model.model}|{r.model.dtype}|{r.cache.kv_cache_dtype}",
                                  num_cpu_blocks=num_cpu_blocks, kv_connector=TieredConnector.from_config(config))
-        self.runner = (TPDriverRunner(self.model, num_blocks, config.block_size, self.tp_workers) if tp > 1
-                       else ModelRunner(self.model, num_blocks, config.block_size))
+        self.runner = (TPDriverRunner(self.model, num_blocks, r.cache.block_size, self.tp_workers) if tp > 1
+                       else ModelRunner(self.model, num_blocks, r.cache.block_size))
         self.runner.init_swap_space(num_cpu_blocks)
         if self.kv.connector is not None:            # KV tiers: saves/loads run in the runner
             self.kv.connector.attach_runner(self.runner)
@@ -103,30 +104,31 @@ class EngineCore:
         if eos is None:
             eos = model_cfg.eos_token_id[0] if isinstance(model_cfg.eos_token_id, list) else model_cfg.eos_token_id
         self.eos_token_id = eos
-        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
-                                   watermark_blocks=int(config.watermark * num_blocks),
-                                   preemption_mode=config.preemption_mode,
-                                   cache_aware=config.use_cache_aware_scheduling,
-                                   max_wait_steps=config.max_wait_steps,
-                                   preemption_warn_threshold=config.preemption_warn_threshold,
+        self.scheduler = Scheduler(self.kv, r.scheduler.max_num_batched_tokens, r.scheduler.max_num_seqs,
+                                   watermark_blocks=int(r.scheduler.watermark * num_blocks),
+                                   preemption_mode=r.scheduler.preemption_mode,
+                                   cache_aware=r.scheduler.cache_aware_scheduling,
+                                   max_wait_steps=r.scheduler.max_wait_steps,
+                                   preemption_warn_threshold=r.scheduler.preemption_warn_threshold,
                                    eos_token_id=eos, max_model_len=max_len,
-                                   **SpecDecoder.scheduler_kwargs(config.speculative))
-        self.scheduler.policy = make_policy(config.scheduling_policy)     # engine/fairness.py
-        self.spec = SpecDecoder(config.speculative, self) if config.speculative is not None else None
-        self.sampling = StepSampler(Sampler(model_cfg.vocab_size, self.device, config.seed), self.spec)
+                                   **SpecDecoder.scheduler_kwargs(r.speculative))
+        self.scheduler.policy = make_policy(r.scheduler.scheduling_policy)     # engine/fairness.py
+        self.spec = SpecDecoder(r.speculative, self) if r.speculative is not None else None
+        self.sampling = StepSampler(Sampler(model_cfg.vocab_size, self.device, r.model.seed), self.spec)
         self.groups: dict[str, list[Request]] = {}      # user request id -> its sequences
         self._finish_sent: dict[str, set[int]] = {}     # user request id -> samples whose end went out
         self._arrivals = itertools.count()
         self._stats = EngineStats(0, 0, 0.0, num_blocks, num_blocks, 0, 0, 0,
-                                  kv_cache_dtype=config.kv_cache_dtype,
-                                  kv_bytes_per_token=per_block // config.block_size,
-                                  num_kv_tokens=num_blocks * config.block_size)
+                                  kv_cache_dtype=r.cache.kv_cache_dtype,
+                                  kv_bytes_per_token=per_block // r.cache.block_size,
+                                  num_kv_tokens=num_blocks * r.cache.block_size)
 
     @property
     def limits(self) -> CoreLimits:
         """What the frontend checks a request against before it is sent (frontend/processor.py)."""
-        return CoreLimits(self.model_config.vocab_size, self.config.max_model_len, self.config.max_num_seqs,
-                          self.kv.pool.num_blocks, self.config.block_size, self.scheduler.watermark_blocks,
+        r = self.resolved
+        return CoreLimits(self.model_config.vocab_size, r.model.max_model_len, r.scheduler.max_num_seqs,
+                          self.kv.pool.num_blocks, r.cache.block_size, self.scheduler.watermark_blocks,
                           self.eos_token_id)
 
     # -- requests ----------------------------------------------------------------------------
@@ -154,7 +156,7 @@ class EngineCore:
                         None if params.seed is None else params.seed + i) for i in range(params.n)]
         self.groups[rid] = seqs
         prompt_logprobs.start(seqs[0])
-        if self.config.share_blocks:
+        if self.resolved.cache.share_blocks:
             self.scheduler.add_samples(seqs)
         else:
             for r in seqs:
@@ -202,7 +204,7 @@ class EngineCore:
         result = ModelRunnerOutput()
         if sched.scheduled:
             batch = [(req, n, self.kv.block_ids(req.request_id)) for req, n in sched.scheduled]
-            bs = self.config.block_size
+            bs = self.resolved.cache.block_size
             for req, n, ids in batch:      # the hand-off's invariant: every token has a slot
                 assert len(ids) * bs >= req.num_computed_tokens + n, f"{req} scheduled without slots"
             wanted = prompt_logprobs.wanted_rows(sched.scheduled)
@@ -210,7 +212,7 @@ class EngineCore:
             result = self.sampling(logits, samplers, prompt_rows, sched.draft_tokens,
                                    self.scheduler.fork_waiters)
         touched, deltas, prompt_entries = self.scheduler.update_from_output(sched, result)
-        if self.config.kv_role == "prefill":     # the prompt's KV is in the shared store before its answer
+        if self.resolved.tiers.kv_role == "prefill":     # the prompt's KV is in the shared store before its answer
             self.kv.connector.flush(self.runner)
         if self.spec is not None:
             self.spec.after_step(self.scheduler)
