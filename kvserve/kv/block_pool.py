@@ -5,11 +5,18 @@ block tables hold each block (`ref_cnt`), and keeps the free blocks in a queue. 
 is a doubly linked list so that a block can leave it from the middle in O(1) (a prefix-cache
 hit on a freed-but-still-labelled block), and so that eviction takes the least recently
 freed block first.
+
+Block 0 is the null block: every layer's cache has one row more than the pool has blocks, and
+row 0 is never handed out (the usable ids are 1..num_blocks), so padding in a block table
+(kvserve/worker/input_batch.py) points at a block no request owns, whose K/V stay zero.
+`num_blocks` counts the usable blocks; the KV tensors hold `num_blocks + 1`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Iterable
+
+NULL_BLOCK = 0        # the block id that block-table padding points to; never allocated
 
 
 @dataclass(eq=False)
@@ -60,13 +67,13 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """All KV blocks, their reference counts and the free queue."""
+    """All usable KV blocks (ids 1..num_blocks), their reference counts and the free queue."""
 
     def __init__(self, num_blocks: int):
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got num_blocks={num_blocks}")
         self.num_blocks = num_blocks
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.blocks = [KVBlock(i) for i in range(NULL_BLOCK + 1, num_blocks + 1)]
         self.free_queue = FreeBlockQueue(self.blocks)
         # Called with a block that is about to be reused for new contents, so that a prefix
         # cache can forget its label. Set by the prefix cache, None without one.

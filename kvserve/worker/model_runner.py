@@ -26,9 +26,10 @@ class ModelRunner:
         self.block_size = block_size
         self.device = model.device
         # One preallocated pool per layer and K/V, in the attention backend's layout
-        # ([num_blocks, n_kv_heads, block_size, head_dim] for the portable backend); with a
-        # quantized kv_cache_dtype each pool is (values, scales [num_blocks, KV, block_size]).
-        shape = model.attn.cache_shape(num_blocks)
+        # ([num_blocks + 1, n_kv_heads, block_size, head_dim] for the portable backend: row 0 is
+        # the null block, kv/block_pool.py); with a quantized kv_cache_dtype each pool is
+        # (values, scales [num_blocks + 1, KV, block_size]).
+        shape = model.attn.cache_shape(num_blocks + 1)
         self.kv_cache_dtype = model.attn.kv_cache_dtype
         self.forward_time_total = 0.0   # seconds inside the model's forward pass
         self.kv_connector = None        # KV tiers (kv/connector.py) run saves / loads through it
@@ -41,7 +42,7 @@ class ModelRunner:
         self.cpu_caches = []
         if num_cpu_blocks <= 0:
             return
-        shape = self.model.attn.cache_shape(num_cpu_blocks)
+        shape = self.model.attn.cache_shape(num_cpu_blocks)    # CPU block ids 0.. (no null block)
         pin = self.device.type == "cuda"
         self.cpu_caches = [tuple(kv_quant.allocate(shape, self.kv_cache_dtype, self.model.dtype, "cpu",
                                                    pin_memory=pin, zeros=False) for _ in range(2))

@@ -30,7 +30,8 @@ class ShadowKV:
 
     def __init__(self, kv: KVCacheManager):
         self.kv = kv
-        self.gpu = [[EMPTY] * kv.block_size for _ in range(kv.pool.num_blocks)]
+        # indexed by block id: 1..num_blocks (0 is the null block, kv/block_pool.py)
+        self.gpu = [[EMPTY] * kv.block_size for _ in range(kv.pool.num_blocks + 1)]
         self.cpu = [[EMPTY] * kv.block_size for _ in range(kv.swap_space.num_blocks)]
 
     def apply(self, ops) -> None:

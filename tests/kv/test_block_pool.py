@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.kv.block_pool import BlockPool
+from kvserve.kv.block_pool import NULL_BLOCK, BlockPool
 from kvserve.kv.manager import KVCacheManager
 
 
@@ -48,3 +48,14 @@ def test_free_queue_reuses_oldest_first():
     a, b, c = pool.allocate(3)
     pool.free([c, a, b])
     assert [x.block_id for x in pool.allocate(3)] == [c.block_id, a.block_id, b.block_id]
+
+
+def test_the_pool_never_hands_out_the_null_block():
+    """Block 0 is the null block (block-table padding points at it): usable ids are 1..num_blocks."""
+    kv = KVCacheManager(6, 4)
+    assert kv.allocate_slots("r", 6 * 4)
+    assert sorted(kv.block_ids("r")) == [1, 2, 3, 4, 5, 6]
+    assert not kv.allocate_slots("s", 1)
+    kv.free("r")
+    kv.check_integrity()
+    assert kv.num_free_blocks == 6 and NULL_BLOCK not in {b.block_id for b in kv.pool.free_queue}
