@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvserve.kv.block_pool import NULL_BLOCK
 from kvserve.model import kv_quant
 
 
@@ -23,25 +24,84 @@ class PrefillChunk:
     q_start: int
     q_len: int
     context_len: int                 # cached + new tokens: keys this chunk attends to
-    block_table: torch.Tensor        # [num_blocks_of_seq] int64
+    block_table: torch.Tensor        # [>= cdiv(context_len, block_size)] int64
+
+
+@dataclass
+class PrefillLayout:
+    """Every prefill chunk of a step as one padded batch for one attention call (built once per
+    step, read by every layer). C chunks, Q = the longest chunk, L = the longest context."""
+
+    num_chunks: int
+    max_q: int
+    num_keys: int
+    q_index: torch.Tensor | None      # [C * Q]: prefill token of each padded query row (None: all
+                                      # chunks Q long, the padded batch is a view)
+    out_index: torch.Tensor | None    # [T_prefill]: padded row of each prefill token
+    block_tables: torch.Tensor | None  # [C, nb] padded with NULL_BLOCK (None: no chunk has cached
+                                       # context, keys are the chunks' own new K/V)
+    mask: torch.Tensor | None         # [C, 1, Q, L] additive (0 / -inf) in the model dtype
+                                      # (None: plain causal attention)
+
+
+def build_prefill_layout(chunks: list[PrefillChunk], num_decode_tokens: int, block_size: int,
+                         sliding_window: int | None, dtype: torch.dtype, device) -> PrefillLayout:
+    """Query row i of chunk c sits at position cached_c + i and sees keys j <= that position (and
+    inside the window). A padded row repeats its chunk's last query, so no row is fully masked."""
+    C = len(chunks)
+    q_lens = [c.q_len for c in chunks]
+    cached = [c.context_len - c.q_len for c in chunks]
+    Q, L = max(q_lens), max(c.context_len for c in chunks)
+    uniform = min(q_lens) == Q
+    windowed = sliding_window is not None and L > sliding_window
+    if not any(cached) and uniform and not windowed:
+        return PrefillLayout(C, Q, Q, None, None, None, None)
+    i = torch.arange(Q, device=device).unsqueeze(0)                               # [1, Q]
+    q_len = torch.tensor(q_lens, device=device).unsqueeze(1)                      # [C, 1]
+    row = torch.minimum(i, q_len - 1)                                             # [C, Q]
+    q_index = out_index = None
+    if not uniform:
+        firsts = torch.tensor([c.q_start - num_decode_tokens for c in chunks], device=device)
+        q_index = (firsts.unsqueeze(1) + row).reshape(-1)
+        out_index = torch.arange(C * Q, device=device).view(C, Q)[i < q_len]
+    q_pos = torch.tensor(cached, device=device).unsqueeze(1) + row                # [C, Q]
+    k_pos = torch.arange(L, device=device)                                        # [L]
+    visible = k_pos <= q_pos.unsqueeze(-1)                                        # [C, Q, L]
+    if sliding_window is not None:
+        visible &= k_pos > q_pos.unsqueeze(-1) - sliding_window
+    mask = torch.zeros(C, 1, Q, L, dtype=dtype, device=device)
+    mask.masked_fill_(~visible.unsqueeze(1), float("-inf"))
+    tables = None
+    if any(cached):
+        tables = torch.nn.utils.rnn.pad_sequence(
+            [c.block_table[:-(-c.context_len // block_size)] for c in chunks],
+            batch_first=True, padding_value=NULL_BLOCK).to(device)
+    return PrefillLayout(C, Q, L, q_index, out_index, tables, mask)
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor                  # [num_tokens] int64: cache slot of each new token
     num_decode_tokens: int = 0                  # decodes come first, one token each
-    decode_block_tables: torch.Tensor | None = None   # [num_decodes, max_blocks] int64 (padded)
+    decode_block_tables: torch.Tensor | None = None   # [num_decodes, max_blocks] int64 (NULL_BLOCK padded)
     decode_context_lens: torch.Tensor | None = None   # [num_decodes] int64
-    decode_context_lens_list: list[int] = field(default_factory=list)   # the same, on the host
     decode_key_mask: torch.Tensor | None = None       # [num_decodes, 1, 1, max_blocks*block_size]
     prefills: list[PrefillChunk] = field(default_factory=list)
-    _block_offset: tuple | None = field(default=None, repr=False)
+    # Derived once per step, at the first layer that asks (not sent to tensor-parallel workers)
+    _block_offset: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    _prefill_layout: PrefillLayout | None = field(default=None, init=False, repr=False, compare=False)
 
     def block_and_offset(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, offset) [num_tokens] of every new token's slot: computed once per step, not per layer."""
         if self._block_offset is None:
             self._block_offset = (self.slot_mapping // block_size, self.slot_mapping % block_size)
         return self._block_offset
+
+    def prefill_layout(self, block_size: int, sliding_window: int | None, dtype: torch.dtype) -> PrefillLayout:
+        if self._prefill_layout is None:
+            self._prefill_layout = build_prefill_layout(self.prefills, self.num_decode_tokens, block_size,
+                                                        sliding_window, dtype, self.slot_mapping.device)
+        return self._prefill_layout
 
 
 class AttentionBackend:
@@ -68,6 +128,8 @@ class TorchPagedAttention(AttentionBackend):
     """Portable backend. Cache layout [num_blocks, KV, block_size, D]: a gathered block is
     `KV` contiguous [block_size, D] matrices, so decode attention runs as batched matmuls
     block by block, straight on the gathered blocks, with no transposed copy of the context.
+    Prefill: every chunk of the step in one padded 4-D scaled_dot_product_attention call (a
+    PrefillLayout, built once per step), with no loop over chunks.
     A quantized cache is quantized per token and KV head on write and dequantized (in the model
     dtype) right after the gather; new tokens attend to their own quantized K/V too, so the
     result does not depend on how a prompt was chunked."""
@@ -80,12 +142,11 @@ class TorchPagedAttention(AttentionBackend):
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:                      # a pure decode step: no copy into `out`
             return self._decode(q, k_cache, v_cache, meta)
+        if nd == 0:
+            return self._prefill(q, k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
-        if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
-        for chunk in meta.prefills:
-            s, e = chunk.q_start, chunk.q_start + chunk.q_len
-            out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, chunk)
+        out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
+        out[nd:] = self._prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta)
         return out
 
     def _write(self, k, v, k_cache, v_cache, meta):
@@ -132,30 +193,31 @@ class TorchPagedAttention(AttentionBackend):
         out = partial.view(B, nb, KV, G, D).sum(dim=1, dtype=torch.float32)  # [B, KV, G, D]
         return out.to(q.dtype).view(B, H, D)
 
-    def _prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk):
-        n_new, ctx = chunk.q_len, chunk.context_len
-        window = self.sliding_window
-        if ctx == n_new and (window is None or window >= ctx):
-            # Nothing cached before this chunk: plain causal attention over the new tokens.
-            o = F.scaled_dot_product_attention(
-                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                is_causal=True, scale=self.scale, enable_gqa=True)
-            return o.transpose(0, 1)
-        keys = self._context(k_cache, chunk.block_table, ctx, q.dtype)      # [KV, ctx, D]
-        values = self._context(v_cache, chunk.block_table, ctx, q.dtype)
-        q_pos = torch.arange(ctx - n_new, ctx, device=q.device).unsqueeze(1)   # [n_new, 1]
-        k_pos = torch.arange(ctx, device=q.device).unsqueeze(0)                # [1, ctx]
-        mask = k_pos <= q_pos
-        if window is not None:
-            mask &= k_pos > q_pos - window
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
-        return o.transpose(0, 1)                                   # [n_new, H, D]
+    def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata):
+        """Every prefill chunk in one 4-D scaled_dot_product_attention call (torch's fused CPU
+        flash kernel takes 4-D inputs): q, k, v [T_prefill, *, D] -> [T_prefill, H, D]."""
+        lay = meta.prefill_layout(self.block_size, self.sliding_window, q.dtype)
+        C, Q, D = lay.num_chunks, lay.max_q, self.head_dim
 
-    def _context(self, cache, block_table: torch.Tensor, ctx: int, dtype: torch.dtype) -> torch.Tensor:
-        """One sequence's first `ctx` cached tokens as [KV, ctx, D]."""
-        blocks = self._gather(cache, block_table, dtype)                    # [nb, KV, bs, D]
-        return blocks.transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_dim)[:, :ctx]
+        def padded(x):                                           # [T_prefill, h, D] -> [C, h, Q, D]
+            x = x if lay.q_index is None else x.index_select(0, lay.q_index)
+            return x.view(C, Q, x.shape[1], D).transpose(1, 2)
+        if lay.block_tables is None:
+            keys, values = padded(k), padded(v)
+        else:
+            keys = self._context(k_cache, lay, q.dtype)
+            values = self._context(v_cache, lay, q.dtype)
+        o = F.scaled_dot_product_attention(padded(q), keys, values, attn_mask=lay.mask,
+                                           is_causal=lay.mask is None, scale=self.scale, enable_gqa=True)
+        o = o.transpose(1, 2).reshape(C * Q, self.num_heads, D)  # [C * Q, H, D]
+        return o if lay.out_index is None else o.index_select(0, lay.out_index)
+
+    def _context(self, cache, lay: PrefillLayout, dtype: torch.dtype) -> torch.Tensor:
+        """Each chunk's first L cached tokens: [C, KV, L, D] (one gather for all chunks)."""
+        C, nb = lay.block_tables.shape
+        blocks = self._gather(cache, lay.block_tables.reshape(-1), dtype)   # [C * nb, KV, bs, D]
+        blocks = blocks.view(C, nb, self.num_kv_heads, self.block_size, self.head_dim)
+        return blocks.transpose(1, 2).reshape(C, self.num_kv_heads, -1, self.head_dim)[:, :, :lay.num_keys]
 
 
 def build_decode_key_mask(context_lens: torch.Tensor, max_len: int,

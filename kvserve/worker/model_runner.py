@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from kvserve.engine.request import Request
+from kvserve.kv.block_pool import NULL_BLOCK
 from kvserve.model import kv_quant
 from kvserve.model.attention import (AttentionMetadata, PrefillChunk, TorchPagedAttention,
                                      build_decode_key_mask)
@@ -149,12 +150,11 @@ class ModelRunner:
                                  num_decode_tokens=len(decode_lens), prefills=prefills)
         if decode_lens:
             width = max(len(t) for t in decode_tables)
-            tables = np.zeros((len(decode_tables), width), dtype=np.int64)
+            tables = np.full((len(decode_tables), width), NULL_BLOCK, dtype=np.int64)
             for row, t in enumerate(decode_tables):
                 tables[row, :len(t)] = t
             meta.decode_block_tables = torch.from_numpy(tables).to(dev)
             meta.decode_context_lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
-            meta.decode_context_lens_list = decode_lens
             meta.decode_key_mask = build_decode_key_mask(
                 meta.decode_context_lens, width * bs, self.model.attn.sliding_window)
         # Chunks that do not sample still run: their K/V must reach the cache.

@@ -40,7 +40,7 @@ def test_step_messages_carry_host_tensors_and_land_on_the_rank_device():
     table = torch.tensor([3, 4])
     meta = AttentionMetadata(slot_mapping=torch.arange(5), num_decode_tokens=2,
                              decode_block_tables=torch.zeros(2, 3, dtype=torch.long),
-                             decode_context_lens=torch.tensor([1, 2]), decode_context_lens_list=[1, 2],
+                             decode_context_lens=torch.tensor([1, 2]),
                              prefills=[PrefillChunk(2, 3, 3, table)])
     msg = ("forward", torch.arange(5), torch.arange(5), meta, torch.tensor([1, 4]))
     sent = to_host(msg)
@@ -49,6 +49,6 @@ def test_step_messages_carry_host_tensors_and_land_on_the_rank_device():
     tensors = [got[1], got[2], got[4], got[3].slot_mapping, got[3].decode_block_tables,
                got[3].decode_context_lens, got[3].prefills[0].block_table]
     assert all(t.device.type == "meta" for t in tensors)
-    assert got[3].decode_context_lens_list == [1, 2] and got[3].num_decode_tokens == 2
+    assert got[3].num_decode_tokens == 2
     assert (got[3].prefills[0].q_start, got[3].prefills[0].q_len) == (2, 3)
     assert meta.prefills[0].block_table is table             # the driver's own message is unchanged
