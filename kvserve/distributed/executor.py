@@ -27,8 +27,8 @@ import socket
 import torch
 import torch.distributed as dist
 
-from kvserve.distributed.tensor_parallel import (TPGroup, bind_rank_device, rank_device, shard_config,
-                                               shard_weights, to_device, to_host)
+from kvserve.distributed.tensor_parallel import (TPGroup, bind_rank_device, map_tensors, rank_device,
+                                               shard_config, shard_weights, to_device, to_host)
 from kvserve.worker.model_runner import ModelRunner, make_attention_backend
 
 logger = logging.getLogger(__name__)
@@ -166,7 +166,11 @@ class TPDriverRunner(ModelRunner):
         self.workers.broadcast(("init", self.num_blocks, num_cpu_blocks))
 
     def forward(self, input_ids, positions, meta, logits_indices) -> torch.Tensor:
-        self.workers.broadcast(("forward", input_ids, positions, meta, logits_indices))
+        # The step's CPU tensors are views of the runner's persistent buffers (worker/input_batch.py):
+        # send their values, not the whole buffers (a pickled view carries its storage).
+        msg = map_tensors(("forward", input_ids, positions, meta, logits_indices),
+                          lambda t: t.clone() if t.device.type == "cpu" else t)
+        self.workers.broadcast(msg)
         return super().forward(input_ids, positions, meta, logits_indices)
 
     def apply_kv_ops(self, ops) -> None:

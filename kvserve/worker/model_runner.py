@@ -4,20 +4,19 @@ forward pass over the paged KV cache and returns logits for the sequences that s
 plus the rows of any other positions the caller names (prompt logprobs). A sequence given
 drafts (speculative decoding: the scheduler's `draft_tokens`) runs its last token and the k
 drafts after it and returns logits at all k + 1 positions.
+Its inputs are written into buffers and block-table rows kept across steps (worker/input_batch.py).
 It never decides who runs, nor which rows are wanted, nor which drafts to keep."""
 from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 
 from kvserve.engine.request import Request
-from kvserve.kv.block_pool import NULL_BLOCK
 from kvserve.model import kv_quant
-from kvserve.model.attention import (AttentionMetadata, PrefillChunk, TorchPagedAttention,
-                                     build_decode_key_mask)
+from kvserve.model.attention import TorchPagedAttention
 from kvserve.model.llama import LlamaModel
+from kvserve.worker.input_batch import InputBatch
 
 
 class ModelRunner:
@@ -36,6 +35,7 @@ class ModelRunner:
         self.kv_connector = None        # KV tiers (kv/connector.py) run saves / loads through it
         self.kv_caches = [tuple(kv_quant.allocate(shape, self.kv_cache_dtype, model.dtype, self.device)
                                 for _ in range(2)) for _ in range(cfg.num_layers)]
+        self.input_batch = InputBatch(self.device, block_size, model.attn.sliding_window)
 
     # -- block moves for sharing and swapping (kv/manager.py queues them; run before execute) --
     def init_swap_space(self, num_cpu_blocks: int) -> None:
@@ -106,70 +106,19 @@ class ModelRunner:
         (a request with k `draft_tokens`, which its num_new_tokens count, has k + 1 rows);
         and, for each request id in `extra_rows` (positions inside its chunk whose logits are
         wanted too), (request, first position, logits [r, V])."""
-        extra_rows = extra_rows or {}
-        draft_tokens = draft_tokens or {}
-        bs = self.block_size
-        # Decodes (one new token) first, then prefill chunks: the backend's layout. A sequence
-        # verifying drafts runs as k + 1 decode rows (the same block table, context lengths
-        # start + 1 .. start + k + 1): its new K/V are written before attention reads them.
-        def decodes(i):
-            return scheduled[i][1] == 1 or scheduled[i][0].request_id in draft_tokens
-        order = sorted(range(len(scheduled)), key=lambda i: not decodes(i))
-        ids, pos, slots, logits_idx, samplers = [], [], [], [], []
-        extra_idx, extras = [], []
-        decode_tables, decode_lens, prefills = [], [], []
-        offset = 0
-        for i in order:
-            req, n, block_ids = scheduled[i]
-            start = req.num_computed_tokens
-            extra = extra_rows.get(req.request_id)
-            if extra:
-                assert start <= extra.start and extra.stop <= start + n, f"{req}: rows {extra} not in chunk"
-                extra_idx.extend(range(offset + extra.start - start, offset + extra.stop - start))
-                extras.append((req, extra.start, len(extra)))
-            p = np.arange(start, start + n)
-            table = np.asarray(block_ids, dtype=np.int64)
-            drafts = draft_tokens.get(req.request_id, ())
-            ids.append((req.token_ids + drafts if drafts else req.token_ids)[start:start + n])
-            pos.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
-            if decodes(i):
-                decode_tables += [block_ids] * n
-                decode_lens += range(start + 1, start + n + 1)
-            else:
-                prefills.append(PrefillChunk(offset, n, start + n,
-                                             torch.from_numpy(table).to(self.device)))
-            offset += n
-            if start + n == req.num_tokens + len(drafts):
-                logits_idx.extend(range(offset - 1 - len(drafts), offset))
-                samplers.append(req)
-        dev = self.device
-        input_ids = torch.tensor([t for chunk in ids for t in chunk], dtype=torch.long, device=dev)
-        positions = torch.from_numpy(np.concatenate(pos)).to(dev)
-        meta = AttentionMetadata(slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-                                 num_decode_tokens=len(decode_lens), prefills=prefills)
-        if decode_lens:
-            width = max(len(t) for t in decode_tables)
-            tables = np.full((len(decode_tables), width), NULL_BLOCK, dtype=np.int64)
-            for row, t in enumerate(decode_tables):
-                tables[row, :len(t)] = t
-            meta.decode_block_tables = torch.from_numpy(tables).to(dev)
-            meta.decode_context_lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
-            meta.decode_key_mask = build_decode_key_mask(
-                meta.decode_context_lens, width * bs, self.model.attn.sliding_window)
+        step = self.input_batch.prepare(scheduled, extra_rows or {}, draft_tokens or {})
         # Chunks that do not sample still run: their K/V must reach the cache.
-        t0 = time.perf_counter()
-        logits = self.forward(input_ids, positions, meta,
-                              torch.tensor(logits_idx + extra_idx, dtype=torch.long, device=dev))
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        self.forward_time_total += time.perf_counter() - t0
-        rows, at = [], len(logits_idx)
-        for req, first, r in extras:
+        t1 = time.perf_counter()
+        logits = self.forward(step.input_ids, step.positions, step.meta, step.logits_indices)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t2 = time.perf_counter()
+        self.forward_time_total += t2 - t1
+        rows, at = [], step.num_sample_rows
+        for req, first, r in step.extras:
             rows.append((req, first, logits[at:at + r]))
             at += r
-        return logits[:len(logits_idx)], samplers, rows
-
+        return logits[:step.num_sample_rows], step.samplers, rows
 
     def forward(self, input_ids, positions, meta, logits_indices) -> torch.Tensor:
         """One forward pass of the model over this runner's KV pools (the hook a tensor-parallel
