@@ -6,7 +6,7 @@ Payload: b"KVB1" | key (32 bytes) | len (u64) | data | crc32(key + data). A payl
 truncated, carries another key or fails the checksum reads as a miss (`unpack_block`), so a
 corrupt block is recomputed, never served.
 data = every pool tensor of every layer (K, V; values then scales when quantized) for that
-block, as raw bytes, in `ModelRunner._pools` order: [n_layers x 2 x (1 or 2)] slices of
+block, as raw bytes, in `ModelRunner.kv_cache_tensors()` order: [n_layers x 2 x (1 or 2)] slices of
 [n_kv_heads, block_size, head_dim] (scales [n_kv_heads, block_size]).
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ def read_blocks(runner, block_ids: list[int]) -> torch.Tensor:
     """[n, block_bytes] uint8 on the CPU: the blocks' slices of every pool tensor, concatenated."""
     idx = torch.tensor(block_ids, dtype=torch.long, device=runner.device)
     parts = [t.index_select(0, idx).reshape(len(block_ids), -1).view(torch.uint8)
-             for t in runner._pools(runner.kv_caches)]
+             for t in runner.kv_cache_tensors()]
     return torch.cat(parts, dim=1).cpu()
 
 
@@ -53,7 +53,7 @@ def write_blocks(runner, block_ids: list[int], data: torch.Tensor) -> None:
     idx = torch.tensor(block_ids, dtype=torch.long, device=runner.device)
     data = data.to(runner.device, non_blocking=True)
     n, off = len(block_ids), 0
-    for t in runner._pools(runner.kv_caches):
+    for t in runner.kv_cache_tensors():
         per = t[0].numel() * t.element_size()
         chunk = data[:, off:off + per].contiguous().view(t.dtype).reshape((n,) + tuple(t.shape[1:]))
         t.index_copy_(0, idx, chunk)
@@ -61,7 +61,7 @@ def write_blocks(runner, block_ids: list[int], data: torch.Tensor) -> None:
 
 
 def block_bytes(runner) -> int:
-    return sum(t[0].numel() * t.element_size() for t in runner._pools(runner.kv_caches))
+    return sum(t[0].numel() * t.element_size() for t in runner.kv_cache_tensors())
 
 
 PAYLOAD_OVERHEAD = _HEAD + 4

@@ -66,8 +66,11 @@ class TierStats:
 
 
 class KVConnector:
-    """The interface: the KV manager asks `extend_hit` / `stage_loads` and reports evictions and
-    labels; the model runner runs the queued saves and loads (`save_blocks`, `load_blocks`)."""
+    """The interface. The KV manager asks `extend_hit` / `stage_loads` and reports labels. The
+    model runner calls its `kv_connector` at named points: `save_blocks` first in
+    `apply_kv_ops` (before any block move or write of the step), `load_blocks` last in it
+    (before the forward pass), `after_forward` at the end of `execute`; blocks are read and
+    written through `runner.kv_cache_tensors()` (kv/block_io.py)."""
 
     def extend_hit(self, req, st, hit: PrefixHit, cache) -> PrefixHit:
         return hit
@@ -80,6 +83,15 @@ class KVConnector:
 
     def take(self) -> tuple[list, list]:
         return [], []
+
+    def save_blocks(self, runner, saves: list[tuple[int, bytes, bool]]) -> None:
+        pass
+
+    def load_blocks(self, runner, loads: list[tuple[int, bytes]]) -> None:
+        pass
+
+    def after_forward(self, scheduled, seconds: float) -> None:
+        """One `execute` of `scheduled` took `seconds` (inputs, forward pass and sync)."""
 
 
 class TieredConnector(KVConnector):
@@ -255,21 +267,17 @@ class TieredConnector(KVConnector):
 
     # -- the model runner's side -------------------------------------------------------------
     def attach_runner(self, runner) -> None:
-        """Give the runner its connector, size the payloads, probe each tier's bandwidth and
-        time the runner's forward passes (Theta_prefill for the reload rule)."""
+        """Become the runner's connector (its named hook points call this one), size the
+        payloads and probe each tier's bandwidth."""
         runner.kv_connector = self
         self.block_bytes = block_bytes(runner)
         self.rule = ReloadRule(self.block_bytes / self.block_size, self.policy)
         for ti in range(len(self.stores)):
             self._probe(ti)
-        inner, rule = runner.execute, self.rule
 
-        def timed_execute(scheduled, *args, **kwargs):
-            t0 = time.perf_counter()
-            out = inner(scheduled, *args, **kwargs)
-            rule.observe_forward(scheduled, time.perf_counter() - t0)
-            return out
-        runner.execute = timed_execute
+    def after_forward(self, scheduled, seconds: float) -> None:
+        """Each forward pass times Theta_prefill for the reload rule."""
+        self.rule.observe_forward(scheduled, seconds)
 
     def _probe(self, ti: int, n: int = 4) -> None:
         """Start-up bandwidth of tier ti: write n random blocks, read and verify them, delete."""

@@ -32,7 +32,11 @@ class ModelRunner:
         shape = model.attn.cache_shape(num_blocks + 1)
         self.kv_cache_dtype = model.attn.kv_cache_dtype
         self.forward_time_total = 0.0   # seconds inside the model's forward pass
-        self.kv_connector = None        # KV tiers (kv/connector.py) run saves / loads through it
+        # The KV connector (kv/connector.py's KVConnector, None without KV tiers), called at named
+        # points: save_blocks(runner, saves) first in apply_kv_ops, load_blocks(runner, loads)
+        # last in it (both before the forward pass), after_forward(scheduled, seconds) at the
+        # end of execute. It reads and writes blocks through kv_cache_tensors().
+        self.kv_connector = None
         self.kv_caches = [tuple(kv_quant.allocate(shape, self.kv_cache_dtype, model.dtype, self.device)
                                 for _ in range(2)) for _ in range(cfg.num_layers)]
         self.input_batch = InputBatch(self.device, block_size, model.attn.sliding_window)
@@ -54,13 +58,18 @@ class ModelRunner:
         """Every tensor of every layer's K and V pools (values and scales when quantized)."""
         return [t for layer in caches for pool in layer for t in kv_quant.cache_tensors(pool)]
 
+    def kv_cache_tensors(self) -> list[torch.Tensor]:
+        """The device KV pools as tensors whose dim 0 is the block id: for each layer, K then V,
+        values then scales when quantized (float8 viewed as bytes)."""
+        return self._pools(self.kv_caches)
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy on write: block src -> dst in every layer's K and V cache."""
         if not pairs:
             return
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
-        for t in self._pools(self.kv_caches):
+        for t in self.kv_cache_tensors():
             t.index_copy_(0, dst, t.index_select(0, src))
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
@@ -69,7 +78,7 @@ class ModelRunner:
             return
         gpu = torch.tensor([g for g, _ in pairs], dtype=torch.long, device=self.device)
         cpu = torch.tensor([c for _, c in pairs], dtype=torch.long)
-        for t, ct in zip(self._pools(self.kv_caches), self._pools(self.cpu_caches)):
+        for t, ct in zip(self.kv_cache_tensors(), self._pools(self.cpu_caches)):
             ct.index_copy_(0, cpu, t.index_select(0, gpu).cpu())
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
@@ -78,7 +87,7 @@ class ModelRunner:
             return
         cpu = torch.tensor([c for c, _ in pairs], dtype=torch.long)
         gpu = torch.tensor([g for _, g in pairs], dtype=torch.long, device=self.device)
-        for t, ct in zip(self._pools(self.kv_caches), self._pools(self.cpu_caches)):
+        for t, ct in zip(self.kv_cache_tensors(), self._pools(self.cpu_caches)):
             t.index_copy_(0, gpu, ct.index_select(0, cpu).to(self.device, non_blocking=True))
 
     def apply_kv_ops(self, ops) -> None:
@@ -106,6 +115,7 @@ class ModelRunner:
         (a request with k `draft_tokens`, which its num_new_tokens count, has k + 1 rows);
         and, for each request id in `extra_rows` (positions inside its chunk whose logits are
         wanted too), (request, first position, logits [r, V])."""
+        t0 = time.perf_counter()
         step = self.input_batch.prepare(scheduled, extra_rows or {}, draft_tokens or {})
         # Chunks that do not sample still run: their K/V must reach the cache.
         t1 = time.perf_counter()
@@ -114,6 +124,8 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
         self.forward_time_total += t2 - t1
+        if self.kv_connector is not None:
+            self.kv_connector.after_forward(scheduled, t2 - t0)
         rows, at = [], step.num_sample_rows
         for req, first, r in step.extras:
             rows.append((req, first, logits[at:at + r]))

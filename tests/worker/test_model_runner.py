@@ -1,6 +1,7 @@
 """The model runner on stories260K: steps with requests leaving, coming back and reordered give
-the logits of a fresh runner; the null block is never written or handed out; tensor-parallel
-step messages carry values, not the persistent buffers."""
+the logits of a fresh runner; the null block is never written or handed out; the KV connector is
+called at the runner's named points (no patched methods); tensor-parallel step messages carry
+values, not the persistent buffers."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,7 +10,9 @@ import pytest
 import torch
 
 from kvserve.kv.block_pool import NULL_BLOCK
-from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.connector import KVConnector, TieredConnector
+from kvserve.kv.manager import KVCacheManager, PendingKVOps
+from kvserve.kv.tiers import CpuStore
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_model_dir
 from kvserve.worker.model_runner import ModelRunner, make_attention_backend
@@ -64,8 +67,45 @@ def test_steps_with_leaving_returning_and_reordered_requests_equal_a_fresh_runne
             assert int(ref[s.request_id].argmax()) == s.token_ids[-1]
     assert runner.input_batch.rows.num_rows == 1                 # only c's row is held
     assert all(b != NULL_BLOCK for t in kv.block_tables.values() for b in (x.block_id for x in t))
-    for t in runner._pools(runner.kv_caches):                          # nothing ever wrote the null block
+    for t in runner.kv_cache_tensors():                          # nothing ever wrote the null block
         assert t.shape[0] == 33 and not t[NULL_BLOCK].any()
+
+
+class Recorder(KVConnector):
+    def __init__(self):
+        self.calls = []
+
+    def save_blocks(self, runner, saves):
+        self.calls.append(("save", [b for b, _, _ in saves], runner.kv_cache_tensors()[0][2].clone()))
+
+    def load_blocks(self, runner, loads):
+        self.calls.append(("load", [b for b, _ in loads], runner.kv_cache_tensors()[0][2].clone()))
+
+    def after_forward(self, scheduled, seconds):
+        self.calls.append(("forward", [s.request_id for s, _, _ in scheduled], seconds))
+
+
+def test_the_connector_is_called_at_the_named_points(model):
+    runner = ModelRunner(model, 8, BS)
+    runner.kv_connector = rec = Recorder()
+    run(runner, KVCacheManager(8, BS), [Seq("a", list(range(1, 9)))])
+    assert [c[:2] for c in rec.calls] == [("forward", ["a"])] and rec.calls[0][2] > 0
+    rec.calls.clear()
+    runner.apply_kv_ops(PendingKVOps(copies=[(1, 2)], saves=[(2, b"h", True)], loads=[(3, b"")]))
+    assert [c[:2] for c in rec.calls] == [("save", [2]), ("load", [3])]
+    k0 = runner.kv_cache_tensors()[0]
+    assert not torch.equal(rec.calls[0][2], k0[1])               # the save saw block 2 before the copy
+    torch.testing.assert_close(rec.calls[1][2], k0[1])           # the load ran after it
+
+
+def test_tiers_attach_without_patching_the_runner(model):
+    runner = ModelRunner(model, 8, BS)
+    conn = TieredConnector([CpuStore(1 << 20)], BS, "auto")
+    conn.attach_runner(runner)
+    assert runner.kv_connector is conn and "execute" not in vars(runner)
+    assert conn.block_bytes == sum(t[0].nbytes for t in runner.kv_cache_tensors())
+    run(runner, KVCacheManager(8, BS), [Seq("a", list(range(1, 25)))])
+    assert conn.rule.prefill_throughput is not None              # after_forward timed the step
 
 
 def test_tensor_parallel_messages_carry_values_not_buffers(model):
