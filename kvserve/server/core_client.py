@@ -251,7 +251,7 @@ class CoreClient:
                 self._send(("abort_seq", rid, index))
             for out in emitted:
                 entry = self._streams.get(out.request_id)
-                if entry is not None and not self._deliver(entry[0], out):
+                if entry is not None and not self._deliver(*entry, out):
                     del self._streams[out.request_id]
                     self.output.abort(out.request_id)
                     self._send(("abort", out.request_id))
@@ -267,7 +267,7 @@ class CoreClient:
         elif kind in ("dead", "exited"):
             self._on_core_exit(msg[1] if kind == "dead" else None)
 
-    def _deliver(self, collector: RequestOutputCollector, out) -> bool:
+    def _deliver(self, collector: RequestOutputCollector, n: int, out) -> bool:
         """Hand `out` to its reader; False (and a failure instead) when the reader has left an
         output unread for more than `stall_timeout` s: a client that stopped reading its stream
         must not hold a seat and KV blocks for ever. The caller then aborts the request."""
@@ -275,7 +275,7 @@ class CoreClient:
                 and collector.unread_for(out.request_id) > self.stall_timeout):
             logger.warning("request %s: its client has read nothing for over %.0f s; aborting it",
                            out.request_id, self.stall_timeout)
-            self.metrics.observe_abort(len(out.outputs) or 1)
+            self.metrics.observe_abort(n)        # every sample, as `abort` counts them
             collector.put(RequestFailed(out.request_id, APIError(
                 f"aborted: the client read nothing for over {self.stall_timeout:.0f} s "
                 "(--stream-stall-timeout)", status_code=408, type="server_error", code="client_too_slow")))
@@ -288,6 +288,14 @@ class CoreClient:
         self.metrics.update_stats(stats)
 
     def _on_added(self, rid: str, error) -> None:
+        if rid not in self._pending:        # failed meanwhile (shutdown, fail_in_flight): drop it
+            self._aborted_pending.discard(rid)
+            if error is None:
+                try:
+                    self._send(("abort", rid))
+                except OSError:
+                    pass                    # the core is stopping anyway
+            return
         accepted, collector, n = self._pending.pop(rid)
         with self._ops_lock:
             self._pending_adds -= 1
@@ -327,7 +335,8 @@ class CoreClient:
         with self._ops_lock:
             self._pending_adds = 0
         refusal = self._refusal()
-        for accepted, *_ in pending.values():
+        for rid, (accepted, *_) in pending.items():
+            self.output.abort(rid)
             if not accepted.done():
                 accepted.set_exception(refusal)
         streams, self._streams = self._streams, {}
