@@ -39,6 +39,7 @@ class _Sequence:
     sent_tokens: int = 0
     sent_logprobs: int = 0
     ended: bool = False              # delta: its finish is out
+    visible: int = 0                 # characters of the text the user may see (stop-string hold-back)
 
 
 @dataclass
@@ -106,7 +107,7 @@ class OutputProcessor:
                 del self.requests[co.request_id]
                 finished.append(out)
             if out.finished or (changed and req.kind != "final"):
-                emitted.append(self._delta(req) if req.kind == "delta" else out)
+                emitted.append(self._delta(req) if req.kind == "delta" else self._whole(req))
         return emitted, stops, finished
 
     def _apply(self, req: _Request, co: EngineCoreOutput, stops: list) -> bool:
@@ -141,7 +142,7 @@ class OutputProcessor:
             else:
                 if d.finish_reason is not None:      # ended in the core: nothing is held back
                     c.finish_reason, c.stop_reason, c.error = d.finish_reason, d.stop_reason, d.error
-                    c.text = seq.detok.text
+                    seq.visible = len(seq.detok.text)
             changed = True
         return changed
 
@@ -164,10 +165,10 @@ class OutputProcessor:
                 if at >= 0:
                     d.text = d.text[:at + len(s)] if p.include_stop_str_in_output else d.text[:at]
                     c.finish_reason, c.stop_reason = "stop", s
-                    c.text = d.text
+                    seq.visible = len(d.text)
                     return True
         # What the user may see now: text that might start a stop string is held back.
-        c.text = d.text[:len(d.text) - held_back(d.text, p.stop_strings)] if p.stop_strings else d.text
+        seq.visible = len(d.text) - (held_back(d.text, p.stop_strings) if p.stop_strings else 0)
         return False
 
     def _beams(self, req: _Request, co: EngineCoreOutput) -> None:
@@ -194,6 +195,12 @@ class OutputProcessor:
         return entry
 
     # -- what a step emits -------------------------------------------------------------------
+    def _whole(self, req: _Request) -> RequestOutput:
+        """The cumulative output, its texts brought up to date (no copy when nothing is held)."""
+        for seq in req.seqs.values():
+            seq.out.text = seq.detok.text[:seq.visible]
+        return req.output
+
     def _delta(self, req: _Request) -> RequestOutput:
         out = req.output
         comps = []
@@ -201,8 +208,7 @@ class OutputProcessor:
             c = seq.out
             if seq.ended:
                 continue
-            text = c.text
-            new_text, new_ids = text[seq.sent_text:], c.token_ids[seq.sent_tokens:]
+            new_text, new_ids = seq.detok.text[seq.sent_text:seq.visible], c.token_ids[seq.sent_tokens:]
             if not new_text and not new_ids and c.finish_reason is None:
                 continue
             lps = c.logprobs[seq.sent_logprobs:] if c.logprobs is not None else None
@@ -210,7 +216,7 @@ class OutputProcessor:
                                           cumulative_logprob=c.cumulative_logprob, logprobs=lps,
                                           finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                           error=c.error))
-            seq.sent_text, seq.sent_tokens = len(text), len(c.token_ids)
+            seq.sent_text, seq.sent_tokens = seq.visible, len(c.token_ids)
             seq.sent_logprobs = len(c.logprobs) if c.logprobs is not None else 0
             seq.ended = c.finish_reason is not None
         if not req.seqs:                     # beam search: the final output whole

@@ -205,6 +205,13 @@ class CoreClient:
         with self._send_lock:
             self._to_core.send(msg)
 
+    def _tell(self, msg) -> None:
+        """Send from the message callback: a core that is gone is handled by its exit message."""
+        try:
+            self._send(msg)
+        except OSError:
+            pass
+
     def _refusal(self) -> APIError:
         if self.dead is not None:
             return APIError("the engine has failed and is not serving; see the server log",
@@ -248,13 +255,13 @@ class CoreClient:
         if kind == "step":
             emitted, stops, finished = self.output.process(msg[1])
             for rid, index in stops:
-                self._send(("abort_seq", rid, index))
+                self._tell(("abort_seq", rid, index))
             for out in emitted:
                 entry = self._streams.get(out.request_id)
                 if entry is not None and not self._deliver(*entry, out):
                     del self._streams[out.request_id]
                     self.output.abort(out.request_id)
-                    self._send(("abort", out.request_id))
+                    self._tell(("abort", out.request_id))
             for out in finished:
                 if self._streams.pop(out.request_id, None) is not None:
                     self.metrics.observe_finished(out)

@@ -1,4 +1,4 @@
-"""The engine core in its own process (server/engine_core.py, server/engine_client.py): tokens
+"""The engine core in its own process (engine/core_loop.py, server/core_client.py): tokens
 cross the process boundary in order, with no duplicate and no gap, and a dead core is a clear
 error for every client and an unhealthy server, never a hang."""
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""Clients that stop reading their streams (issue 9, defect 6): outputs coalesce instead of
-piling up, well-behaved clients beside them get their exact answers, and rounds of them (with
-huge bodies and a disconnect storm) leave memory where the first round left it. (The abort after --stream-stall-timeout, which needs the
-kernel's socket buffers full first, is tested deterministically in test_async_engine.py.)"""
+"""Clients that stop reading their streams (issue 9, defect 6): their outputs wait as small
+per-step deltas, well-behaved clients beside them get their exact answers, and rounds of them
+(with huge bodies and a disconnect storm) leave memory where the first round left it. (The abort
+after --stream-stall-timeout, which needs the kernel's socket buffers full first, is tested
+deterministically in test_core_client.py.)"""
 from __future__ import annotations
 
 import json
