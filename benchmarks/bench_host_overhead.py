@@ -349,7 +349,8 @@ def main() -> None:
     meta = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpus": os.cpu_count(),
             "load_at_start": os.getloadavg(), "model": MODEL_CONFIG, "prompt_len": args.prompt_len,
             "output_len": args.output_len, "engine_threads": args.engine_threads,
-            "trees": trees, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "trees": trees, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "command": " ".join(["python", "benchmarks/bench_host_overhead.py", *sys.argv[1:]])}
     print(f"capability {meta['cpu_capability']}, load {meta['load_at_start']}, trees "
           + ", ".join(f"{k} ({v['path']})" for k, v in trees.items()), flush=True)
     runs: dict[str, dict[int, list[dict]]] = {k: {} for k in labels}
@@ -368,7 +369,7 @@ def main() -> None:
     if args.out:
         args.out.write_text(json.dumps({"meta": meta, "args": {k: str(v) for k, v in vars(args).items()},
                                         "medians": medians, "runs": runs}, indent=1))
-        args.out.with_suffix(".md").write_text(text + "\n")
+        args.out.with_suffix(".md").write_text(f"{meta['started']}: `{meta['command']}`\n\n{text}\n")
 
 
 if __name__ == "__main__":
