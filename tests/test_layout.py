@@ -16,15 +16,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "kvserve"
 MAX_LINES = 400
 
-# Module cycles still allowed, each as the set of its modules. analysis/cli.py lazily imports
-# the subcommands of cli_engine.py and cli_simulate.py, which import its helpers (table,
-# _add_hw, ...): to go once those helpers move to a module of their own.
+# Module cycles allowed, each as the set of its modules: none.
 ALLOWED_MODULE_CYCLES: list[frozenset] = []
-# The folder cycles that remain (issue 22, being removed): the folder check is xfail until they are gone.
-REMAINING_FOLDER_CYCLES = [
-    {"kvserve.config", "kvserve.model"},
-    {"kvserve.distributed", "kvserve.engine", "kvserve.spec_decode", "kvserve.worker"},
-]
 
 
 def modules() -> dict[str, Path]:
@@ -172,8 +165,6 @@ def test_no_import_cycle_between_modules():
         ", ".join(sorted(c)) + ":\n  " + "\n  ".join(edges_within(graph, c)) for c in bad)
 
 
-@pytest.mark.xfail(strict=False, reason="folder cycles being removed (issue 22): " + "; ".join(
-    " <-> ".join(sorted(c)) for c in REMAINING_FOLDER_CYCLES))
 def test_no_import_cycle_between_folders():
     graph = import_graph()
     fg = folder_graph(graph)

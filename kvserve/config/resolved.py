@@ -17,14 +17,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvserve.config.speculative import SpeculativeConfig
+from kvserve.model.config import DTYPE_NAMES
+from kvserve.model.loader import checkpoint_dtype, resolve_dtype
 
 if TYPE_CHECKING:
     from kvserve.config.engine_config import EngineConfig
     from kvserve.model.config import ModelConfig
-
-# EngineConfig.dtype spellings -> the torch dtype name
-DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
-               "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
 
 @dataclass(frozen=True)
@@ -108,13 +106,14 @@ def _section(cls, engine: "EngineConfig", **decided):
 
 def resolve_config(engine: "EngineConfig", model_config: "ModelConfig") -> Config:
     """Decide what depends on the model: max_model_len against max_position_embeddings, and dtype
-    "auto" (float32 for now)."""
+    "auto" (model/loader.py `resolve_dtype`: the checkpoint's on a GPU, the fastest on this CPU)."""
     max_pos = model_config.max_position_embeddings
     max_len = engine.max_model_len or max_pos
     if max_len > max_pos:
         raise ValueError(f"max_model_len {max_len} exceeds the model's "
                          f"max_position_embeddings {max_pos}.")
-    dtype = "float32" if engine.dtype == "auto" else DTYPE_NAMES[engine.dtype]
+    dtype = (str(resolve_dtype("auto", checkpoint_dtype(engine.model), engine.device)).removeprefix("torch.")
+             if engine.dtype == "auto" else DTYPE_NAMES[engine.dtype])
     return Config(
         model=_section(ModelLoadConfig, engine, dtype=dtype, max_model_len=max_len),
         cache=_section(CacheConfig, engine),

@@ -46,7 +46,7 @@ from kvserve.engine.stats import EngineStats, collect_stats
 from kvserve.kv.connector import TieredConnector
 from kvserve.kv.manager import KVCacheManager
 from kvserve.model.llama import LlamaModel
-from kvserve.model.loader import load_model_dir
+from kvserve.model.loader import checkpoint_dtype, load_model_dir, resolve_dtype
 from kvserve.sample.sampler import Sampler
 from kvserve.spec_decode.decoder import SpecDecoder
 from kvserve.worker.model_runner import ModelRunner, make_attention_backend
@@ -58,8 +58,10 @@ logger = logging.getLogger(__name__)
 
 class EngineCore:
     def __init__(self, config: EngineConfig):
-        self.config = config
         self.device = torch.device(config.device)
+        if config.dtype == "auto":      # the checkpoint's dtype, or this CPU's fastest for it
+            dtype = resolve_dtype("auto", checkpoint_dtype(config.model), self.device)
+            config = dataclasses.replace(config, dtype=str(dtype).removeprefix("torch."))
         # A GGUF file's tensors load in their own types unless quantization="dequant" asks for
         # the model dtype (int8 / int4 then requantize, matrix by matrix: fusion.linear_weight).
         model_cfg, weights, self.tokenizer = load_model_dir(

@@ -62,7 +62,7 @@ def kv_pool_sizes(cfg, rank_model_cfg, model_cfg, device: torch.device) -> KVPoo
                   else DEFAULT_CPU_KV_BYTES)
     cap = cfg.max_num_seqs * cdiv(cfg.max_model_len, cfg.block_size) + 1
     both = per_block + draft_per_block
-    n = min(budget // both, cap)
+    n = min(budget // both - 1, cap)     # each pool also holds its null block (kv/block_pool.py)
     if n < 1:
         raise ValueError(f"kv_cache_memory={budget} bytes holds no block of {both} bytes"
                          + (f" ({per_block} for the target, {draft_per_block} for the draft model)"

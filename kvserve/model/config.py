@@ -3,6 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# EngineConfig.dtype spellings -> the torch dtype name
+DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+               "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",

@@ -8,15 +8,19 @@ Its inputs are written into buffers and block-table rows kept across steps (work
 It never decides who runs, nor which rows are wanted, nor which drafts to keep."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import time
 
 import torch
 
-from kvserve.engine.request import Request
 from kvserve.model import kv_quant
 from kvserve.model.attention import TorchPagedAttention
 from kvserve.model.llama import LlamaModel
 from kvserve.worker.input_batch import InputBatch
+
+if TYPE_CHECKING:
+    from kvserve.engine.request import Request
 
 
 class ModelRunner:

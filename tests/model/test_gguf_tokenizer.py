@@ -127,7 +127,7 @@ def test_smollm2_q4_1_config(smollm2):
     cfg = smollm2.engine.model_config
     assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (30, 9, 3, 49152)
     assert cfg.tie_word_embeddings and cfg.hidden_size == 576 and cfg.head_dim == 64
-    assert smollm2.engine.eos_token_id == smollm2.get_tokenizer().encode("<|im_end|>", False)[0]
+    assert smollm2.engine.core.eos_token_id == smollm2.get_tokenizer().encode("<|im_end|>", False)[0]
 
 
 @needs_smollm2
