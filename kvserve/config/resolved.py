@@ -18,7 +18,6 @@ import torch
 
 from kvserve.config.speculative import SpeculativeConfig
 from kvserve.model.config import DTYPE_NAMES
-from kvserve.model.loader import checkpoint_dtype, resolve_dtype
 
 if TYPE_CHECKING:
     from kvserve.config.engine_config import EngineConfig
@@ -105,15 +104,15 @@ def _section(cls, engine: "EngineConfig", **decided):
 
 
 def resolve_config(engine: "EngineConfig", model_config: "ModelConfig") -> Config:
-    """Decide what depends on the model: max_model_len against max_position_embeddings, and dtype
-    "auto" (model/loader.py `resolve_dtype`: the checkpoint's on a GPU, the fastest on this CPU)."""
+    """Decide what depends on the model: max_model_len against max_position_embeddings, and dtype."""
     max_pos = model_config.max_position_embeddings
     max_len = engine.max_model_len or max_pos
     if max_len > max_pos:
         raise ValueError(f"max_model_len {max_len} exceeds the model's "
                          f"max_position_embeddings {max_pos}.")
-    dtype = (str(resolve_dtype("auto", checkpoint_dtype(engine.model), engine.device)).removeprefix("torch.")
-             if engine.dtype == "auto" else DTYPE_NAMES[engine.dtype])
+    # "auto" comes here only from callers that did not read the checkpoint: the engine resolves
+    # it against the checkpoint before loading (model/loader.py `resolve_dtype`).
+    dtype = "float32" if engine.dtype == "auto" else DTYPE_NAMES[engine.dtype]
     return Config(
         model=_section(ModelLoadConfig, engine, dtype=dtype, max_model_len=max_len),
         cache=_section(CacheConfig, engine),
