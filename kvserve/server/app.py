@@ -25,7 +25,6 @@ Failures inside the server are 500/503 bodies naming an error id, never the exce
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import time
 import uuid
@@ -36,10 +35,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.sample.params import SamplingParams
 from kvserve.server.answers import install as install_front
-from kvserve.server.errors import install_error_handlers
-from kvserve.server.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST
+from kvserve.server.body import api_key_bytes
+from kvserve.server.errors import EngineFailureReport, install_error_handlers
+from kvserve.server.limits import (
+    DEFAULT_MAX_PROMPTS_PER_REQUEST, MIN_BYTES_PER_TOKEN_BOUND, ServerLimits, Tokenization,
+    effective_max_model_len, max_bytes_per_token)
 from kvserve.server.openapi import ROUTES, install_openapi
-from kvserve.server.prompts import bound_state, echo_texts, max_tokens_for, prompt_items
+from kvserve.server.prompts import echo_texts, max_tokens_for, prompt_items
 from kvserve.server.core_client import CoreClient
 from kvserve.server.chat import ChatRenderer
 from kvserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -48,27 +50,42 @@ from kvserve.server.streaming import SSE_HEADERS, stream_chat, stream_completion
 from kvserve.server.submission import Submission, collect_or_disconnect
 from kvserve.server.protocol import (
     APIError, ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
-    ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatMessage,
-    CompletionChoice, CompletionRequest, CompletionResponse,
-    CompletionStreamResponse, DeltaMessage, ModelCard, ModelList, UsageInfo)
+    ChatMessage, CompletionChoice, CompletionRequest, CompletionResponse, ModelCard, ModelList, UsageInfo)
 
 logger = logging.getLogger("kvserve.server")
 
 
 class ServerState:
-    def __init__(self, engine, served_model_name: str, api_key: str | None, max_waiting: int | None,
-                 chat_template: str | None, stream_stall_timeout: float | None = None):
+    """Everything a handler reads, built here and only here: the core client, metrics, the chat
+    renderer, the per-request limits (server/limits.py: the served max_model_len, prompts per
+    request, bytes per token), the tokenizer pool, error ids, tenants and the answer caches
+    (server/answers.py)."""
+
+    def __init__(self, engine, served_model_name: str, api_key: str | None = None,
+                 max_waiting: int | None = None, chat_template: str | None = None,
+                 stream_stall_timeout: float | None = None,
+                 max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                 escape_special_tokens: bool = False, api_keys=None, answer_cache: dict | None = None):
         self.model_name = served_model_name
         self.api_key = api_key
+        self.api_key_bytes = api_key_bytes(api_key) if api_key is not None else None
         self.metrics = ServerMetrics(served_model_name)
         # An LLMEngine's core runs in a thread of this process; a CoreClient is already running.
         self.core_client = (engine if isinstance(engine, CoreClient)
                             else CoreClient.in_thread(getattr(engine, "core", engine)))
         self.core_client.bind(self.metrics, max_waiting, stream_stall_timeout)
         self.engine = engine = self.core_client
-        self.tokenizer = engine.tokenizer
-        self.chat = ChatRenderer(engine.tokenizer, chat_template) if engine.tokenizer is not None else None
-        self.max_model_len = engine.config.max_model_len
+        self.tokenizer = tok = engine.tokenizer
+        self.chat = ChatRenderer(tok, chat_template) if tok is not None else None
+        if self.chat is not None:
+            self.chat.escape_special_tokens = escape_special_tokens    # server/chat.py
+        self.max_model_len = effective_max_model_len(engine.config.max_model_len,
+                                                     getattr(engine.last_stats, "num_kv_tokens", None))
+        bound = max_bytes_per_token(tok) if tok is not None else MIN_BYTES_PER_TOKEN_BOUND
+        self.limits = ServerLimits(self.max_model_len, max_prompts_per_request, max_waiting, bound)
+        self.tokenization = Tokenization()
+        self.engine_failure = EngineFailureReport()
+        install_front(self, api_keys, answer_cache)    # tenants, answer caches (server/answers.py)
 
 
 def build_app(engine, served_model_name: str, api_key: str | None = None,
@@ -78,14 +95,11 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
               answer_cache: dict | None = None, metrics_public: bool = False,
               metrics_tenant_labels: bool = False, escape_special_tokens: bool = False) -> FastAPI:
     """The FastAPI app serving `engine`: an `LLMEngine` or `EngineCore` (its core loop runs in
-    a thread of this process) or a `CoreClient` (server/core_client.py). The engine loop starts with the app. `api_keys`:
-    a keys file's path or a loaded `TenantRegistry` (server/answers.install)."""
+    a thread of this process) or a `CoreClient` (server/core_client.py). The engine loop starts
+    with the app. `api_keys`: a keys file's path or a loaded `TenantRegistry` (server/answers.install)."""
     state = ServerState(engine, served_model_name, api_key, max_waiting, chat_template,
-                        stream_stall_timeout)
-    bound_state(state, max_prompts_per_request, max_waiting)
-    if state.chat is not None:
-        state.chat.escape_special_tokens = escape_special_tokens    # server/chat.py
-    install_front(state, api_keys, answer_cache)    # tenants, answer caches (server/answers.py)
+                        stream_stall_timeout, max_prompts_per_request, escape_special_tokens,
+                        api_keys, answer_cache)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -1,30 +1,12 @@
 """The engine prompts behind one HTTP request, and the bounds they are checked against first.
 
-`bound_state` gives the server state its limits (server/limits.py: the served max_model_len,
-prompts per request, bytes per token), its tokenizer pool, its error-id report and the API key
-as bytes. `prompt_items` turns a /v1/completions request into engine prompts: the prompt count
+`prompt_items` turns a /v1/completions request into engine prompts: the prompt count
 and each text's UTF-8 size are checked before anything is tokenized, and tokenizing runs off the
 event loop. `max_tokens_for` is vLLM's context-window rule for one prompt.
 """
 from __future__ import annotations
 
-from kvserve.server.body import api_key_bytes
-from kvserve.server.errors import EngineFailureReport
-from kvserve.server.limits import (
-    MIN_BYTES_PER_TOKEN_BOUND, ServerLimits, Tokenization, effective_max_model_len, max_bytes_per_token)
 from kvserve.server.protocol import APIError, CompletionRequest
-
-
-def bound_state(state, max_prompts_per_request: int, max_waiting: int | None) -> None:
-    """The per-request limits (server/limits.py), error ids and the API key as bytes."""
-    stats = getattr(state.core_client, "last_stats", None)
-    state.max_model_len = effective_max_model_len(state.max_model_len,
-                                                  getattr(stats, "num_kv_tokens", None))
-    bound = max_bytes_per_token(state.tokenizer) if state.tokenizer is not None else MIN_BYTES_PER_TOKEN_BOUND
-    state.limits = ServerLimits(state.max_model_len, max_prompts_per_request, max_waiting, bound)
-    state.tokenization = Tokenization()
-    state.api_key_bytes = api_key_bytes(state.api_key) if state.api_key is not None else None
-    state.engine_failure = EngineFailureReport()
 
 
 def max_tokens_for(state, prompt_len: int, requested: int | None, min_tokens: int = 0) -> int:
