@@ -13,11 +13,8 @@ import time
 
 from kvserve.engine.core_io import CoreLimits, EngineCoreRequest
 from kvserve.engine.fairness import PROMPT_FIELDS, prompt_fields
+from kvserve.kv.manager import cdiv
 from kvserve.sample.params import SamplingParams
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class Processor:

@@ -69,11 +69,17 @@ def completion_logprobs(state, context: list[int], token_ids: list[int],
     return out
 
 
+def without_tokens(c):
+    """echo with max_tokens=0 (vLLM's rule): completion `c` without the one token generated to
+    get there (finished with "length")."""
+    return replace(c, text="", token_ids=[], stop_reason=None,
+                   finish_reason="length" if c.finish_reason is not None else None,
+                   logprobs=[] if c.logprobs is not None else None)
+
+
 def echo_only(out):
     """echo with max_tokens=0: the output without the one token generated to get there."""
-    return replace(out, outputs=[replace(c, text="", token_ids=[], stop_reason=None, finish_reason="length",
-                                         logprobs=[] if c.logprobs is not None else None)
-                                 for c in out.outputs])
+    return replace(out, outputs=[without_tokens(c) for c in out.outputs])
 
 
 def echo_logprobs(state, out, c, k: int, skip_special: bool) -> CompletionLogProbs:

@@ -11,9 +11,9 @@ stop string), so chunk times are token times for a benchmark client.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
-from kvserve.server.openai_logprobs import CONTEXT_TOKENS, chat_logprobs, completion_logprobs, echo_logprobs
+from kvserve.server.openai_logprobs import (CONTEXT_TOKENS, chat_logprobs, completion_logprobs, echo_logprobs,
+                                            without_tokens)
 from kvserve.server.protocol import (
     APIError, ChatChoiceLogprobs, ChatCompletionStreamChoice, ChatCompletionStreamResponse, CompletionChoice,
     CompletionStreamResponse, DeltaMessage, UsageInfo)
@@ -59,22 +59,45 @@ async def _chunks(sub, counts: _Counts):
             tails[key] = (tail + list(c.token_ids))[-CONTEXT_TOKENS:]
 
 
-async def stream_completions(state, req, sub, rid_prefix: str, created: int, index_of: dict,
-                             prompt_texts: list[str]):
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    offsets: dict[tuple[str, int], int] = {}
+def _chunk(response_cls, rid: str, created: int, model: str, choices, usage_info=None,
+           strip_delta: bool = False) -> str:
+    """One SSE chunk; `usage` only on the last one, and (chat) a delta without its unset keys."""
+    obj = response_cls(id=rid, created=created, model=model, choices=choices, usage=usage_info).model_dump()
+    if usage_info is None:
+        obj.pop("usage")
+    if strip_delta:
+        for ch in obj["choices"]:
+            ch["delta"] = {key: v for key, v in ch["delta"].items() if v is not None}
+    return sse(obj)
+
+
+async def _events(body, chunk, req, counts: _Counts, sub):
+    """The stream around an endpoint's chunks: the usage chunk when asked, [DONE], an engine
+    error as an error event, and the engine requests aborted however the stream ends."""
+    try:
+        async for line in body:
+            yield line
+        if req.stream_options and req.stream_options.include_usage:
+            yield chunk([], counts.usage())
+        yield "data: [DONE]\n\n"
+    except APIError as e:
+        yield sse(e.body())
+        yield "data: [DONE]\n\n"
+    finally:
+        sub.abort_unfinished()
+
+
+def stream_completions(state, req, sub, rid_prefix: str, created: int, index_of: dict,
+                       prompt_texts: list[str]):
     counts = _Counts()
+    offsets: dict[tuple[str, int], int] = {}
 
     def chunk(choices, usage_info=None):
-        obj = CompletionStreamResponse(id=rid_prefix, created=created, model=state.model_name,
-                                       choices=choices, usage=usage_info).model_dump()
-        if usage_info is None:
-            obj.pop("usage")
-        return sse(obj)
+        return _chunk(CompletionStreamResponse, rid_prefix, created, state.model_name, choices, usage_info)
 
-    # echo: the prompt's text first; with logprobs, once its prompt logprobs are in.
-    echo_pending = set(index_of.values()) if req.echo else set()
-    try:
+    async def body():
+        # echo: the prompt's text first; with logprobs, once its prompt logprobs are in.
+        echo_pending = set(index_of.values()) if req.echo else set()
         if req.echo and req.logprobs is None:
             for pi, text in enumerate(prompt_texts):
                 for j in range(req.n):
@@ -90,7 +113,7 @@ async def stream_completions(state, req, sub, rid_prefix: str, created: int, ind
                     yield chunk([CompletionChoice(index=pi * req.n + j, text=prompt_texts[pi], logprobs=lp)])
             if req.max_tokens == 0:
                 counts.completion -= len(c.token_ids)
-                c = _no_tokens(c)
+                c = without_tokens(c)
             key = (out.request_id, c.index)
             lp = None
             if req.logprobs is not None and c.logprobs and c.token_ids:
@@ -99,38 +122,19 @@ async def stream_completions(state, req, sub, rid_prefix: str, created: int, ind
                 offsets[key] = offsets.get(key, 0) + sum(len(t) for t in lp.tokens)
             yield chunk([CompletionChoice(index=pi * req.n + c.index, text=c.text, logprobs=lp,
                                           finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
-        if include_usage:
-            yield chunk([], usage_info=counts.usage())
-        yield "data: [DONE]\n\n"
-    except APIError as e:
-        yield sse(e.body())
-        yield "data: [DONE]\n\n"
-    finally:
-        sub.abort_unfinished()
+
+    return _events(body(), chunk, req, counts, sub)
 
 
-def _no_tokens(c):
-    """echo with max_tokens=0 (vLLM's rule): the one token generated to get there is dropped."""
-    return replace(c, text="", token_ids=[], stop_reason=None,
-                   finish_reason="length" if c.finish_reason is not None else None,
-                   logprobs=[] if c.logprobs is not None else None)
-
-
-async def stream_chat(state, req, sub, rid: str, created: int, k: int):
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+def stream_chat(state, req, sub, rid: str, created: int, k: int):
     counts = _Counts()
-    started: set[int] = set()
 
     def chunk(choices, usage_info=None):
-        obj = ChatCompletionStreamResponse(id=rid, created=created, model=state.model_name,
-                                           choices=choices, usage=usage_info).model_dump()
-        if usage_info is None:
-            obj.pop("usage")
-        for ch in obj["choices"]:
-            ch["delta"] = {key: v for key, v in ch["delta"].items() if v is not None}
-        return sse(obj)
+        return _chunk(ChatCompletionStreamResponse, rid, created, state.model_name, choices, usage_info,
+                      strip_delta=True)
 
-    try:
+    async def body():
+        started: set[int] = set()
         async for out, c, tail in _chunks(sub, counts):
             lp = None
             if req.logprobs and c.logprobs and c.token_ids:
@@ -142,11 +146,5 @@ async def stream_chat(state, req, sub, rid: str, created: int, k: int):
             yield chunk([ChatCompletionStreamChoice(
                 index=c.index, delta=DeltaMessage(role=role, content=c.text), logprobs=lp,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
-        if include_usage:
-            yield chunk([], usage_info=counts.usage())
-        yield "data: [DONE]\n\n"
-    except APIError as e:
-        yield sse(e.body())
-        yield "data: [DONE]\n\n"
-    finally:
-        sub.abort_unfinished()
+
+    return _events(body(), chunk, req, counts, sub)
