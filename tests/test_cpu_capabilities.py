@@ -3,8 +3,8 @@
 torch's CPU kernels, and the layout of their packed weights, change with the capability torch
 dispatches to. ATEN_CPU_CAPABILITY forces a lower one, so an AVX-512 host also runs the AVX2 and
 the DEFAULT (no SIMD; the portable path an Arm build takes) kernels: each capability below this
-host's runs the quantization, GGUF, default-model, int8-KV and self-int4 speculation tests in a
-pytest of its own. (The host's own capability is the rest of the suite.)
+host's runs the quantization, GGUF, default-model, int8-KV, attention and self-int4 speculation
+tests in a pytest of its own. (The host's own capability is the rest of the suite.)
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ORDER = ["DEFAULT", "AVX2", "AVX512"]
 MODULES = ["tests/model/test_quant.py", "tests/model/test_gguf_quant.py", "tests/model/test_gguf.py",
            "tests/model/test_cpu_kernels.py", "tests/test_default_model.py",
-           "tests/engine/test_kv_quant.py", "tests/engine/test_sharing.py"]
+           "tests/engine/test_kv_quant.py", "tests/engine/test_sharing.py",
+           "tests/model/test_attention.py"]     # the one-call prefill SDPA: torch's fused kernel per ISA
 SELF_INT4 = "tests/reference/test_spec_exactness.py::test_constrained_speculative_engine_equals_unconstrained"
 
 
