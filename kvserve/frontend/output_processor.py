@@ -49,7 +49,7 @@ class _Request:
     output: RequestOutput
     kind: str
     seqs: dict[int, _Sequence] = field(default_factory=dict)
-    prompt_entries: int = 0          # prompt logprob entries emitted (delta)
+    prompt_sent: bool = False        # delta: the prompt logprobs went out (on the first delta)
 
 
 class OutputProcessor:
@@ -222,8 +222,8 @@ class OutputProcessor:
         if not req.seqs:                     # beam search: the final output whole
             comps = out.outputs
         plp = None
-        if out.prompt_logprobs is not None and not req.prompt_entries:
-            plp, req.prompt_entries = out.prompt_logprobs, len(out.prompt_logprobs)
+        if out.prompt_logprobs is not None and not req.prompt_sent:
+            plp, req.prompt_sent = out.prompt_logprobs, True
         return RequestOutput(request_id=out.request_id, prompt=out.prompt,
                              prompt_token_ids=out.prompt_token_ids, outputs=comps,
                              finished=out.finished, metrics=out.metrics,

@@ -16,8 +16,6 @@ leaves the running batch (finished, preempted, swapped) drops its draft cache (`
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from kvserve.worker.model_runner import ModelRunner, make_attention_backend
@@ -26,21 +24,9 @@ from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_model_dir, read_model_config
 from kvserve.spec_decode.config import SELF_DRAFTS, SpeculativeConfig
 from kvserve.spec_decode.ngram import Proposer
+from kvserve.worker.sequence import RunnerSequence
 
 PROBE = "The quick brown fox jumps over the lazy dog. 1234 \u00e9t\u00e9"
-
-
-@dataclass
-class DraftSeq:
-    """One sequence as the draft model knows it (what ModelRunner.execute reads)."""
-
-    request_id: str
-    token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
 
 
 def draft_footprint(ec, target_cfg) -> tuple[int, int]:
@@ -91,7 +77,7 @@ class DraftModelProposer(Proposer):
         num_blocks = engine.kv.pool.num_blocks   # as many as the target's: kv_sizing budgets both
         self.kv = KVCacheManager(num_blocks, bs)           # no prefix cache: draft K/V are private
         self.runner = ModelRunner(self.model, num_blocks, bs)
-        self.seqs: dict[str, DraftSeq] = {}
+        self.seqs: dict[str, RunnerSequence] = {}
 
     def release(self, live_ids: set[str]) -> None:
         for rid in [r for r in self.seqs if r not in live_ids]:
@@ -105,7 +91,7 @@ class DraftModelProposer(Proposer):
             rid = req.request_id
             s = self.seqs.get(rid)
             if s is None:
-                s = self.seqs[rid] = DraftSeq(rid)
+                s = self.seqs[rid] = RunnerSequence(rid)
             # rollback: keep the K/V of the longest prefix the draft ran that is still the
             # sequence's, less its last token (run again: its logits give draft 1)
             s.num_computed_tokens = _common_prefix(s.token_ids, req.token_ids,

@@ -4,29 +4,17 @@ step's inputs equal those built from scratch; block-table rows are written incre
 with the null block, and the buffers are the same memory step after step."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.kv.block_pool import NULL_BLOCK
+from kvserve.worker.sequence import RunnerSequence as Seq
 from kvserve.worker.input_batch import BlockTableRows, InputBatch
 
 BS = 4
 CPU = torch.device("cpu")
-
-
-@dataclass
-class Seq:
-    request_id: str
-    token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
 
 
 def expected(scheduled, drafts):

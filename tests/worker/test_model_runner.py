@@ -4,8 +4,6 @@ called at the runner's named points (no patched methods); tensor-parallel step m
 values, not the persistent buffers."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 import torch
 
@@ -15,21 +13,11 @@ from kvserve.kv.manager import KVCacheManager, PendingKVOps
 from kvserve.kv.tiers import CpuStore
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_model_dir
+from kvserve.worker.sequence import RunnerSequence as Seq
 from kvserve.worker.model_runner import ModelRunner, make_attention_backend
 from tests.conftest import STORIES_HF
 
 BS = 4
-
-
-@dataclass
-class Seq:
-    request_id: str
-    token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
 
 
 @pytest.fixture(scope="module")
