@@ -49,6 +49,7 @@ NON_DEFAULTS = {
     "kv_tiers": ("cpu:1MiB,redis://127.0.0.1:6379", ["--kv-tiers", "cpu:1MiB,redis://127.0.0.1:6379"]),
     "kv_tier_reload": ("always", ["--kv-tier-reload", "always"]),
     "kv_role": ("prefill", ["--role", "prefill"]),
+    "max_grammar_compile_s": (2.5, ["--max-grammar-compile-s", "2.5"]),
 }
 
 

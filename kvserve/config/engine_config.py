@@ -108,6 +108,10 @@ class EngineConfig:
         "disaggregated serving (kvserve proxy): prefill writes each prompt's KV to the shared "
         "--kv-tiers store as it is computed, decode reloads it", choices=("both", "prefill", "decode"),
         aliases=("--role",)))
+    # Structured outputs (kvserve/structured/): a request's grammar compiles off the engine loop
+    max_grammar_compile_s: float = field(default=10.0, metadata=flag(
+        "longest a request's structured-outputs grammar may take to compile; a request whose "
+        "grammar is not ready by then fails with an error (the others never wait for it)"))
 
     def __post_init__(self):
         if self.dtype not in DTYPES and self.dtype != "auto":
@@ -145,6 +149,9 @@ class EngineConfig:
                              f"got {self.max_model_len}.")
         if self.scheduling_policy not in ("fcfs", "priority", "vtc"):
             raise ValueError(f"scheduling_policy must be fcfs, priority or vtc, got {self.scheduling_policy!r}.")
+        t = self.max_grammar_compile_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise ValueError(f"max_grammar_compile_s must be a positive number of seconds, got {t!r}.")
         check_kv_cache_dtype(self.kv_cache_dtype)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}.")

@@ -4,6 +4,7 @@ The engine and the API read it and never write it (assigning a field raises Froz
 
     config.model.max_model_len      config.cache.block_size     config.scheduler.max_num_seqs
     config.parallel.tensor_parallel_size    config.speculative (None: off)    config.tiers.kv_role
+    config.structured_outputs.max_grammar_compile_s
 
 Each flat EngineConfig field lands in exactly one section under its own name (speculative_config
 becomes `speculative`, the parsed SpeculativeConfig).
@@ -88,6 +89,12 @@ class TierConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Grammar-constrained decoding (kvserve/structured/)."""
+    max_grammar_compile_s: float
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelLoadConfig
     cache: CacheConfig
@@ -95,6 +102,7 @@ class Config:
     parallel: ParallelConfig
     speculative: SpeculativeConfig | None
     tiers: TierConfig
+    structured_outputs: StructuredOutputsConfig
 
 
 def _section(cls, engine: "EngineConfig", **decided):
@@ -119,4 +127,5 @@ def resolve_config(engine: "EngineConfig", model_config: "ModelConfig") -> Confi
         scheduler=_section(SchedulerConfig, engine, cache_aware_scheduling=engine.use_cache_aware_scheduling),
         parallel=_section(ParallelConfig, engine),
         speculative=engine.speculative,
-        tiers=_section(TierConfig, engine, kv_tiers=tuple(engine.kv_tiers or ())))
+        tiers=_section(TierConfig, engine, kv_tiers=tuple(engine.kv_tiers or ())),
+        structured_outputs=_section(StructuredOutputsConfig, engine))

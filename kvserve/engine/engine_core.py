@@ -22,6 +22,10 @@ prompt is done, the other samples fork its block table and every sample draws it
 from the same logits, with its own generator (seed + i), exactly as n separate requests would.
 Beam search (`use_beam_search`) runs the beams as forked sequences (engine/beam_search.py).
 Speculative decoding (`speculative_config`): kvserve/spec_decode/decoder.py.
+Structured outputs (`SamplingParams.structured_outputs`): a constrained request waits in
+WAITING_FOR_GRAMMAR while a worker thread compiles its grammar (kvserve/structured/); each step
+first queues those whose grammar is ready, each sequence with its own matcher, and fails those
+whose compile failed or took longer than `max_grammar_compile_s`.
 """
 from __future__ import annotations
 
@@ -49,11 +53,16 @@ from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import checkpoint_dtype, load_model_dir, resolve_dtype
 from kvserve.sample.sampler import Sampler
 from kvserve.spec_decode.decoder import SpecDecoder
+from kvserve.structured.compiler import GrammarCompiler
+from kvserve.structured.matcher import SequenceGrammar
+from kvserve.structured.waiting import GrammarWaitList
 from kvserve.worker.model_runner import ModelRunner, make_attention_backend
 from kvserve.worker.output import ModelRunnerOutput
 from kvserve.worker.sampling import StepSampler
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_IDLE_WAIT_S = 0.01   # an engine with only grammars to wait for sleeps this long, not spins
 
 
 class EngineCore:
@@ -117,6 +126,10 @@ class EngineCore:
         self.scheduler.policy = make_policy(r.scheduler.scheduling_policy)     # engine/fairness.py
         self.spec = SpecDecoder(r.speculative, self) if r.speculative is not None else None
         self.sampling = StepSampler(Sampler(model_cfg.vocab_size, self.device, r.model.seed), self.spec)
+        # Structured outputs: constrained requests wait here (WAITING_FOR_GRAMMAR) while a worker
+        # thread compiles their grammar (kvserve/structured/)
+        self.grammars = GrammarWaitList(GrammarCompiler(self.tokenizer, model_cfg.vocab_size),
+                                        r.structured_outputs.max_grammar_compile_s)
         self.groups: dict[str, list[Request]] = {}      # user request id -> its sequences
         self._finish_sent: dict[str, set[int]] = {}     # user request id -> samples whose end went out
         self._arrivals = itertools.count()
@@ -158,6 +171,13 @@ class EngineCore:
                         None if params.seed is None else params.seed + i) for i in range(params.n)]
         self.groups[rid] = seqs
         prompt_logprobs.start(seqs[0])
+        if params.structured_outputs is not None:      # queued once its grammar is compiled
+            self.grammars.add(rid, seqs, params.structured_outputs)
+            return
+        self._enqueue(seqs)
+
+    def _enqueue(self, seqs: list[Request]) -> None:
+        """Queue a request's sequences (n > 1 samples share the prompt's blocks when allowed)."""
         if self.resolved.cache.share_blocks:
             self.scheduler.add_samples(seqs)
         else:
@@ -186,7 +206,7 @@ class EngineCore:
             self._retire(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or len(self.grammars) > 0
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.groups)
@@ -199,6 +219,9 @@ class EngineCore:
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         t0 = time.perf_counter()
+        if len(self.grammars) and not self.scheduler.has_unfinished():
+            self.grammars.wait(GRAMMAR_IDLE_WAIT_S)    # nothing else to run: wait, do not spin
+        ended = self._take_grammars()
         sched = self.scheduler.schedule(self.spec.propose(self.scheduler) if self.spec else None)
         ops = self.kv.take_pending()                 # checked: no read after a write
         if ops:
@@ -219,13 +242,31 @@ class EngineCore:
         if self.spec is not None:
             self.spec.after_step(self.scheduler)
         now = time.monotonic()
-        outputs = [self._output(rid, deltas, prompt_entries, now) for rid in touched if rid in self.groups]
+        outputs = [self._output(rid, deltas, prompt_entries, now) for rid in ended + touched if rid in self.groups]
         for out in outputs:
             if out.finished:
                 self._retire(out.request_id)
         self._stats.num_steps += 1
         self._stats.step_time_total += time.perf_counter() - t0
         return outputs
+
+    def _take_grammars(self) -> list[str]:
+        """Constrained requests whose grammar is ready join the queue, each sequence with a
+        matcher of its own; those whose compile failed or ran out of time finish with the
+        reason. Returns the ids of the requests that finished."""
+        ended = []
+        for g in self.grammars.take_ready():
+            live = [r for r in g.seqs if not r.is_finished]
+            if g.error is not None:
+                for r in live:
+                    self.scheduler.finish(r, RequestStatus.FINISHED_ERROR, g.error)
+                ended.append(g.request_id)
+            elif live:
+                for r in live:
+                    r.grammar = SequenceGrammar(*g.compiled)
+                self.scheduler.grammar_ready(live)
+                self._enqueue(live)
+        return ended
 
     def _output(self, rid: str, deltas: dict, prompt_entries: dict, now: float) -> EngineCoreOutput:
         """The step's delta of request `rid`: its sequences' new tokens, and each finish once."""
@@ -256,6 +297,7 @@ class EngineCore:
         return out
 
     def _retire(self, request_id: str) -> None:
+        self.grammars.discard(request_id)
         self.groups.pop(request_id, None)
         self._finish_sent.pop(request_id, None)
         self.scheduler.beam_groups.pop(request_id, None)
@@ -266,6 +308,8 @@ class EngineCore:
             self.tp_workers.close()
         if getattr(self, "kv", None) is not None and self.kv.connector is not None:
             self.kv.connector.close(self.runner)     # pending saves, then the disk writer
+        if getattr(self, "grammars", None) is not None:
+            self.grammars.compiler.close()
 
     def stats(self) -> EngineStats:
         return collect_stats(self)
@@ -279,3 +323,8 @@ class EngineCore:
             self.spec.check_integrity(self.scheduler)
         for rid, seqs in self.groups.items():
             assert any(not r.is_finished for r in seqs), f"request {rid} finished but is still registered"
+            for r in seqs:      # a grammar's state is that of the sequence's output, at every step
+                if r.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                    assert rid in self.grammars and r.grammar is None, r
+                elif r.params.structured_outputs is not None and not r.is_finished:
+                    assert r.grammar is not None and r.grammar.num_accepted == r.num_output_tokens, r

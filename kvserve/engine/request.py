@@ -5,8 +5,9 @@ are the same arithmetic: the scheduler runs tokens `[num_computed_tokens, num_to
 
 The status is a name, never a flag: every change goes through `Request.transition`, which
 checks it against `TRANSITIONS` (vLLM v1's `RequestStatus`, with the states that sharing,
-beams and swapping add). Only the scheduler calls it. KV state (block tables, prefix-cache
-progress) belongs to `kv/` and is keyed by `request_id`; none of it is stored here.
+beams, swapping and grammar compiles add). Only the scheduler calls it. KV state (block
+tables, prefix-cache progress) belongs to `kv/` and is keyed by `request_id`; none of it is
+stored here.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from kvserve.sample.params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # structured outputs: its grammar is compiling
     WAITING = "waiting"                      # in the waiting queue, no blocks, never ran
     WAITING_FOR_FORK = "waiting_for_fork"    # sample i > 0 of n: forks sample 0 after its prefill
     RUNNING = "running"                      # holds a seat and blocks; has tokens to compute
@@ -43,6 +45,7 @@ class RequestStatus(enum.Enum):
 S = RequestStatus
 FINISHED = frozenset({S.FINISHED_STOPPED, S.FINISHED_LENGTH, S.FINISHED_ABORTED, S.FINISHED_ERROR})
 TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
+    S.WAITING_FOR_GRAMMAR: frozenset({S.WAITING}) | FINISHED,
     S.WAITING: frozenset({S.RUNNING, S.WAITING_FOR_FORK}) | FINISHED,
     S.WAITING_FOR_FORK: frozenset({S.RUNNING}) | FINISHED,
     S.RUNNING: frozenset({S.WAITING_FOR_BEAMS, S.PREEMPTED, S.SWAPPED}) | FINISHED,
@@ -112,7 +115,9 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None   # prefix-cache hit at first admission
-        self.status = RequestStatus.WAITING
+        # A constrained request (structured outputs) waits for its grammar before it queues.
+        self.status = S.WAITING if params.structured_outputs is None else S.WAITING_FOR_GRAMMAR
+        self.grammar = None         # its structured.matcher.SequenceGrammar, once compiled
         self.eos_token_id = eos_token_id
         self.stop_reason: int | str | None = None
         self.error: str | None = None

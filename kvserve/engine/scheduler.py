@@ -20,8 +20,10 @@ other group is recomputed; `stall_steps` steps with no progress fail the stuck r
 a clear error instead of spinning.
 
 Speculative decoding (kvserve/spec_decode/): `spec_candidates()` names who may verify drafts
-and how many; `schedule(drafts)` gives each its last token + k drafts the budget and pool spare
-(drafts never preempt); `update_from_output` appends the verified run and rolls the rest back.
+and how many (engine/draft_scheduling.py); `schedule(drafts)` gives each its last token + k
+drafts the budget and pool spare; `update_from_output` appends the verified run and rolls the
+rest back. Structured outputs (kvserve/structured/): a sequence's grammar advances with every
+token it accepts, and the sequence stops when its grammar is complete.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from kvserve.engine.beam_search import advance_beams
+from kvserve.engine.draft_scheduling import DraftScheduling
 from kvserve.engine.queues import RequestQueues
 from kvserve.engine.core_io import SequenceDelta
 from kvserve.engine.request import Request, RequestStatus
@@ -60,7 +63,7 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-class Scheduler(RequestQueues):
+class Scheduler(DraftScheduling, RequestQueues):
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
                  watermark_blocks: int = 0, *, preemption_mode: str = "recompute",
                  cache_aware: bool = False, max_wait_steps: int = 64,
@@ -107,6 +110,12 @@ class Scheduler(RequestQueues):
             if sibling is None:
                 return False
         return True
+
+    def grammar_ready(self, seqs: list[Request]) -> None:
+        """A constrained request's grammar is compiled: its sequences leave WAITING_FOR_GRAMMAR
+        (the caller then queues them as it queues any new request)."""
+        for r in seqs:
+            r.transition(S.WAITING)
 
     # -- one step ----------------------------------------------------------------------------
     def schedule(self, drafts: dict[str, list[int]] | None = None) -> SchedulerOutput:
@@ -159,51 +168,6 @@ class Scheduler(RequestQueues):
             n = min(n, self._tokens_that_fit(req, n)) or n
             if self._make_room(req, req.num_computed_tokens + n, out, done):
                 self._schedule(out, done, req, n)
-
-    # -- speculative decoding: the scheduler decides who speculates and how far -----------------
-    def spec_candidates(self) -> list[tuple[Request, int]]:
-        """(sequence, most drafts it may verify) for this step: running decodes of n == 1
-        requests without beam search (forked sequences share blocks: never speculated); none
-        when the running batch is larger than `spec_disable_by_batch_size`."""
-        k = self.num_speculative_tokens
-        off = self.spec_disable_by_batch_size
-        if k <= 0 or (off is not None and len(self.running) > off):
-            return []
-        out = []
-        for req in self.running:
-            if req.status == S.RUNNING and req.num_tokens - req.num_computed_tokens == 1:
-                room = min(k, self._draft_room(req))
-                if room > 0:
-                    out.append((req, room))
-        return out
-
-    def _draft_room(self, req: Request) -> int:
-        """Drafts that can matter: none past max_model_len (positions must exist) or past
-        max_tokens (the target adds one token after the accepted drafts)."""
-        p = req.params
-        if p.use_beam_search or p.n > 1 or req.parent_id in self.beam_groups:
-            return 0
-        room = self.max_model_len - req.num_tokens
-        if p.max_tokens is not None:
-            room = min(room, p.max_tokens - req.num_output_tokens - 1)
-        return room
-
-    def _schedule_drafts(self, req: Request, spare: int, later: int, out: SchedulerOutput,
-                         done: set[str]) -> int:
-        """Schedule `req`'s last token and its drafts if the budget spares them and the pool
-        has their blocks without preempting anyone (keeping a block for each of the `later`
-        decodes and the watermark). Returns the number of drafts scheduled (0: none)."""
-        drafts = self._drafts.get(req.request_id)
-        k = min(len(drafts), spare, self._draft_room(req)) if drafts else 0
-        if k <= 0:
-            return 0
-        end = req.num_computed_tokens + 1 + k
-        if not self.kv.allocate_slots(req.request_id, end, reserve=later + self.watermark_blocks,
-                                      num_computed=req.num_computed_tokens):
-            return 0
-        out.draft_tokens[req.request_id] = list(drafts[:k])
-        self._schedule(out, done, req, 1 + k)
-        return k
 
     def _swap_in(self, out: SchedulerOutput) -> None:
         while self.swapped:
@@ -362,6 +326,9 @@ class Scheduler(RequestQueues):
             d.new_token_ids.append(s.token_id)
             if logprobs:
                 d.new_logprobs.append(s)
+            if req.grammar is not None and not req.grammar.accept(s.token_id):   # masked: a bug
+                self.finish(req, S.FINISHED_ERROR, req.grammar.error)
+                return
             status = self.stop_status(req, s.token_id)
             if status is not None:
                 self.finish(req, status)
@@ -371,7 +338,8 @@ class Scheduler(RequestQueues):
 
     def stop_status(self, req: Request, token_id: int) -> RequestStatus | None:
         """The core's stop rules, on token ids (the token is already appended): EOS and stop
-        token ids once min_tokens are out, then max_tokens and max_model_len."""
+        token ids once min_tokens are out, a complete grammar (it admits no further token),
+        then max_tokens and max_model_len."""
         p = req.params
         n_out = req.num_output_tokens
         if n_out >= p.min_tokens:
@@ -380,6 +348,8 @@ class Scheduler(RequestQueues):
             if token_id in p.stop_token_id_set:         # O(1) however many ids
                 req.stop_reason = token_id
                 return S.FINISHED_STOPPED
+        if req.grammar is not None and req.grammar.terminated:
+            return S.FINISHED_STOPPED
         if (p.max_tokens is not None and n_out >= p.max_tokens) or req.num_tokens >= self.max_model_len:
             return S.FINISHED_LENGTH
         return None

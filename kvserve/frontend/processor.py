@@ -4,8 +4,9 @@ Tokenizing and every check a request needs before the core sees it happen here, 
 with one message (DESIGN.md: a ValueError saying what to change; the server answers 400): the
 prompt's form, empty prompts, token ids outside the vocabulary, a prompt at or over
 max_model_len, n / beam_width against max_num_seqs, a prompt larger than the whole KV pool,
-a beam search that may need more blocks than the pool has, the cache salt and the scheduling
-fields. The core trusts what it gets (`CoreLimits` are its numbers).
+a beam search that may need more blocks than the pool has, a structured-outputs grammar that
+does not compile against the tokenizer, the cache salt and the scheduling fields. The core
+trusts what it gets (`CoreLimits` are its numbers).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from kvserve.engine.core_io import CoreLimits, EngineCoreRequest
 from kvserve.engine.fairness import PROMPT_FIELDS, prompt_fields
 from kvserve.kv.manager import cdiv
 from kvserve.sample.params import SamplingParams
+from kvserve.structured import check_structured_outputs
 
 
 class Processor:
@@ -73,6 +75,8 @@ class Processor:
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab}).")
         params.verify_for_model(vocab)
+        if params.structured_outputs is not None:     # the compiler's message, before anything queues
+            check_structured_outputs(params.structured_outputs, self.tokenizer, vocab)
         seats = params.beam_width if params.use_beam_search else params.n
         if seats > lim.max_num_seqs:
             what = "beam_width" if params.use_beam_search else "n"

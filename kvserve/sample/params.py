@@ -5,6 +5,8 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from kvserve.structured.params import StructuredOutputsParams  # noqa: F401 (re-exported)
+
 # Limits that keep every accepted request computable: no accepted value makes a sampler step
 # raise, overflow an int64 tensor or a float32 logit. Seeds feed torch.Generator.manual_seed,
 # which takes [-2**63, 2**64 - 1]; kvserve takes the non-negative part, and sample i of n uses
@@ -55,6 +57,8 @@ class SamplingParams:
     use_beam_search: bool = False
     beam_width: int | None = None       # default: max(n, 2)
     length_penalty: float = 1.0
+    # The output must match a JSON schema, regex, choice or grammar (kvserve/structured/).
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False)
     # stop_token_ids as a frozenset, kept in step with every assignment to stop_token_ids: the
     # per-step stop check (engine/output.py) is O(1) however many ids a request names.
@@ -154,6 +158,12 @@ class SamplingParams:
                            "min_tokens and stop strings are not supported with use_beam_search.")
         elif self.beam_width is not None:
             self._fail("beam_width needs use_beam_search=True.")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            self._fail(f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}.")
+        if so is not None and self.use_beam_search:
+            self._fail("structured_outputs is not supported with beam search (use_beam_search): "
+                       "sample or decode greedily instead.")
 
     def verify_for_model(self, vocab_size: int) -> None:
         """Checks that depend on the model: raise ValueError if these parameters cannot be served

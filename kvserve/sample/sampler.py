@@ -6,7 +6,9 @@ temperature, top-k, top-p, min-p and a draw. (vLLM v1 applies min-p before top-k
 orders differ when top-p and min-p are combined.) `process_logits` / `processed_logprobs` give
 the distribution each row is chosen from. Each seeded request draws from its own generator, so
 its tokens do not depend on what else is in the batch. Logprobs are those of the raw model
-distribution (log_softmax of the unprocessed logits), with the sampled token's rank.
+distribution (log_softmax of the unprocessed logits), with the sampled token's rank. A
+constrained row (structured outputs) comes in already masked by its grammar (worker/sampling.py):
+its "raw" distribution is the model's renormalised over the tokens the grammar allows.
 """
 from __future__ import annotations
 
@@ -114,7 +116,8 @@ def _apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> None:
 def _mask_early_stops(logits: torch.Tensor, reqs: Sequence[Request]) -> None:
     """In place: -inf on the stop token ids (and EOS unless ignored) of every request that has
     fewer than min_tokens output tokens. Ids outside the vocabulary can never be sampled, so
-    they need no mask and are skipped."""
+    they need no mask and are skipped. A complete grammar that allows only a stop token wins
+    over min_tokens (a constrained row is never left with no token)."""
     V = logits.shape[1]
     for i, r in enumerate(reqs):
         p = r.params
@@ -124,7 +127,10 @@ def _mask_early_stops(logits: torch.Tensor, reqs: Sequence[Request]) -> None:
                 stops.append(r.eos_token_id)
             stops = [t for t in stops if 0 <= t < V]
             if stops:
+                kept = logits[i, stops].clone()
                 logits[i, stops] = float("-inf")
+                if getattr(r, "grammar", None) is not None and bool(torch.isneginf(logits[i]).all()):
+                    logits[i, stops] = kept
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int):
@@ -172,8 +178,8 @@ class Sampler:
             for i, (r, t) in enumerate(zip(reqs, tokens.tolist())):
                 top = None
                 if need_lp[i] and r.params.logprobs:
-                    n = r.params.logprobs
-                    top = list(zip(top_ids[i][:n], top_lp[i][:n]))
+                    n = r.params.logprobs     # (a grammar's forbidden tokens, at -inf, are left out)
+                    top = [(t, lp) for t, lp in zip(top_ids[i][:n], top_lp[i][:n]) if lp != float("-inf")]
                 results.append(Sampled(t, lp_l[i], rank_l[i], top))
             return results
         return [Sampled(t, 0.0, 0) for t in tokens.tolist()]

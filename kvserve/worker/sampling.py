@@ -4,8 +4,11 @@ Which logits row is whose is decided here and only here: one row per sampling se
 runner's order (k + 1 rows for a sequence verifying k drafts: spec_decode/decoder.py), samples
 waiting to fork (n > 1) drawing from their first sample's row with their own generators, a
 beam's top 2 * beam_width candidates, and the rows of prompt positions whose logprobs were
-asked for. Failures stay with their sequence: a sampling error is retried row by row and fails
-only the row that raises; a prompt-logprob error fails its request alone.
+asked for. A constrained sequence's row (structured outputs) is masked by its grammar first,
+in place (the step's logits are this stage's): penalties, greedy, top-k/p and logprobs see only
+the tokens its grammar allows. Failures stay with their sequence: a sampling error is retried
+row by row and fails only the row that raises; a grammar that allows no token fails its
+sequence; a prompt-logprob error fails its request alone.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import logging
 import torch
 
 from kvserve.sample.sampler import Sampled, Sampler, token_logprobs
+from kvserve.structured.matcher import mask_logits
 from kvserve.worker.output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -55,14 +59,25 @@ class StepSampler:
 
     def _sample(self, logits: torch.Tensor, rows: list[int], reqs: list, out: ModelRunnerOutput) -> None:
         same = len(rows) == logits.shape[0] and rows == list(range(len(rows)))
+        x = logits if same else logits[rows]              # [S, V]: one row per request, in order
+        constrained = [j for j, r in enumerate(reqs) if getattr(r, "grammar", None) is not None]
+        if constrained:     # the grammar's mask first: every later stage sees only allowed tokens
+            bad = mask_logits(x, constrained, [reqs[j].grammar for j in constrained])
+            for j, why in bad.items():
+                out.failed[reqs[j].request_id] = why
+            if bad:
+                keep = [j for j in range(len(reqs)) if j not in bad]
+                x, reqs = x[keep], [reqs[j] for j in keep]
+                if not reqs:
+                    return
         try:
-            results = self.sampler(logits if same else logits[rows], reqs)
+            results = self.sampler(x, reqs)
         except Exception:   # noqa: BLE001 -- find the row that fails; the others go on
             logger.exception("sampling failed; retrying row by row")
             results = []
-            for row, r in zip(rows, reqs):
+            for j, r in enumerate(reqs):
                 try:
-                    results += self.sampler(logits[row:row + 1], [r])
+                    results += self.sampler(x[j:j + 1], [r])
                 except Exception as e:  # noqa: BLE001
                     results.append(e)
         for r, res in zip(reqs, results):

@@ -1,0 +1,78 @@
+"""One sequence's grammar state and the step's token masks (seed 000's sampling, constrained).
+
+`SequenceGrammar` wraps the sequence's own llguidance matcher: the scheduler advances it with
+every token the sequence accepts (`accept`, in `update_from_output`: one writer), and it is
+`terminated` once the grammar admits nothing more (the sequence stops). EOS is in its mask only
+where the grammar is complete. `mask_logits` sets -inf on every logit a constrained row's
+grammar forbids, before any other sampling step: one int32 bitmask row per sequence
+([R, ceil(V / 32)], bit j of word w allows token 32 w + j), filled by llguidance's executor
+(several matchers in parallel, the GIL released).
+"""
+from __future__ import annotations
+
+import weakref
+
+import llguidance as llg
+import torch
+
+_live: "weakref.WeakSet[SequenceGrammar]" = weakref.WeakSet()
+_executor: llg.LLExecutor | None = None
+
+
+def num_live_matchers() -> int:
+    """Sequence grammars still referenced anywhere (finished and aborted ones are freed)."""
+    return len(_live)
+
+
+class SequenceGrammar:
+    """A sequence's matcher and how many of its output tokens it has consumed."""
+
+    __slots__ = ("matcher", "num_accepted", "vocab_size", "__weakref__")
+
+    def __init__(self, compiled: llg.LLMatcher, vocab_size: int):
+        self.matcher = compiled.deep_copy()
+        self.num_accepted = 0
+        self.vocab_size = vocab_size            # the llguidance tokenizer's: the mask's width in bits
+        _live.add(self)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one sampled token; False (and `error` says why) if the grammar rejects it."""
+        ok = self.matcher.consume_token(token_id)
+        self.num_accepted += ok
+        return ok
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete and admits no further token (EOS consumed, or no extension)."""
+        return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return "the output left its grammar: " + (self.matcher.get_error().strip() or "no reason given")
+
+
+@torch.inference_mode()       # the step's logits are inference tensors: writable only in it
+def mask_logits(x: torch.Tensor, rows: list[int], grammars: list[SequenceGrammar]) -> dict[int, str]:
+    """In place: x[rows[i]] [V] keeps only the tokens grammars[i] allows (-inf elsewhere).
+    Returns {row: why} for rows whose grammar allows nothing (left unmasked: the caller fails them)."""
+    global _executor
+    if _executor is None:
+        _executor = llg.LLExecutor()
+    V = x.shape[1]
+    R, W = len(rows), (grammars[0].vocab_size + 31) // 32
+    bitmask = torch.full((R, W), -1, dtype=torch.int32)                  # [R, W], on the CPU
+    # (llguidance.torch does the same, but importing it imports torch's compiler: seconds)
+    _executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)],
+                                      bitmask.data_ptr(), W * 4, R)
+    failed = {}
+    empty = (bitmask == 0).all(dim=1).tolist()
+    for i, g in enumerate(grammars):
+        if empty[i] or g.matcher.is_error():
+            failed[rows[i]] = g.error if g.matcher.is_error() else "the grammar admits no token here"
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(R, -1)[:, :V].bool()   # [R, <= V]
+    if allowed.shape[1] < V:              # ids past the grammar's vocabulary: never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]))
+    idx = torch.tensor(rows, dtype=torch.long, device=x.device)
+    x[idx] = x[idx].masked_fill(~allowed.to(x.device), float("-inf"))
+    return failed

@@ -1,0 +1,81 @@
+"""StructuredOutputsParams: what a request's output must match, as vLLM names it.
+
+Exactly one field is set. The request is checked here for what needs no tokenizer (types, a JSON
+text that parses, the size bound); the grammar itself is checked by compiling it against the
+model's tokenizer (`kvserve.structured.check_structured_outputs`, called by the frontend's
+Processor). `key` is the canonical (format, text) pair grammars are compiled and cached by.
+"""
+from __future__ import annotations
+
+import json as _json
+from dataclasses import dataclass, field
+
+# The largest spec a request may give, in bytes of its canonical text (a JSON schema, a regex,
+# a grammar, the JSON list of choices): compile time and matcher memory grow with it.
+MAX_STRUCTURED_SPEC_BYTES = 128 * 1024
+ANY_JSON_OBJECT = '{"type":"object"}'
+FIELDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A JSON schema (`json`: a dict or its JSON text; True means any JSON object), a regular
+    expression (`regex`, Rust regex syntax, anchored at both ends), one of a list of strings
+    (`choice`), a context-free grammar (`grammar`: Lark, or llama.cpp's GBNF) or any JSON object
+    (`json_object=True`). Bad input raises ValueError."""
+
+    json: dict | str | bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    key: tuple[str, str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        given = [name for name in FIELDS if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {given or 'none'}.")
+        object.__setattr__(self, "key", _canonical(given[0], getattr(self, given[0])))
+        size = len(self.key[1].encode("utf-8"))
+        if size > MAX_STRUCTURED_SPEC_BYTES:
+            raise ValueError(f"structured_outputs.{given[0]} is {size} bytes; the limit is "
+                             f"{MAX_STRUCTURED_SPEC_BYTES}: give a smaller schema or grammar.")
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(name for name in FIELDS if getattr(self, name) is not None)
+
+
+def _canonical(name: str, value) -> tuple[str, str]:
+    """(llguidance's grammar format, the spec's canonical text) for the set field."""
+    if name == "json_object":
+        if value is not True:
+            raise ValueError(f"structured_outputs.json_object must be True (or None), got {value!r}.")
+        return "json_schema", ANY_JSON_OBJECT
+    if name == "json":
+        if value is True:
+            return "json_schema", ANY_JSON_OBJECT
+        if isinstance(value, str):
+            try:
+                value = _json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}.") from None
+        if not isinstance(value, dict):
+            raise ValueError("structured_outputs.json must be a JSON schema (an object, or its JSON "
+                             f"text) or True for any JSON object, got {type(value).__name__}.")
+        try:
+            return "json_schema", _json.dumps(value, sort_keys=True, separators=(",", ":"),
+                                              allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"structured_outputs.json is not a JSON value: {e}.") from None
+    if name == "choice":
+        if (not isinstance(value, (list, tuple)) or not value
+                or not all(isinstance(c, str) for c in value)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings, "
+                             f"got {value!r}.")
+        return "choice", _json.dumps(list(value), separators=(",", ":"))
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}.")
+    return name, value
