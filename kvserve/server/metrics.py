@@ -36,6 +36,10 @@ KV tiers (kv/connector.py): kvserve:kv_tier_{hit_blocks,bytes_loaded,saved_block
 corrupt_blocks,failures,bytes_refused}_total{tier}, kvserve:kv_tier_bandwidth_bytes_per_second{tier},
 kvserve:kv_tier_{reload,recompute}_decisions_total.
 
+Structured outputs (kvserve/structured/metrics.py): kvserve:grammar_compile_time_seconds
+(histogram), kvserve:grammar_{compiles,compile_errors,compile_timeouts,cache_hits}_total,
+kvserve:num_requests_waiting_for_grammar.
+
 Memory, at scrape time (memory_metrics.py): kvserve:resident_memory_bytes (the server and its
 engine processes); on CUDA kvserve:cuda_memory_used_bytes and kvserve:cuda_memory_total_bytes.
 
@@ -61,6 +65,7 @@ from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported fo
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvserve.server.memory_metrics import MemoryCollector
+from kvserve.structured.metrics import structured_output_metrics
 
 # Fine at the low end: on a small model a decode step takes a millisecond or two.
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2,
@@ -128,6 +133,7 @@ class _EngineStatsCollector:
                 fam.add_metric([self.model_name, str(pos)], float(value))
             yield fam
         yield from _kv_tier_metrics(self.model_name, getattr(snap, "kv_tiers", None))
+        yield from structured_output_metrics(self.model_name, getattr(snap, "structured_outputs", None))
 
 
 # engine.stats().kv_tiers per tier (kv/connector.py) -> kvserve:kv_tier_*_total{model_name,tier}

@@ -6,12 +6,13 @@ SentencePiece, from tokenizer.json or GGUF metadata); built once per tokenizer (
 a 49k vocabulary) and kept while the tokenizer lives. Its size is the model's vocabulary (the
 logits' width), so a mask covers every logit; ids past the tokenizer's are never allowed.
 `compile_matcher(params, ll_tok)`: an LLMatcher at the grammar's start, or ValueError with
-llguidance's message. `GrammarCompiler`: one per engine; compiles in a worker thread
+llguidance's message. `GrammarCompiler`: one per engine; compiles in worker threads
 (llguidance releases the GIL while it builds) and keeps the compiled matchers by spec key
 (LRU); every sequence takes its own deep copy (about 10 us).
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
@@ -24,6 +25,9 @@ import llguidance as llg
 COMPILE_TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                         2.5, 5.0, 10.0, 30.0, 60.0)
 MAX_CACHED_GRAMMARS = 256
+# Compile threads: a slow grammar holds back at most one of them (llguidance's own fuel limits
+# bound every compile).
+NUM_COMPILE_THREADS = max(2, min(4, os.cpu_count() or 1))
 
 _ll_tokenizers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _ll_lock = threading.Lock()
@@ -111,7 +115,7 @@ class GrammarCompiler:
                 self.num_cache_hits += 1
                 return self._inflight[key]
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvserve-grammar")
+                self._pool = ThreadPoolExecutor(NUM_COMPILE_THREADS, thread_name_prefix="kvserve-grammar")
             fut = self._inflight[key] = self._pool.submit(self._compile, params)
             return fut
 

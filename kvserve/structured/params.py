@@ -66,8 +66,8 @@ def _canonical(name: str, value) -> tuple[str, str]:
             raise ValueError("structured_outputs.json must be a JSON schema (an object, or its JSON "
                              f"text) or True for any JSON object, got {type(value).__name__}.")
         try:
-            return "json_schema", _json.dumps(value, sort_keys=True, separators=(",", ":"),
-                                              allow_nan=False)
+            # (keys keep their order: the grammar writes properties in the schema's order)
+            return "json_schema", _json.dumps(value, separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError) as e:
             raise ValueError(f"structured_outputs.json is not a JSON value: {e}.") from None
     if name == "choice":
