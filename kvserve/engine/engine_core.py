@@ -128,7 +128,7 @@ class EngineCore:
         self.sampling = StepSampler(Sampler(model_cfg.vocab_size, self.device, r.model.seed), self.spec)
         # Structured outputs: constrained requests wait here (WAITING_FOR_GRAMMAR) while a worker
         # thread compiles their grammar (kvserve/structured/)
-        self.grammars = GrammarWaitList(GrammarCompiler(self.tokenizer, model_cfg.vocab_size),
+        self.grammars = GrammarWaitList(GrammarCompiler(self.tokenizer, model_cfg.vocab_size, eos),
                                         r.structured_outputs.max_grammar_compile_s)
         self.groups: dict[str, list[Request]] = {}      # user request id -> its sequences
         self._finish_sent: dict[str, set[int]] = {}     # user request id -> samples whose end went out

@@ -33,21 +33,22 @@ _ll_tokenizers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _ll_lock = threading.Lock()
 
 
-def ll_tokenizer(tokenizer, vocab_size: int | None = None) -> llg.LLTokenizer:
-    """The llguidance tokenizer of a kvserve tokenizer (cached per tokenizer object and size).
-    ValueError when the model has no tokenizer kvserve can hand to llguidance."""
+def ll_tokenizer(tokenizer, vocab_size: int | None = None, eos_token_id: int | None = None) -> llg.LLTokenizer:
+    """The llguidance tokenizer of a kvserve tokenizer (cached per tokenizer object, size and
+    EOS: the engine's, which a complete grammar allows; default the tokenizer's). ValueError
+    when the model has no tokenizer kvserve can hand to llguidance."""
     backend = getattr(tokenizer, "_tok", None)      # TokenizersBacked: a tokenizers.Tokenizer
     if backend is None:
         what = "no tokenizer" if tokenizer is None else f"a {type(tokenizer).__name__}"
         raise ValueError(f"structured outputs need the model's tokenizer as tokenizer.json or GGUF "
                          f"metadata; this model has {what}.")
     size = max(vocab_size or 0, backend.get_vocab_size(with_added_tokens=True))
+    eos = eos_token_id if eos_token_id is not None else tokenizer.eos_token_id
     with _ll_lock:
-        per_size = _ll_tokenizers.setdefault(tokenizer, {})
-        if size not in per_size:
-            per_size[size] = llg.LLTokenizer(backend.to_str(), n_vocab=size,
-                                             eos_token=tokenizer.eos_token_id)
-        return per_size[size]
+        built = _ll_tokenizers.setdefault(tokenizer, {})
+        if (size, eos) not in built:
+            built[size, eos] = llg.LLTokenizer(backend.to_str(), n_vocab=size, eos_token=eos)
+        return built[size, eos]
 
 
 # JSON as json.dumps writes it: ", " and ": " between items, no other whitespace (a small model
@@ -87,9 +88,11 @@ class GrammarCompiler:
     """Compiles StructuredOutputsParams against one tokenizer in a worker thread, caches the
     results by `params.key`. `submit` is called from the engine loop; only the worker builds."""
 
-    def __init__(self, tokenizer, vocab_size: int, max_cached: int = MAX_CACHED_GRAMMARS):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None = None,
+                 max_cached: int = MAX_CACHED_GRAMMARS):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
         self.max_cached = max_cached
         self._pool: ThreadPoolExecutor | None = None       # started by the first compile
         self._lock = threading.Lock()
@@ -122,7 +125,7 @@ class GrammarCompiler:
     def _compile(self, params) -> tuple[llg.LLMatcher, int]:
         t0 = time.perf_counter()
         try:
-            ll_tok = ll_tokenizer(self.tokenizer, self.vocab_size)
+            ll_tok = ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_id)
             compiled = compile_matcher(params, ll_tok), ll_tok.vocab_size
         except BaseException:
             self._record(params.key, None, time.perf_counter() - t0)

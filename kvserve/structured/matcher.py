@@ -13,6 +13,7 @@ from __future__ import annotations
 import weakref
 
 import llguidance as llg
+import numpy as np
 import torch
 
 _live: "weakref.WeakSet[SequenceGrammar]" = weakref.WeakSet()
@@ -51,10 +52,9 @@ class SequenceGrammar:
         return "the output left its grammar: " + (self.matcher.get_error().strip() or "no reason given")
 
 
-@torch.inference_mode()       # the step's logits are inference tensors: writable only in it
 def mask_logits(x: torch.Tensor, rows: list[int], grammars: list[SequenceGrammar]) -> dict[int, str]:
     """In place: x[rows[i]] [V] keeps only the tokens grammars[i] allows (-inf elsewhere).
-    Returns {row: why} for rows whose grammar allows nothing (left unmasked: the caller fails them)."""
+    Returns {row: why} for rows whose grammar allows nothing (the caller fails them)."""
     global _executor
     if _executor is None:
         _executor = llg.LLExecutor()
@@ -64,15 +64,21 @@ def mask_logits(x: torch.Tensor, rows: list[int], grammars: list[SequenceGrammar
     # (llguidance.torch does the same, but importing it imports torch's compiler: seconds)
     _executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)],
                                       bitmask.data_ptr(), W * 4, R)
+    # bit j of word w is token 32 w + j: little-endian words, least significant bit first
+    forbidden = np.unpackbits(~bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :V]
+    if forbidden.shape[1] < V:            # ids past the grammar's vocabulary: never allowed
+        forbidden = np.pad(forbidden, ((0, 0), (0, V - forbidden.shape[1])), constant_values=1)
+    forbidden = forbidden.view(np.bool_)                                 # [R, V]
     failed = {}
-    empty = (bitmask == 0).all(dim=1).tolist()
     for i, g in enumerate(grammars):
-        if empty[i] or g.matcher.is_error():
+        if g.matcher.is_error() or forbidden[i].all():
             failed[rows[i]] = g.error if g.matcher.is_error() else "the grammar admits no token here"
-    shifts = torch.arange(32, dtype=torch.int32)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(R, -1)[:, :V].bool()   # [R, <= V]
-    if allowed.shape[1] < V:              # ids past the grammar's vocabulary: never allowed
-        allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]))
-    idx = torch.tensor(rows, dtype=torch.long, device=x.device)
-    x[idx] = x[idx].masked_fill(~allowed.to(x.device), float("-inf"))
+    if x.device.type == "cpu":            # numpy writes the row in place, in one pass
+        xn = x.numpy()
+        for i, row in enumerate(rows):
+            np.putmask(xn[row], forbidden[i], -np.inf)
+    else:
+        with torch.inference_mode():      # the step's logits are inference tensors
+            idx = torch.tensor(rows, dtype=torch.long, device=x.device)
+            x[idx] = x[idx].masked_fill(torch.from_numpy(forbidden).to(x.device), float("-inf"))
     return failed
