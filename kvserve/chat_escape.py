@@ -36,8 +36,8 @@ def special_token_pattern(tokenizer) -> re.Pattern | None:
 
 
 def encode_escaped(renderer, pattern: re.Pattern | None, messages: list[dict],
-                   add_generation_prompt: bool, text: str) -> list[int]:
-    """Token ids of `text` (= renderer.render(messages, add_generation_prompt)) with the
+                   add_generation_prompt: bool, text: str, tools: list[dict] | None = None) -> list[int]:
+    """Token ids of `text` (= renderer.render(messages, add_generation_prompt, tools)) with the
     special-token text of the messages' fields read as plain text (module docstring)."""
     fields = [(i, f) for i, m in enumerate(messages) for f in ESCAPED_FIELDS
               if isinstance(m.get(f), str) and pattern is not None and pattern.search(m[f])]
@@ -47,7 +47,7 @@ def encode_escaped(renderer, pattern: re.Pattern | None, messages: list[dict],
     marked = [dict(m) for m in messages]
     for k, (i, f) in enumerate(fields):
         marked[i][f] = f"\ue000{nonce}:{k}\ue001"
-    parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", renderer.render(marked, add_generation_prompt))
+    parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", renderer.render(marked, add_generation_prompt, tools))
     values = [messages[i][f] for i, f in fields]
     if "".join(values[int(p)] if j % 2 else p for j, p in enumerate(parts)) != text:   # 2.
         raise ChatTemplateError("this chat template changes message text before writing it, so "

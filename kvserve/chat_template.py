@@ -3,8 +3,13 @@
 The template comes from, in order: `--chat-template FILE` (a jinja2 file, or the template text
 itself), the tokenizer's `chat_template` (from `tokenizer_config.json`), or the fallback below.
 Templates run in jinja2's sandbox with the variables and helpers Hugging Face templates expect:
-`messages`, `add_generation_prompt`, `bos_token`, `eos_token`, `raise_exception`,
+`messages`, `tools`, `add_generation_prompt`, `bos_token`, `eos_token`, `raise_exception`,
 `strftime_now` and the `tojson` filter.
+
+Tools (`render(..., tools=[{"type": "function", "function": {...}}])`) reach a template that
+reads a `tools` variable through it, with the history's tool calls as Hugging Face passes them
+(`message.tool_calls[i].function.arguments` a dict); any other template gets kvserve's default
+tool prompt and the calls written into the messages' content (kvserve/tool_calls/prompt.py).
 
 The fallback, for base models without a template (such as stories260K), is plain text, one
 line per message, and an open `Assistant:` turn:
@@ -23,7 +28,10 @@ import json
 import os
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from kvserve.tool_calls.prompt import with_tool_prompt
 
 FALLBACK_CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -72,17 +80,25 @@ class ChatRenderer:
         env.globals["strftime_now"] = _strftime_now
         try:
             self.template = env.from_string(template)
+            # A template written for tools reads the `tools` variable (and so its tool calls).
+            self.accepts_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(template))
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template does not parse ({e}): fix it, or pass another "
                              "--chat-template.") from e
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> str:
         """The prompt text; ChatTemplateError (a ValueError) if the template refuses the messages."""
+        extra = {}
+        if self.accepts_tools:
+            extra["tools"] = tools or None
+        elif tools or any(m.get("tool_calls") for m in messages):
+            messages = with_tool_prompt(messages, tools)
         try:
             return self.template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
                 bos_token=getattr(self.tokenizer, "bos_token", None) or "",
-                eos_token=getattr(self.tokenizer, "eos_token", None) or "")
+                eos_token=getattr(self.tokenizer, "eos_token", None) or "", **extra)
         except jinja2.TemplateError as e:
             # Templates reject conversations they cannot format (e.g. roles not alternating).
             raise ChatTemplateError(f"the chat template rejected the conversation ({e}): change the "

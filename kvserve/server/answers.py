@@ -5,8 +5,8 @@ every /v1 completion request goes through `Front.handle`.
     -> exact cache -> semantic cache -> the model -> store the answer
 
 `--answer-cache exact` keeps the exact layer, `--answer-cache semantic` both (exact first).
-Only deterministic requests (temperature 0 or a seed >= 0) without logprobs or echo are looked
-up or stored, keyed (and scoped) on the tenant and the request's `cache_salt` -- with a keys
+Only deterministic requests (temperature 0 or a seed >= 0) without logprobs, echo or tools are
+looked up or stored, keyed (and scoped) on the tenant and the request's `cache_salt` -- with a keys
 file, the salt derived from both (server/salts.py) -- so neither layer answers across them. A
 hit is the stored completion, as JSON or, when the request streams, as SSE chunks (one per
 choice, then the usage chunk if asked, then `[DONE]`), with `usage` showing no tokens generated
@@ -34,6 +34,7 @@ from prometheus_client import Counter, Histogram
 from kvserve.cache.exact import ExactCache, cacheable, request_key
 from kvserve.cache.semantic import DEFAULT_THRESHOLD
 from kvserve.server.body import parse_body
+from kvserve.server.chat import template_messages
 from kvserve.server.protocol import (
     ChatCompletionChoice, ChatCompletionResponse, ChatCompletionStreamChoice, ChatCompletionStreamResponse,
     ChatMessage, CompletionChoice, CompletionResponse, CompletionStreamResponse, DeltaMessage, UsageInfo)
@@ -127,15 +128,14 @@ class Front:
             return None
         fields = req.model_dump(exclude={"prompt", "messages"})
         logprobs = req.logprobs is not None and req.logprobs is not False    # completions' 0 asks too
-        if not cacheable(fields) or getattr(req, "echo", False) or logprobs:
-            return None
+        if not cacheable(fields) or getattr(req, "echo", False) or logprobs or getattr(req, "tools", None):
+            return None             # (an answer with tool calls is not kept: the store holds text)
         plan = Plan(endpoint, tenant)
         scope = [tenant, req.cache_salt]        # who may see the answer (after Tenancy.begin)
         if endpoint == "chat":
             if self.state.chat is None:
                 return None
-            messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                        for m in req.messages]
+            messages = template_messages(req)
             size = sum(len(m["content"]) for m in messages)
             text = await self.state.tokenization.call(size, self.state.chat.render, messages,
                                                       req.add_generation_prompt)

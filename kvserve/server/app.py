@@ -33,7 +33,6 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvserve.sample.params import SamplingParams
 from kvserve.server.answers import install as install_front
 from kvserve.server.body import api_key_bytes
 from kvserve.server.errors import EngineFailureReport, install_error_handlers
@@ -45,12 +44,14 @@ from kvserve.server.prompts import echo_texts, max_tokens_for, prompt_items
 from kvserve.server.core_client import CoreClient
 from kvserve.server.chat import ChatRenderer
 from kvserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from kvserve.server.openai_logprobs import chat_logprobs, completion_logprobs, echo_logprobs, echo_only
-from kvserve.server.streaming import SSE_HEADERS, stream_chat, stream_completions
+from kvserve.server.chat_completions import chat_completions as _chat
+from kvserve.server.openai_logprobs import completion_logprobs, echo_logprobs, echo_only
+from kvserve.server.sampling import sampling_params
+from kvserve.server.streaming import SSE_HEADERS, stream_completions, usage_of
 from kvserve.server.submission import Submission, collect_or_disconnect
 from kvserve.server.protocol import (
-    APIError, ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
-    ChatMessage, CompletionChoice, CompletionRequest, CompletionResponse, ModelCard, ModelList, UsageInfo)
+    ChatCompletionRequest, CompletionChoice, CompletionRequest, CompletionResponse, ModelCard, ModelList)
+from kvserve.tool_calls import DEFAULT_TOOL_CALL_PARSER, tool_parser
 
 logger = logging.getLogger("kvserve.server")
 
@@ -65,7 +66,10 @@ class ServerState:
                  max_waiting: int | None = None, chat_template: str | None = None,
                  stream_stall_timeout: float | None = None,
                  max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
-                 escape_special_tokens: bool = False, api_keys=None, answer_cache: dict | None = None):
+                 escape_special_tokens: bool = False, api_keys=None, answer_cache: dict | None = None,
+                 tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER):
+        tool_parser(tool_call_parser)           # an unknown name: ValueError before anything starts
+        self.tool_call_parser = tool_call_parser
         self.model_name = served_model_name
         self.api_key = api_key
         self.api_key_bytes = api_key_bytes(api_key) if api_key is not None else None
@@ -93,13 +97,14 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
               stream_stall_timeout: float | None = None, api_keys=None,
               answer_cache: dict | None = None, metrics_public: bool = False,
-              metrics_tenant_labels: bool = False, escape_special_tokens: bool = False) -> FastAPI:
+              metrics_tenant_labels: bool = False, escape_special_tokens: bool = False,
+              tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER) -> FastAPI:
     """The FastAPI app serving `engine`: an `LLMEngine` or `EngineCore` (its core loop runs in
     a thread of this process) or a `CoreClient` (server/core_client.py). The engine loop starts
     with the app. `api_keys`: a keys file's path or a loaded `TenantRegistry` (server/answers.install)."""
     state = ServerState(engine, served_model_name, api_key, max_waiting, chat_template,
                         stream_stall_timeout, max_prompts_per_request, escape_special_tokens,
-                        api_keys, answer_cache)
+                        api_keys, answer_cache, tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -152,29 +157,6 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
 # ------------------------------------------------------------------ request plumbing
 
 
-def _sampling_params(req, max_tokens: int, logprobs: int | None,
-                     prompt_logprobs: int | None = None) -> SamplingParams:
-    kw = req.sampling_kwargs()
-    kw["max_tokens"] = max_tokens
-    kw["min_tokens"] = min(kw["min_tokens"], max_tokens)    # the one token echo scoring discards
-    kw["logprobs"] = logprobs
-    kw["prompt_logprobs"] = prompt_logprobs
-    if req.include_stop_str_in_output:
-        kw["include_stop_str_in_output"] = True
-    try:
-        return SamplingParams(**kw)
-    except (ValueError, TypeError) as e:
-        raise APIError(str(e)) from None
-
-
-def _usage(outputs: list, include_cached: bool = True) -> UsageInfo:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    cached = sum(getattr(o, "num_cached_tokens", 0) or 0 for o in outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details={"cached_tokens": cached} if include_cached else None)
-
-
 # ------------------------------------------------------------------ /v1/completions
 
 
@@ -183,7 +165,8 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
     max_tokens = [max_tokens_for(state, len(item["prompt_token_ids"]), req.max_tokens, req.min_tokens)
                   for item in items]
     # echo with max_tokens=0 (vLLM's rule): generate one token, return none of it.
-    params = [_sampling_params(req, max(m, 1), req.logprobs, req.logprobs if req.echo else None)
+    constraint = req.constraint()
+    params = [sampling_params(req, max(m, 1), req.logprobs, req.logprobs if req.echo else None, constraint)
               for m in max_tokens]
     rid_prefix = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -226,56 +209,4 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
                                             logprobs=lp, finish_reason=c.finish_reason,
                                             stop_reason=c.stop_reason))
     return CompletionResponse(id=rid_prefix, created=created, model=state.model_name,
-                              choices=choices, usage=_usage(outs)).model_dump()
-
-
-# ------------------------------------------------------------------ /v1/chat/completions
-
-
-async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request):
-    if state.chat is None:
-        raise APIError("this model has no tokenizer, so chat is not available; use /v1/completions "
-                       "with token ids")
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                for m in req.messages]
-    size = sum(len(m["content"]) for m in messages)
-    text = await state.tokenization.call(size, state.chat.render, messages, req.add_generation_prompt)
-    state.limits.check_text_fits(text)
-    ids = await state.tokenization.call(len(text), state.chat.encode_chat, text, messages,
-                                        req.add_generation_prompt)
-    max_tokens = max_tokens_for(state, len(ids), req.requested_max_tokens(), req.min_tokens)
-    k = req.top_logprobs or 0
-    params = _sampling_params(req, max_tokens, k if req.logprobs else None)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    created = int(time.time())
-    sub = Submission(state, rid, stream=req.stream)
-    try:
-        item = {"prompt_token_ids": ids, "prompt": text}
-        if req.cache_salt is not None:
-            item["cache_salt"] = req.cache_salt
-        if not await sub.add_all([(item, params)], request):
-            sub.abort_unfinished()
-            return Response(status_code=499)
-    except BaseException:
-        sub.abort_unfinished()      # rejected, or the client left while we waited
-        raise
-
-    if req.stream:
-        return StreamingResponse(stream_chat(state, req, sub, rid, created, k),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
-
-    final = await collect_or_disconnect(sub, request)
-    if final is None:
-        return Response(status_code=499)
-    out = final[sub.request_ids[0]]
-    choices = []
-    for c in out.outputs:
-        lp = None
-        if req.logprobs and c.logprobs is not None:
-            lp = ChatChoiceLogprobs(content=chat_logprobs(state, out.prompt_token_ids, c.token_ids,
-                                                           c.logprobs, k, req.skip_special_tokens))
-        choices.append(ChatCompletionChoice(index=c.index, message=ChatMessage(content=c.text),
-                                            logprobs=lp, finish_reason=c.finish_reason,
-                                            stop_reason=c.stop_reason))
-    return ChatCompletionResponse(id=rid, created=created, model=state.model_name, choices=choices,
-                                  usage=_usage([out])).model_dump()
+                              choices=choices, usage=usage_of(outs)).model_dump()

@@ -18,7 +18,7 @@ from fastapi import Request
 from pydantic import ValidationError
 
 from kvserve.server.protocol import APIError
-from kvserve.server.request_rules import MIN_TOKENS_CODE, RULE_ERROR
+from kvserve.server.request_rules import CONSTRAINTS_CODE, MIN_TOKENS_CODE, RULE_ERROR
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 
@@ -108,33 +108,51 @@ def validation_error_to_api_error(err: ValidationError) -> APIError:
     """The first pydantic error as a one-line message naming the offending field."""
     errors = err.errors()
     first = errors[0]
-    if first["type"] in (RULE_ERROR, MIN_TOKENS_CODE):
-        param = first["ctx"]["param"]
+    if first["type"] in (RULE_ERROR, MIN_TOKENS_CODE, CONSTRAINTS_CODE):
+        param = ".".join([*map(str, _loc(first)), first["ctx"]["param"]])    # (a message's rule: its place)
         return APIError(f"{param}: {first['msg']}", param=param,
-                        code=MIN_TOKENS_CODE if first["type"] == MIN_TOKENS_CODE else None)
+                        code=None if first["type"] == RULE_ERROR else first["type"])
     same_field = [e for e in errors if e.get("loc", ())[:1] == first.get("loc", ())[:1]]
     union = len(same_field) > 1 and any(_is_union_tag(x) for x in first.get("loc", ()))
     if union:       # the member the value had the shape of, if any: its constraint is the news
         first = next((e for e in same_field if not _is_shape_error(e)), first)
-    loc = [x for x in first.get("loc", ()) if not _is_union_tag(x)]
+    loc = _loc(first)
     param = ".".join(str(x) for x in loc) or None
     msg = first.get("msg", "invalid value").removeprefix("Value error, ")
     if union and _is_shape_error(first):
         msg = f"invalid type ({_UNION_HINTS.get(str(loc[-1]), 'see the API reference')})"
     elif first["type"] in ("too_long", "literal_error") and param in _UNSUPPORTED:
         msg = _UNSUPPORTED[param]
+    elif first["type"] == "extra_forbidden":
+        parent = str(loc[-2]) if len(loc) > 1 else ""
+        msg = f"not supported (the object takes only {_ALLOWED.get(parent, 'the documented keys')})"
+    elif first["type"] == "union_tag_invalid":
+        msg = f"unknown type {first['ctx']['tag']!r} (expected one of {first['ctx']['expected_tags']})"
     elif first["type"] == "too_short" and first.get("input") in ([], ""):
         msg = f"must not be empty ({msg})"
     return APIError(f"{param}: {msg}" if param else msg, param=param)
 
 
+def _loc(error: dict) -> list:
+    """The error's place, without pydantic's union members (and a tagged union's tag)."""
+    loc = list(error.get("loc", ()))
+    for i in range(len(loc) - 1, 0, -1):
+        if loc[i - 1] in _TAGGED_UNIONS:
+            del loc[i]
+    return [x for x in loc if not _is_union_tag(x)]
+
+
+_TAGGED_UNIONS = ("response_format",)
+_ALLOWED = {"structured_outputs": "json, regex, choice, grammar or json_object"}
 _UNION_HINTS = {
     "prompt": "expected a string, a list of strings, a list of token ids or a list of token-id lists",
     "stop": "expected a string or a list of strings",
     "content": "expected a string or a list of {\"type\": \"text\", \"text\": ...} parts; "
                "only text is supported",
+    "tool_choice": "expected \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                   "\"function\": {\"name\": ...}}",
 }
-_UNSUPPORTED = {"suffix": "suffix is not supported", "tools": "tools are not supported",
+_UNSUPPORTED = {"suffix": "suffix is not supported",
                 "best_of": "best_of is not supported beyond 1 (use n for more samples)"}
 
 

@@ -1,18 +1,20 @@
 """The server's chat renderer: kvserve/chat_template.py's, with a refused conversation as HTTP 400
 and, with `--escape-special-tokens-in-content`, the messages' special-token text tokenized as
-plain text (kvserve/chat_escape.py).
+plain text (kvserve/chat_escape.py); and a request's messages as the dicts templates read.
 
-Rendering itself (template lookup, sandbox, fallback) is shared with `LLM.chat` and
+Rendering itself (template lookup, sandbox, fallback, tools) is shared with `LLM.chat` and
 `kvserve chat` and lives in kvserve/chat_template.py.
 """
 from __future__ import annotations
+
+import json
 
 from kvserve.chat_escape import encode_escaped, special_token_pattern
 from kvserve.chat_template import FALLBACK_CHAT_TEMPLATE, ChatTemplateError
 from kvserve.chat_template import ChatRenderer as _SharedRenderer
 from kvserve.server.protocol import APIError
 
-__all__ = ["ChatRenderer", "FALLBACK_CHAT_TEMPLATE"]
+__all__ = ["ChatRenderer", "FALLBACK_CHAT_TEMPLATE", "template_messages"]
 
 
 class ChatRenderer(_SharedRenderer):
@@ -21,24 +23,58 @@ class ChatRenderer(_SharedRenderer):
         self.escape_special_tokens = escape_special_tokens
         self._special = special_token_pattern(tokenizer)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> str:
         try:
-            return super().render(messages, add_generation_prompt)
+            return super().render(messages, add_generation_prompt, tools)
         except ChatTemplateError as e:
             raise _refused(e) from e
 
-    def encode_chat(self, text: str, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    def encode_chat(self, text: str, messages: list[dict], add_generation_prompt: bool,
+                    tools: list[dict] | None = None) -> list[int]:
         """Token ids of `text`, the render of `messages`: escaped when the server escapes."""
         if not self.escape_special_tokens:
             return self.encode(text)
+        calls = [m["tool_calls"] for m in messages if m.get("tool_calls")]
+        if self._special is not None and (tools or calls) and \
+                self._special.search(json.dumps([tools, calls], ensure_ascii=False)):
+            raise APIError("tools and tool calls may not hold special-token text (such as <|...|>) on "
+                           "this server (--escape-special-tokens-in-content)", param="tools",
+                           code="chat_template_error")
         try:
-            return encode_escaped(self, self._special, messages, add_generation_prompt, text)
+            return encode_escaped(self, self._special, messages, add_generation_prompt, text, tools)
         except ChatTemplateError as e:
             raise _refused(e) from e
 
 
 def _refused(e: ChatTemplateError) -> APIError:
     return APIError(f"messages: {e}", param="messages", code="chat_template_error")
+
+
+def template_messages(req) -> list[dict]:
+    """The request's messages as chat templates read them (Hugging Face's convention): content
+    as text, an assistant's `tool_calls` with their arguments as a dict (as the model wrote
+    them when they are not a JSON object), a tool message's `tool_call_id`."""
+    out = []
+    for m in req.messages:
+        d = {"role": m.role, "content": m.text()}
+        if m.name:
+            d["name"] = m.name
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out
+
+
+def _arguments(text: str):
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 def escape_special_tokens(args) -> bool:

@@ -5,7 +5,7 @@
                   [--shutdown-timeout S] [--engine-layout process|thread] [--engine-threads N]
                   [--api-keys FILE] [--salt-secret-file PATH]
                   [--answer-cache none|exact|semantic] [--semantic-threshold 0.875]
-                  [--scheduling-policy fcfs|priority|vtc]
+                  [--scheduling-policy fcfs|priority|vtc] [--tool-call-parser hermes|llama3_json|mistral]
                   [engine flags: --max-num-seqs, --block-size, ...]
 
 The `kvserve serve` subcommand is registered by fleet/router_cli.py, which adds
@@ -68,6 +68,10 @@ class ServerArgs:
         "server process", choices=("process", "thread")))
     engine_threads: int | None = field(default=None, metadata=flag(
         "torch threads of the engine (default: torch's, which follows OMP_NUM_THREADS)"))
+    tool_call_parser: str = field(default="hermes", metadata=flag(
+        "how tool_choice \"auto\" reads tool calls in the model's text (vLLM's names): hermes "
+        "(<tool_call>{...}</tool_call>, Qwen's and kvserve's default tool prompt's), llama3_json, "
+        "mistral", choices=("hermes", "llama3_json", "mistral")))
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -126,7 +130,8 @@ def cmd_serve(args) -> int:
                     stream_stall_timeout=args.stream_stall_timeout or None,
                     metrics_public=args.metrics_public, metrics_tenant_labels=args.metrics_tenant_labels,
                     escape_special_tokens=escape_special_tokens(args),
-                    api_keys=tenants, answer_cache=answer_cache_options(args))
+                    api_keys=tenants, answer_cache=answer_cache_options(args),
+                    tool_call_parser=args.tool_call_parser)
     log.info("serving %s as %r on http://%s:%d (max_model_len %d)", engine.config.model, name, args.host,
              args.port, engine.config.max_model_len)
     # uvicorn's own deadline comes a little after ours: by then every handler has answered.

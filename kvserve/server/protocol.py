@@ -11,6 +11,10 @@ of a body's fields is in it: strict types, `Field` bounds and lengths, `Literal`
 rules between two fields as `if`/`then` (server/request_rules.py). What needs the tokenizer, the
 model or the server's settings comes later, as a 4xx with a code in `SEMANTIC_ERROR_CODES`.
 
+The output constraints (`response_format`, vLLM's `structured_outputs` and `guided_*`, llama.cpp's
+`json_schema` and `grammar`) are server/structured_fields.py's, the tool fields (`tools`,
+`tool_choice`, `parallel_tool_calls`, the history's `tool_calls`) server/tool_fields.py's.
+
 Beyond OpenAI's parameters the requests accept vLLM's sampling extensions with vLLM's names:
 `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
 `skip_special_tokens`, `include_stop_str_in_output`, and `cache_salt` (only requests with the
@@ -22,13 +26,19 @@ import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal, Optional, TypeVar, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvserve.sample.params import (
     INT64_MAX, MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, SEED_MAX)
+from kvserve.server.wire_types import Strict as _Strict
+from kvserve.server.wire_types import Text
 from kvserve.server.request_rules import (
-    MIN_TOKENS_CODE, NOT_NULL, Implies, check_rules, min_tokens_error, rules_schema)
+    CONSTRAINTS_CODE, MIN_TOKENS_CODE, NOT_NULL, Implies, check_rules, conflicting_constraints_error,
+    min_tokens_error, rules_schema)
+from kvserve.server.structured_fields import ConstraintFields
+from kvserve.server.tool_fields import (
+    MAX_TOOLS, DeltaToolCall, NamedToolChoice, ToolCall, ToolCallsParam, ToolFields)
 
 MAX_N = 16
 MAX_SEED = SEED_MAX - (MAX_N - 1)   # sample i of n is seeded with seed + i, an unsigned 64-bit value
@@ -38,7 +48,7 @@ MAX_LOGIT_BIAS = 300              # logit_bias is not supported (ignored), but n
 MAX_CACHE_SALT_CHARS = 1024
 # List (and map) fields counted before their items are validated: server/limits.py.
 LIST_FIELD_LIMITS = {"stop": MAX_STOP_STRINGS, "stop_token_ids": MAX_STOP_TOKEN_IDS,
-                     "messages": MAX_MESSAGES, "logit_bias": MAX_LOGIT_BIAS}
+                     "messages": MAX_MESSAGES, "logit_bias": MAX_LOGIT_BIAS, "tools": MAX_TOOLS}
 
 
 def _real(lo=None, hi=None, *, gt=None):
@@ -46,16 +56,6 @@ def _real(lo=None, hi=None, *, gt=None):
     return Field(None, ge=lo, le=hi, gt=gt, allow_inf_nan=False)
 
 
-def check_text(s: str) -> str:
-    """Reject strings that are not valid Unicode (JSON `\\ud800` escapes decode to lone surrogates)."""
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("text is not valid UTF-8 (it holds an unpaired surrogate)") from None
-    return s
-
-
-Text = Annotated[str, AfterValidator(check_text)]
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 T = TypeVar("T")
@@ -67,8 +67,9 @@ NonEmpty = Annotated[T, Field(min_length=1)]
 # the served schema admits gets no other 4xx.
 ENGINE_REJECTED = "engine_rejected"     # add_request refused it: a token id outside the vocabulary,
                                         # n over max_num_seqs, a prompt the KV pool cannot hold
+INVALID_TOOLS = "invalid_tools"         # tools and tool_choice disagree (server/tool_choice.py)
 SEMANTIC_ERROR_CODES = ("context_length_exceeded", ENGINE_REJECTED, "model_not_found", "chat_template_error",
-                        MIN_TOKENS_CODE, "too_many_prompts")
+                        MIN_TOKENS_CODE, "too_many_prompts", INVALID_TOOLS, CONSTRAINTS_CODE)
 
 
 class APIError(Exception):
@@ -89,20 +90,15 @@ class APIError(Exception):
                           "code": self.code}}
 
 
-class _Strict(BaseModel):
-    """A request part: each field takes only the JSON type its schema names (body.py has made
-    integral numbers ints); unknown fields are ignored."""
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(_Strict):
-    """Sampling parameters shared by both endpoints (OpenAI's plus vLLM's extensions)."""
-    RULES: ClassVar[tuple[Implies, ...]] = ()
+class _SamplingFields(ConstraintFields):
+    """Sampling parameters shared by both endpoints (OpenAI's plus vLLM's extensions), and the
+    output constraints (server/structured_fields.py)."""
+    RULES: ClassVar[tuple] = ()
 
     model: Optional[str] = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -130,6 +126,9 @@ class _SamplingFields(_Strict):
     @model_validator(mode="after")
     def _rules_hold(self):
         check_rules(self, self.RULES)
+        given = self.given_constraints()
+        if len(given) > 1:
+            raise conflicting_constraints_error(given)
         max_tokens = self.requested_max_tokens()
         if max_tokens and self.min_tokens > max_tokens:     # (0: echo scores the prompt only)
             raise min_tokens_error(self.min_tokens, max_tokens)
@@ -162,7 +161,7 @@ _COMPLETION_RULES = (
 class CompletionRequest(_SamplingFields):
     """`POST /v1/completions`."""
     model_config = ConfigDict(json_schema_extra=rules_schema(_COMPLETION_RULES))
-    RULES: ClassVar[tuple[Implies, ...]] = _COMPLETION_RULES
+    RULES: ClassVar[tuple] = _COMPLETION_RULES
 
     prompt: Union[Text, NonEmpty[list[TokenId]], NonEmpty[list[Text]],
                   NonEmpty[list[NonEmpty[list[TokenId]]]]]
@@ -190,10 +189,22 @@ class TextContentPart(_Strict):
 ContentParts = Annotated[list[TextContentPart], Field(max_length=MAX_CONTENT_PARTS)]
 
 
+_MESSAGE_RULES = (Implies("tool_calls", NOT_NULL, "role", "assistant", "only assistant messages make tool calls"),)
+
+
 class ChatMessageParam(_Strict):
+    model_config = ConfigDict(json_schema_extra=rules_schema(_MESSAGE_RULES))
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[Text, ContentParts]] = None
     name: Optional[Text] = None
+    tool_calls: Optional[ToolCallsParam] = None     # an assistant's calls
+    tool_call_id: Optional[Text] = None             # a tool message: the call it answers
+
+    @model_validator(mode="after")
+    def _rules_hold(self):
+        check_rules(self, _MESSAGE_RULES)
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -206,10 +217,10 @@ class ChatMessageParam(_Strict):
 _CHAT_RULES = (Implies("top_logprobs", NOT_NULL, "logprobs", True, "top_logprobs needs logprobs: true"),)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, ToolFields):
     """`POST /v1/chat/completions`."""
     model_config = ConfigDict(json_schema_extra=rules_schema(_CHAT_RULES))
-    RULES: ClassVar[tuple[Implies, ...]] = _CHAT_RULES
+    RULES: ClassVar[tuple] = _CHAT_RULES
 
     messages: list[ChatMessageParam] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     max_tokens: Optional[int] = Field(None, ge=1, le=INT64_MAX)
@@ -218,10 +229,13 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     echo: bool = False
-    tools: Optional[Annotated[list, Field(max_length=0)]] = None    # not supported: only [] or null
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def given_constraints(self) -> list[str]:
+        forced = self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+        return super().given_constraints() + (["tool_choice"] if forced else [])   # a forced call is one
 
 
 # ---------------------------------------------------------------- responses
@@ -296,6 +310,7 @@ class ChatChoiceLogprobs(BaseModel):
 class ChatMessage(BaseModel):
     role: str = "assistant"
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -318,6 +333,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

@@ -14,6 +14,7 @@ from pydantic_core import PydanticCustomError
 
 RULE_ERROR = "cross_field"           # pydantic error types, read by body.py
 MIN_TOKENS_CODE = "min_tokens_exceeds_max_tokens"
+CONSTRAINTS_CODE = "conflicting_output_constraints"
 NOT_NULL = {"not": {"type": "null"}}
 
 
@@ -55,3 +56,11 @@ def min_tokens_error(min_tokens: int, max_tokens: int) -> PydanticCustomError:
     return PydanticCustomError(MIN_TOKENS_CODE, "min_tokens ({min_tokens}) must not exceed max_tokens "
                                "({max_tokens})", {"param": "min_tokens", "min_tokens": min_tokens,
                                                   "max_tokens": max_tokens})
+
+
+def conflicting_constraints_error(given: list[str]) -> PydanticCustomError:
+    """Two output constraints at once (server/structured_fields.py). A rule over eight nullable
+    fields, which JSON Schema can state but its generators (schemathesis) cannot take: one of
+    the README's semantic 400s, with its own error code."""
+    return PydanticCustomError(CONSTRAINTS_CODE, "give at most one output constraint: got {given}",
+                               {"param": given[1], "given": " and ".join(given)})

@@ -16,7 +16,8 @@ from kvserve.server.openai_logprobs import (CONTEXT_TOKENS, chat_logprobs, compl
                                             without_tokens)
 from kvserve.server.protocol import (
     APIError, ChatChoiceLogprobs, ChatCompletionStreamChoice, ChatCompletionStreamResponse, CompletionChoice,
-    CompletionStreamResponse, DeltaMessage, UsageInfo)
+    CompletionStreamResponse, UsageInfo)
+from kvserve.server.tool_output import ChoiceOutput
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -29,6 +30,14 @@ def usage(num_prompt: int, num_completion: int, num_cached: int | None) -> Usage
     return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
                      total_tokens=num_prompt + num_completion,
                      prompt_tokens_details={"cached_tokens": num_cached} if num_cached is not None else None)
+
+
+def usage_of(outputs: list, include_cached: bool = True) -> UsageInfo:
+    """The usage of finished outputs: their prompts, completions and prefix-cache hits."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(getattr(o, "num_cached_tokens", 0) or 0 for o in outputs)
+    return usage(prompt, completion, cached if include_cached else None)
 
 
 class _Counts:
@@ -67,8 +76,17 @@ def _chunk(response_cls, rid: str, created: int, model: str, choices, usage_info
         obj.pop("usage")
     if strip_delta:
         for ch in obj["choices"]:
-            ch["delta"] = {key: v for key, v in ch["delta"].items() if v is not None}
+            ch["delta"] = _without_none(ch["delta"])
     return sse(obj)
+
+
+def _without_none(value):
+    """A delta without its unset keys, nested ones too (the SDK concatenates every string it is sent)."""
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_none(v) for v in value]
+    return value
 
 
 async def _events(body, chunk, req, counts: _Counts, sub):
@@ -126,7 +144,8 @@ def stream_completions(state, req, sub, rid_prefix: str, created: int, index_of:
     return _events(body(), chunk, req, counts, sub)
 
 
-def stream_chat(state, req, sub, rid: str, created: int, k: int):
+def stream_chat(state, req, sub, rid: str, created: int, k: int, new_reader=lambda: None):
+    """`new_reader()`: a choice's tool-call reader, or None for plain content (server/tool_output.py)."""
     counts = _Counts()
 
     def chunk(choices, usage_info=None):
@@ -134,17 +153,19 @@ def stream_chat(state, req, sub, rid: str, created: int, k: int):
                       strip_delta=True)
 
     async def body():
-        started: set[int] = set()
+        outputs: dict[int, ChoiceOutput] = {}
         async for out, c, tail in _chunks(sub, counts):
             lp = None
             if req.logprobs and c.logprobs and c.token_ids:
                 lp = ChatChoiceLogprobs(content=chat_logprobs(state, tail, c.token_ids, c.logprobs, k,
                                                               req.skip_special_tokens))
             # The role on the first chunk of each choice, the finish reason on its last.
-            role = None if c.index in started else "assistant"
-            started.add(c.index)
-            yield chunk([ChatCompletionStreamChoice(
-                index=c.index, delta=DeltaMessage(role=role, content=c.text), logprobs=lp,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+            first = c.index not in outputs
+            if first:
+                outputs[c.index] = ChoiceOutput(new_reader())
+            delta, finish_reason = outputs[c.index].delta(c.text, c.finish_reason)
+            delta.role = "assistant" if first else None
+            yield chunk([ChatCompletionStreamChoice(index=c.index, delta=delta, logprobs=lp,
+                                                    finish_reason=finish_reason, stop_reason=c.stop_reason)])
 
     return _events(body(), chunk, req, counts, sub)

@@ -5,9 +5,11 @@ from the functions' parameter schemas (so it works on any model), and read back 
     required:  [{"name": ..., "parameters": {...}}, ...]   one or more (one without
                parallel_tool_calls), each item the name of one function and its parameters
 
-(vLLM's shapes.) The engine masks every token that would leave the schema, so the text is
-always a prefix of valid JSON of that shape, and the readers below stream it: the name first,
-then each step's argument text as a fragment."""
+(vLLM's shapes.) An object schema that leaves `additionalProperties` open is closed: the
+arguments hold the declared parameters only (OpenAI's strict function calling), so a small model
+cannot wander off into properties nobody asked for. The engine masks every token that would
+leave the schema, so the text is always a prefix of valid JSON of that shape, and the readers
+below stream it: the name first, then each step's argument text as a fragment."""
 from __future__ import annotations
 
 import json
@@ -17,8 +19,25 @@ from kvserve.tool_calls.base import CallDelta, Update, call_id
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
+_NOT_SCHEMAS = frozenset({"enum", "const", "default", "examples"})     # keys whose values are data
+
+
 def parameters_of(function: dict) -> dict:
-    return function.get("parameters") or EMPTY_PARAMETERS
+    """The function's parameter schema, its open objects closed (module docstring)."""
+    return closed(function.get("parameters") or EMPTY_PARAMETERS)
+
+
+def closed(schema):
+    """`schema` with `"additionalProperties": false` on every object schema that does not say."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in _NOT_SCHEMAS else closed(v) for k, v in schema.items()}
+    kind = schema.get("type")
+    if (kind == "object" or isinstance(kind, list) and "object" in kind) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
 
 
 def required_schema(functions: list[dict], parallel: bool) -> dict:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kvserve.tool_calls import PARSERS, tool_parser
 from kvserve.tool_calls.auto import AutoCalls
 from kvserve.tool_calls.base import assemble
-from kvserve.tool_calls.forced import NamedCall, RequiredCalls, required_schema
+from kvserve.tool_calls.forced import NamedCall, RequiredCalls, closed, required_schema
 
 NAMES = {"get_weather", "add"}
 WEATHER = {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -142,3 +142,20 @@ def test_required_schema_admits_exactly_calls_of_the_functions():
             jsonschema.validate(bad, schema)
     with pytest.raises(jsonschema.ValidationError):     # one call only, without parallel_tool_calls
         jsonschema.validate(ok, required_schema(functions, parallel=False))
+
+
+def test_forced_calls_close_open_objects_only():
+    schema = {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"b": {"type": ["object", "null"]}}},
+        "open": {"type": "object", "additionalProperties": True},
+        "c": {"type": "string", "enum": [{"type": "object"}]}}}
+    got = closed(schema)
+    assert got["additionalProperties"] is False
+    assert got["properties"]["a"]["additionalProperties"] is False
+    assert got["properties"]["a"]["properties"]["b"]["additionalProperties"] is False
+    assert got["properties"]["open"]["additionalProperties"] is True       # what the schema says stays
+    assert got["properties"]["c"]["enum"] == [{"type": "object"}]          # data is not a schema
+    assert "additionalProperties" not in schema                            # the request's own is untouched
+    jsonschema.validate({"a": {"b": None}}, got)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"a": {"x": 1}}, got)

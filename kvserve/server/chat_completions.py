@@ -1,0 +1,73 @@
+"""`POST /v1/chat/completions`: the messages rendered with the chat template (and the tools,
+server/tool_choice.py), one engine request with `n` samples, and each choice's text as an
+assistant message -- content, or tool calls (server/tool_output.py) -- whole or streamed."""
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from kvserve.server.chat import template_messages
+from kvserve.server.openai_logprobs import chat_logprobs
+from kvserve.server.prompts import max_tokens_for
+from kvserve.server.protocol import (
+    APIError, ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse)
+from kvserve.server.sampling import sampling_params
+from kvserve.server.streaming import SSE_HEADERS, stream_chat, usage_of
+from kvserve.server.submission import Submission, collect_or_disconnect
+from kvserve.server.tool_choice import tool_plan
+from kvserve.server.tool_output import ChoiceOutput
+
+
+async def chat_completions(state, req: ChatCompletionRequest, request: Request):
+    if state.chat is None:
+        raise APIError("this model has no tokenizer, so chat is not available; use /v1/completions "
+                       "with token ids")
+    plan = tool_plan(req, state.tool_call_parser)
+    tools = plan.template_tools
+    messages = template_messages(req)
+    size = sum(len(m["content"]) for m in messages) + sum(len(str(t)) for t in tools or ())
+    text = await state.tokenization.call(size, state.chat.render, messages, req.add_generation_prompt, tools)
+    state.limits.check_text_fits(text)
+    ids = await state.tokenization.call(len(text), state.chat.encode_chat, text, messages,
+                                        req.add_generation_prompt, tools)
+    max_tokens = max_tokens_for(state, len(ids), req.requested_max_tokens(), req.min_tokens)
+    k = req.top_logprobs or 0
+    params = sampling_params(req, max_tokens, k if req.logprobs else None,
+                             constraint=plan.constraint or req.constraint(),
+                             keep_special_tokens=plan.keeps_special_tokens)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    sub = Submission(state, rid, stream=req.stream)
+    try:
+        item = {"prompt_token_ids": ids, "prompt": text}
+        if req.cache_salt is not None:
+            item["cache_salt"] = req.cache_salt
+        if not await sub.add_all([(item, params)], request):
+            sub.abort_unfinished()
+            return Response(status_code=499)
+    except BaseException:
+        sub.abort_unfinished()      # rejected, or the client left while we waited
+        raise
+
+    if req.stream:
+        return StreamingResponse(stream_chat(state, req, sub, rid, created, k, plan.reader),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+
+    final = await collect_or_disconnect(sub, request)
+    if final is None:
+        return Response(status_code=499)
+    out = final[sub.request_ids[0]]
+    choices = []
+    for c in out.outputs:
+        lp = None
+        if req.logprobs and c.logprobs is not None:
+            lp = ChatChoiceLogprobs(content=chat_logprobs(state, out.prompt_token_ids, c.token_ids,
+                                                           c.logprobs, k, req.skip_special_tokens))
+        message, finish_reason = ChoiceOutput(plan.reader()).message(c.text, c.finish_reason)
+        choices.append(ChatCompletionChoice(index=c.index, message=message, logprobs=lp,
+                                            finish_reason=finish_reason, stop_reason=c.stop_reason))
+    return ChatCompletionResponse(id=rid, created=created, model=state.model_name, choices=choices,
+                                  usage=usage_of([out])).model_dump()

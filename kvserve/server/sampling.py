@@ -1,0 +1,39 @@
+"""The `SamplingParams` of one HTTP request: its sampling fields, the max_tokens the context
+window allows, and its output constraint as `StructuredOutputsParams` (server/structured_fields.py,
+or a forced tool call's schema, server/tool_choice.py). A value the params refuse is a 400."""
+from __future__ import annotations
+
+from kvserve.sample.params import SamplingParams
+from kvserve.server.protocol import ENGINE_REJECTED, APIError
+
+
+def structured_outputs(constraint: dict | None):
+    """`StructuredOutputsParams(**constraint)`, or None without one."""
+    if constraint is None:
+        return None
+    from kvserve.sample.params import StructuredOutputsParams
+
+    try:
+        return StructuredOutputsParams(**constraint)
+    except (ValueError, TypeError) as e:
+        raise APIError(str(e), code=ENGINE_REJECTED) from None
+
+
+def sampling_params(req, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                    constraint: dict | None = None, keep_special_tokens: bool = False) -> SamplingParams:
+    kw = req.sampling_kwargs()
+    kw["max_tokens"] = max_tokens
+    kw["min_tokens"] = min(kw["min_tokens"], max_tokens)    # the one token echo scoring discards
+    kw["logprobs"] = logprobs
+    kw["prompt_logprobs"] = prompt_logprobs
+    if req.include_stop_str_in_output:
+        kw["include_stop_str_in_output"] = True
+    if keep_special_tokens and "skip_special_tokens" not in req.model_fields_set:
+        kw["skip_special_tokens"] = False       # a tool parser's markers may be special tokens
+    structured = structured_outputs(constraint)
+    if structured is not None:
+        kw["structured_outputs"] = structured
+    try:
+        return SamplingParams(**kw)
+    except (ValueError, TypeError) as e:
+        raise APIError(str(e)) from None
