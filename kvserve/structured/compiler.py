@@ -12,8 +12,10 @@ llguidance's message. `GrammarCompiler`: one per engine; compiles in worker thre
 """
 from __future__ import annotations
 
+import functools
 import os
 import threading
+import typing
 import time
 import weakref
 from collections import OrderedDict
@@ -67,13 +69,23 @@ def grammar_text(params) -> str:
         raise ValueError(f"structured_outputs.{params.kind}: {e}") from None
 
 
-def check_grammar(params, ll_tok: llg.LLTokenizer) -> str:
-    """The grammar text of `params`, or ValueError with the compiler's message."""
-    grammar = grammar_text(params)
-    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, ll_tok)
+def check_grammar(params, ll_tok: llg.LLTokenizer) -> None:
+    """ValueError with the compiler's message unless `params` compiles. Specs that passed are
+    remembered (LRU), so the same schema on every request (a server's tools) is checked once."""
+    _check_key(ll_tok, params.key, params.kind)
+
+
+@functools.lru_cache(maxsize=1024)        # errors raise, so only specs that pass are cached
+def _check_key(ll_tok: llg.LLTokenizer, key: tuple[str, str], kind: str) -> None:
+    params = _Spec(key, kind)
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar_text(params), ll_tok)
     if is_error:
-        raise ValueError(f"structured_outputs.{params.kind} does not compile: {messages[0].strip()}")
-    return grammar
+        raise ValueError(f"structured_outputs.{kind} does not compile: {messages[0].strip()}")
+
+
+class _Spec(typing.NamedTuple):
+    key: tuple[str, str]
+    kind: str
 
 
 def compile_matcher(params, ll_tok: llg.LLTokenizer) -> llg.LLMatcher:

@@ -185,3 +185,16 @@ def test_compile_metrics_and_cache_hits():
     assert hist.type == "histogram" and any(s.name.endswith("_count") and s.value == 1 for s in hist.samples)
     assert fams["kvserve:grammar_cache_hits"].samples[0].value == 2
     assert fams["kvserve:num_requests_waiting_for_grammar"].samples[0].value == 0
+
+
+def test_a_spec_that_passed_is_checked_once_and_a_bad_one_every_time(llm):
+    from kvserve.structured.compiler import _check_key
+
+    so, bad = SO(regex="[0-9]{3} checked once"), SO(regex="(unclosed")
+    check_structured_outputs(so, llm.engine)
+    hits = _check_key.cache_info().hits
+    check_structured_outputs(SamplingParams(structured_outputs=so), llm.engine.tokenizer)
+    assert _check_key.cache_info().hits == hits + 1
+    for _ in range(2):
+        with pytest.raises(ValueError, match="unclosed group"):
+            check_structured_outputs(bad, llm.engine)
