@@ -73,12 +73,19 @@ def mask_logits(x: torch.Tensor, rows: list[int], grammars: list[SequenceGrammar
     for i, g in enumerate(grammars):
         if g.matcher.is_error() or forbidden[i].all():
             failed[rows[i]] = g.error if g.matcher.is_error() else "the grammar admits no token here"
-    if x.device.type == "cpu":            # numpy writes the row in place, in one pass
-        xn = x.numpy()
-        for i, row in enumerate(rows):
-            np.putmask(xn[row], forbidden[i], -np.inf)
-    else:
-        with torch.inference_mode():      # the step's logits are inference tensors
-            idx = torch.tensor(rows, dtype=torch.long, device=x.device)
-            x[idx] = x[idx].masked_fill(torch.from_numpy(forbidden).to(x.device), float("-inf"))
+    (fill_rows_numpy if x.device.type == "cpu" else fill_rows_torch)(x, rows, forbidden)
     return failed
+
+
+def fill_rows_numpy(x: torch.Tensor, rows: list[int], forbidden: np.ndarray) -> None:
+    """x[rows[i], forbidden[i]] = -inf, in place, one numpy pass per row (a CPU tensor)."""
+    xn = x.numpy()
+    for i, row in enumerate(rows):
+        np.putmask(xn[row], forbidden[i], -np.inf)
+
+
+@torch.inference_mode()      # the step's logits are inference tensors: writable only in it
+def fill_rows_torch(x: torch.Tensor, rows: list[int], forbidden: np.ndarray) -> None:
+    """The same on any device: one masked_fill over the rows, the mask copied to the device."""
+    idx = torch.tensor(rows, dtype=torch.long, device=x.device)
+    x[idx] = x[idx].masked_fill(torch.from_numpy(forbidden).to(x.device), float("-inf"))

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import llguidance as llg
+import numpy as np
 import pytest
 import regex
 import torch
@@ -21,7 +22,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.structured import StructuredOutputsParams as SO
 from kvserve.structured.compiler import compile_matcher, ll_tokenizer
-from kvserve.structured.matcher import SequenceGrammar, mask_logits
+from kvserve.structured.matcher import SequenceGrammar, fill_rows_numpy, fill_rows_torch, mask_logits
 from tests.reference.hf_reference import load_hf
 from tests.structured.conftest import token_bytes
 
@@ -130,3 +131,16 @@ def test_sampling_never_leaves_the_allowed_set(model, stories_hf, byte_level_mod
                     text += tb[t]
             if c.finish_reason == "stop":
                 assert regex.fullmatch(spec["regex"], text.decode()), text
+
+
+def test_the_device_mask_path_equals_the_cpu_one():
+    """mask_logits writes rows with numpy on the CPU and with torch elsewhere: the same rows."""
+    rng = np.random.default_rng(0)
+    forbidden = rng.random((3, 100)) < 0.7
+    with torch.inference_mode():                  # as the runner's logits are
+        a = torch.randn(5, 100)
+    b = a.clone()
+    fill_rows_numpy(a, [4, 0, 2], forbidden)
+    fill_rows_torch(b, [4, 0, 2], forbidden)
+    assert torch.equal(a, b) and torch.isinf(a[[4, 0, 2]]).sum() == forbidden.sum()
+    assert torch.isfinite(a[[1, 3]]).all()

@@ -48,3 +48,4 @@ def test_sampling_params_take_only_structured_outputs_params_and_no_beams():
     with pytest.raises(ValueError, match="not supported with beam search"):
         SamplingParams(use_beam_search=True, structured_outputs=SO(regex="a"))
     assert SamplingParams(structured_outputs=SO(regex="a")).structured_outputs.key == ("regex", "a")
+
