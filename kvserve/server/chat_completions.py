@@ -35,9 +35,14 @@ async def chat_completions(state, req: ChatCompletionRequest, request: Request):
                                         req.add_generation_prompt, tools)
     max_tokens = max_tokens_for(state, len(ids), req.requested_max_tokens(), req.min_tokens)
     k = req.top_logprobs or 0
+    # A parser's markers may be special tokens: kept in the text, unless the request says.
+    keep_special = plan.keeps_special_tokens and "skip_special_tokens" not in req.model_fields_set
     params = sampling_params(req, max_tokens, k if req.logprobs else None,
-                             constraint=plan.constraint or req.constraint(),
-                             keep_special_tokens=plan.keeps_special_tokens)
+                             constraint=plan.constraint or req.constraint(), keep_special_tokens=keep_special)
+    stop_text = _special_text(state.tokenizer) if keep_special else None
+
+    def new_output() -> ChoiceOutput:
+        return ChoiceOutput(plan.reader(), stop_text)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     sub = Submission(state, rid, stream=req.stream)
@@ -53,7 +58,7 @@ async def chat_completions(state, req: ChatCompletionRequest, request: Request):
         raise
 
     if req.stream:
-        return StreamingResponse(stream_chat(state, req, sub, rid, created, k, plan.reader),
+        return StreamingResponse(stream_chat(state, req, sub, rid, created, k, new_output),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
 
     final = await collect_or_disconnect(sub, request)
@@ -66,8 +71,14 @@ async def chat_completions(state, req: ChatCompletionRequest, request: Request):
         if req.logprobs and c.logprobs is not None:
             lp = ChatChoiceLogprobs(content=chat_logprobs(state, out.prompt_token_ids, c.token_ids,
                                                            c.logprobs, k, req.skip_special_tokens))
-        message, finish_reason = ChoiceOutput(plan.reader()).message(c.text, c.finish_reason)
+        message, finish_reason = new_output().message(c.text, c.finish_reason, c.token_ids)
         choices.append(ChatCompletionChoice(index=c.index, message=message, logprobs=lp,
                                             finish_reason=finish_reason, stop_reason=c.stop_reason))
     return ChatCompletionResponse(id=rid, created=created, model=state.model_name, choices=choices,
                                   usage=usage_of([out])).model_dump()
+
+
+def _special_text(tokenizer):
+    """token id -> the text a special token writes ("" for any other token)."""
+    special = getattr(tokenizer, "special_ids", frozenset())
+    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False) if token_id in special else ""

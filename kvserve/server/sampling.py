@@ -28,7 +28,7 @@ def sampling_params(req, max_tokens: int, logprobs: int | None, prompt_logprobs:
     kw["prompt_logprobs"] = prompt_logprobs
     if req.include_stop_str_in_output:
         kw["include_stop_str_in_output"] = True
-    if keep_special_tokens and "skip_special_tokens" not in req.model_fields_set:
+    if keep_special_tokens:
         kw["skip_special_tokens"] = False       # a tool parser's markers may be special tokens
     structured = structured_outputs(constraint)
     if structured is not None:

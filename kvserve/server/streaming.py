@@ -144,8 +144,8 @@ def stream_completions(state, req, sub, rid_prefix: str, created: int, index_of:
     return _events(body(), chunk, req, counts, sub)
 
 
-def stream_chat(state, req, sub, rid: str, created: int, k: int, new_reader=lambda: None):
-    """`new_reader()`: a choice's tool-call reader, or None for plain content (server/tool_output.py)."""
+def stream_chat(state, req, sub, rid: str, created: int, k: int, new_output=ChoiceOutput):
+    """`new_output()`: a choice's output (server/tool_output.py): plain content, or its tool calls."""
     counts = _Counts()
 
     def chunk(choices, usage_info=None):
@@ -162,8 +162,8 @@ def stream_chat(state, req, sub, rid: str, created: int, k: int, new_reader=lamb
             # The role on the first chunk of each choice, the finish reason on its last.
             first = c.index not in outputs
             if first:
-                outputs[c.index] = ChoiceOutput(new_reader())
-            delta, finish_reason = outputs[c.index].delta(c.text, c.finish_reason)
+                outputs[c.index] = new_output()
+            delta, finish_reason = outputs[c.index].delta(c.text, c.finish_reason, c.token_ids)
             delta.role = "assistant" if first else None
             yield chunk([ChatCompletionStreamChoice(index=c.index, delta=delta, logprobs=lp,
                                                     finish_reason=finish_reason, stop_reason=c.stop_reason)])

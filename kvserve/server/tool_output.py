@@ -1,7 +1,9 @@
 """One choice's text as OpenAI's assistant message: plain content, or content and tool calls as
 a reader (server/tool_choice.py) finds them. A stream's deltas and a whole answer are the same
 reader's updates, so both say the same; a choice that made calls and stopped finishes with
-`"tool_calls"`."""
+`"tool_calls"`. Where the server kept special tokens for the reader (a parser's markers may be
+special tokens), the text of the special token that stopped the choice (`<|im_end|>`) is left
+out, as it is when they are skipped: `stop_text(token_id)` gives it."""
 from __future__ import annotations
 
 from kvserve.server.protocol import ChatMessage, DeltaMessage
@@ -10,28 +12,36 @@ from kvserve.tool_calls.base import Update, assemble
 
 
 class ChoiceOutput:
-    def __init__(self, reader=None):
+    def __init__(self, reader=None, stop_text=None):
         self.reader = reader
+        self.stop_text = stop_text
         self.made_calls = False
 
-    def delta(self, text: str, finish_reason: str | None) -> tuple[DeltaMessage, str | None]:
+    def delta(self, text: str, finish_reason: str | None, token_ids=()) -> tuple[DeltaMessage, str | None]:
         """The delta of one step's text (the last step's: with the reader's rest)."""
         if self.reader is None:
             return DeltaMessage(content=text), finish_reason
-        u = self._update(text, finish_reason is not None)
+        u = self._update(self._without_stop(text, finish_reason, token_ids), finish_reason is not None)
         calls = [DeltaToolCall(index=d.index, id=d.id, type="function" if d.id else None,
                                function=DeltaFunctionCall(name=d.name, arguments=d.arguments))
                  for d in u.calls]
         return DeltaMessage(content=u.content or None, tool_calls=calls or None), self._finish(finish_reason)
 
-    def message(self, text: str, finish_reason: str | None) -> tuple[ChatMessage, str | None]:
+    def message(self, text: str, finish_reason: str | None, token_ids=()) -> tuple[ChatMessage, str | None]:
         """The whole answer's message."""
         if self.reader is None:
             return ChatMessage(content=text), finish_reason
-        content, calls = assemble([self._update(text, True)])
+        content, calls = assemble([self._update(self._without_stop(text, finish_reason, token_ids), True)])
         return ChatMessage(content=content or None, tool_calls=[
             ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls
         ] or None), self._finish(finish_reason)
+
+    def _without_stop(self, text: str, finish_reason: str | None, token_ids) -> str:
+        if finish_reason == "stop" and token_ids and self.stop_text is not None:
+            end = self.stop_text(token_ids[-1])
+            if end and text.endswith(end):
+                return text[:-len(end)]
+        return text
 
     def _update(self, text: str, last: bool) -> Update:
         u = self.reader.feed(text)

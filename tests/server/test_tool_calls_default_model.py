@@ -65,3 +65,16 @@ def test_forced_calls_on_the_default_model(client, tool_choice):
         schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.function.name)
         jsonschema.validate(json.loads(call.function.arguments), schema)
     assert resp.usage.prompt_tokens > 150           # the default tool prompt went in with the tools
+
+
+def test_auto_without_a_call_is_plain_content_without_the_stop_token(client):
+    """"auto" keeps special tokens in the text for the parser (its markers may be special); the
+    <|im_end|> that ends the answer is still not part of it, streamed or not."""
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Say hello."}], tools=TOOLS, max_tokens=60,
+              temperature=0)
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "stop" and choice.message.tool_calls is None
+    assert choice.message.content and "<|im_end|>" not in choice.message.content
+    streamed = "".join(ch.delta.content or "" for chunk in client.chat.completions.create(**kw, stream=True)
+                       for ch in chunk.choices)
+    assert streamed == choice.message.content
