@@ -13,6 +13,7 @@ import torch
 from kvserve.model.attention import AttentionBackend, AttentionMetadata
 from kvserve.model.config import ModelConfig
 from kvserve.model.cpu_kernels import kernel_plan
+from kvserve.model.fused_decode import FusedDecode
 from kvserve.model.fusion import embedding_rows, embedding_weight, linear_weight
 from kvserve.model.layers import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
 from kvserve.model.quant import Int8Weight, QuantizedWeight, linear, parse_quantization
@@ -76,6 +77,7 @@ class LlamaModel:
                    else "this model has no int8 linear weights")
             raise ValueError(f"quantize_activations runs int8 linear weights as W8A8, and {why}: drop "
                              "quantize_activations, or load the model with quantization='int8'.")
+        self.fused = FusedDecode.build(self)      # None: every step runs layer by layer
 
     def _use_w8a8(self) -> int:
         """int8 linear weights run W8A8 on big steps (quant.Int8Weight.use_w8a8); returns how many."""
@@ -106,10 +108,13 @@ class LlamaModel:
         cfg = self.cfg
         H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         T = input_ids.shape[0]
-        cos = self.rope_cos[positions].to(self.dtype).unsqueeze(1)   # [T, 1, D]
-        sin = self.rope_sin[positions].to(self.dtype).unsqueeze(1)
         tp = self.tp
         x = embedding_rows(self.embed, input_ids) if tp is None else tp.embed(self.embed, input_ids)
+        if self.fused is not None and self.fused.takes(T, meta.num_decode_tokens):
+            x = self.fused.run(x, positions, meta, kv_caches)
+            return linear(rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps), self.lm_head).float()
+        cos = self.rope_cos[positions].to(self.dtype).unsqueeze(1)   # [T, 1, D]
+        sin = self.rope_sin[positions].to(self.dtype).unsqueeze(1)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = linear(h, layer.qkv, layer.qkv_bias)                # [T, (H + 2KV) * D]

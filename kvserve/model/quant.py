@@ -53,6 +53,7 @@ import re
 import torch
 import torch.nn.functional as F
 
+from kvserve import kernels
 from kvserve.model.cpu_kernels import kernel_plan, warn_once
 
 logger = logging.getLogger(__name__)
@@ -239,7 +240,9 @@ class Int8Weight(QuantizedWeight):
 
     def linear(self, x, bias=None):
         T = x.shape[0]
-        if T <= self.kernel_max_rows:
+        if T <= min(self.kernel_max_rows, kernels.KERNEL_ROWS) and kernels.available(self.q.device):
+            y = torch.ops.kvserve.linear_int8(x.float(), self.q, self.scale)
+        elif T <= self.kernel_max_rows:
             y = torch.ops.aten._weight_int8pack_mm(
                 x.to(self.compute_dtype).contiguous(), self.q, self.scale)   # [T, N]
         elif self.w8a8 and T <= W8A8_ROWS:
@@ -293,6 +296,10 @@ class Int4Weight(QuantizedWeight):
         zero = torch.zeros_like(scale) if zero is None else zero
         self.scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(
             device=device, dtype=self.compute_dtype)                        # [K/G, N, 2]
+        # kvserve's kernel (its own block-scale layout) for steps of <= kernels.KERNEL_ROWS rows
+        # where it is built; torch's, on its packed copy, for bigger ones up to kernel_max_rows
+        self.block_scales = (kernels.int4_block_scales(self.scales_and_zeros, K)
+                             if self.kernel_max_rows >= 0 and kernels.available(device) else None)
         self.packed = self._torch_packed() if self.kernel_max_rows >= 0 else None
 
     def _torch_packed(self) -> torch.Tensor | None:
@@ -319,7 +326,7 @@ class Int4Weight(QuantizedWeight):
                    nibbles=torch.cat([p.nibbles.cpu() for p in parts]))
 
     def tensors(self):
-        return [t for t in (self.nibbles, self.packed, self.scales_and_zeros) if t is not None]
+        return [t for t in (self.nibbles, self.packed, self.scales_and_zeros, self.block_scales) if t is not None]
 
     def dequantize(self, start: int = 0, stop: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Rows start:stop of W, [stop - start, K] in `dtype` (default the compute dtype)."""
@@ -343,7 +350,10 @@ class Int4Weight(QuantizedWeight):
         return F.linear(x, self.dequantize(start, stop, x.dtype))
 
     def linear(self, x, bias=None):
-        if x.shape[0] <= self.kernel_max_rows:
+        if x.shape[0] <= min(self.kernel_max_rows, kernels.KERNEL_ROWS) and self.block_scales is not None:
+            y = torch.ops.kvserve.linear_int4(x.float(), self.nibbles, self.scales_and_zeros,
+                                              self.block_scales, self.group_size)
+        elif x.shape[0] <= self.kernel_max_rows:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.to(self.compute_dtype).contiguous(), self.packed, self.group_size,
                 self.scales_and_zeros)                                       # [T, N]

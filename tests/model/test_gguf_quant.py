@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvserve import LLM
+from kvserve import LLM, kernels
 from kvserve.config import EngineConfig
 from kvserve.model.gguf import load_gguf
 from kvserve.model.gguf_quant import UNPACK_INT4, unpack_q4_k, unpack_q8_0
@@ -158,8 +158,7 @@ def test_int8_block_weight_computes_x_times_w(rows):
     ref = x.double() @ exact.T
     got = w.linear(x)
     assert got.shape == (rows, 128) and (got.double() - ref).abs().max() <= 1e-2 * ref.abs().max()
-    # 1.25 bytes a weight, 2.25 with torch's packed copy where the CPU's plan runs the int4 kernel
-    assert w.nbytes == 128 * 256 * (4 * int4_copies() + 1) // 4
+    assert w.nbytes == int4_bytes(128, 512)      # two int4 planes of [128, 256]
 
 
 # Native against quantization="dequant" on the same file, teacher-forced over the dequantized
@@ -210,14 +209,14 @@ def test_native_engine_tracks_the_dequantized_one(qtype, random_model_dir, tmp_p
         assert kinds == {"qkv": "Int8Weight", "o": "Tensor", "gate_up": "Int8Weight", "down": "Tensor"}
 
 
-def int4_copies() -> int:
-    """kvserve's nibbles, and torch's packed copy where this CPU's plan runs the int4 kernel."""
-    return 2 if kernel_plan().int4_kernel_max_rows >= 0 else 1
-
-
 def int4_bytes(n: int, k: int) -> int:
-    """The nibbles (int4_copies), a bfloat16 scale and zero per group of 32."""
-    return int4_copies() * n * k // 2 + n * k // 32 * 4
+    """The nibbles, a bfloat16 scale and zero per group of 32, and where this CPU's plan runs an
+    int4 kernel torch's packed nibbles, plus (kvserve's kernels built) the per-row block scales
+    [n, 2, k/32] bfloat16 of kvserve's GEMV."""
+    base = n * k // 2 + n * k // 32 * 4
+    if kernel_plan().int4_kernel_max_rows < 0:
+        return base
+    return base + n * k // 2 + (n * k // 32 * 4 if kernels.available() else 0)
 
 
 def test_resident_bytes_of_a_q4_0_file(random_model_dir, tmp_path):

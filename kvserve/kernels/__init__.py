@@ -1,0 +1,91 @@
+"""kvserve's CPU decode kernels: a PyTorch C++ extension (csrc/) built with ninja on first use for
+the machine it runs on and cached, registered as `torch.ops.kvserve.*` ops (seed 000: a decode
+step reads every weight byte once; its host work is a few calls, not thousands).
+
+  linear_int4 / linear_int8 / linear_q8_0   GEMVs reading kvserve's packed layouts (quant.py)
+  decode_attention                          paged decode attention, split along the context
+  silu_mul                                  SwiGLU
+  decode_layers                             every decoder layer of a pure-decode step, one call
+
+The ISA is chosen at run time: the widest of AVX-512, AVX2 and portable C++ that both the CPU and
+torch's dispatch capability allow (`ATEN_CPU_CAPABILITY=avx2` therefore tests the AVX2 code on
+an AVX-512 host). `KVSERVE_KERNELS=torch` (or no compiler, or a failed build: one warning with
+the compiler's message) leaves the pure-torch path, logged once.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("ops.cpp", "layers.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_scalar.cpp")
+CAPABILITY_BITS = {"AVX512": 512, "AVX2": 256}
+# Steps of up to this many rows run kvserve's int4 / int8 GEMVs (a decode of a few streams);
+# bigger ones torch's kernels, which measured 1.2-1.6x faster from 4 rows on (benchmarks/
+# bench_decode_kernels.py). csrc/ops.h's Q8_ROWS is the same number.
+KERNEL_ROWS = 3
+
+
+def _build_dir() -> Path:
+    """A cache directory per source text, torch version and CPU model."""
+    h = hashlib.sha256(torch.__version__.encode())
+    for p in sorted(CSRC.iterdir()):
+        h.update(p.name.encode() + p.read_bytes())
+    try:
+        h.update(next(l for l in open("/proc/cpuinfo") if l.startswith("flags")).encode())
+    except (OSError, StopIteration):
+        pass
+    root = Path(os.environ.get("KVSERVE_KERNEL_CACHE", Path.home() / ".cache" / "kvserve" / "kernels"))
+    return root / h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
+def load() -> bool:
+    """Build (or load the cached build of) the extension once per process; True when the ops are
+    there. The ISA follows torch's capability (ATEN_CPU_CAPABILITY)."""
+    if os.environ.get("KVSERVE_KERNELS", "").lower() == "torch":
+        logger.info("KVSERVE_KERNELS=torch: kvserve's fused CPU kernels are off; the pure-torch path runs")
+        return False
+    try:
+        from torch.utils import cpp_extension
+        build = _build_dir()
+        build.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(
+            name="kvserve_kernels", sources=[str(CSRC / s) for s in SOURCES], build_directory=str(build),
+            extra_cflags=["-O3", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"],
+            is_python_module=False, verbose=False)
+    except Exception as e:   # noqa: BLE001 - no compiler, a failed build: the torch path, never a crash
+        logger.warning("kvserve's fused CPU kernels did not build, so the pure-torch path runs: %s",
+                       str(e).strip()[-2000:])
+        return False
+    bits = CAPABILITY_BITS.get(torch.backends.cpu.get_cpu_capability(), 0)
+    isa = torch.ops.kvserve.set_isa(bits)
+    logger.info("kvserve's fused CPU kernels: %s (torch's capability %s)", isa,
+                torch.backends.cpu.get_cpu_capability())
+    return True
+
+
+def available(device="cpu") -> bool:
+    """The ops run here: a CPU device and a built extension."""
+    return torch.device(device).type == "cpu" and load()
+
+
+def isa() -> str:
+    """The ISA the ops run on ("avx512", "avx2", "scalar")."""
+    bits = CAPABILITY_BITS.get(torch.backends.cpu.get_cpu_capability(), 0)
+    return torch.ops.kvserve.set_isa(bits) if load() else "torch"
+
+
+def int4_block_scales(scales_and_zeros: torch.Tensor, K: int) -> torch.Tensor:
+    """An int4 weight's (scale, zero) [K/G, N, 2] re-laid per row and per 32 weights for the
+    integer-dot GEMV: [N, 2, K/32] bfloat16 (row n: its block scales, then its block zeros).
+    The same bfloat16 values, in the order the kernel reads them."""
+    groups = scales_and_zeros.shape[0]
+    per_block = scales_and_zeros.repeat_interleave(K // 32 // groups, dim=0)      # [K/32, N, 2]
+    return per_block.permute(1, 2, 0).contiguous()

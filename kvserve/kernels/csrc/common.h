@@ -1,0 +1,59 @@
+// What the ISA regions and the ATen-facing code share: plain structs and the kernel table.
+// Nothing here is compiled for one ISA only, so every inline function of it is portable.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace kvk {
+
+// One decode-attention call over the paged KV cache (seed 003): q [B, H, D] float32; the caches
+// [num_blocks, KV, block_size, D] in float32, bfloat16 or int8 (then one float32 scale per token
+// and KV head, [num_blocks, KV, block_size]); block_tables [B, max_blocks] int64.
+struct AttnArgs {
+  const float* q;
+  const void* k_cache;
+  const void* v_cache;
+  const float* k_scale;      // int8 caches only
+  const float* v_scale;
+  int kv_kind;               // 0 float32, 1 bfloat16, 2 int8
+  int64_t block_stride;      // KV * block_size * D elements
+  int block_size, num_heads, num_kv_heads, head_dim;
+  const int64_t* block_tables;
+  int64_t table_stride;      // max_blocks
+  float scale;
+};
+
+// The kernels of one ISA. Shapes: x [T, K] float32; y [T, N] float32; rows n0..n1 of y computed.
+//   gemv_int4: W = (q - 8) * scale + zero per group of G, q as kvserve's nibbles [N, K / 2],
+//              (scale, zero) bfloat16 [K / G, N, 2]; `xp` is x in int4_order (each 32 weights:
+//              the 16 even ones, then the 16 odd ones).
+//   gemv_int4_q16: the same weights (block scales and zeros re-laid per row: ks [N, 2, Bp]) times
+//              x quantized to int16 per 32 weights (kernels.h: q16_row).
+//   gemv_int8: W = q * scale[n], q [N, K] int8, scale [N] bfloat16.
+//   gemv_q8_0: W = q * d[n, k / 32] (GGUF Q8_0), q [N, K] int8, d [N, K / 32] float32.
+//   attn_part: query heads of KV head `kvh` of sequence b over tokens t0..t1: the unnormalised
+//              output [G, D] and (max, sum of exp) [G, 2] of the online softmax (FlashDecoding).
+//   silu_mul:  [T, 2I] (gate, up) -> [T, I] silu(gate) * up.
+struct IsaKernels {
+  const char* name;
+  int width;      // floats per vector: head dims must be a multiple for attn_part
+  void (*gemv_int4)(const float* xp, int T, int K, const uint8_t* nib, const uint16_t* sz, int N,
+                    int G, float* y, int n0, int n1);
+  void (*gemv_int4_q16)(const int16_t* xq, const float* dx, const float* xsum, int T, int K, int Bp,
+                       const uint8_t* nib, const uint16_t* ks, int N, float* y, int n0, int n1);
+  void (*gemv_int8)(const float* x, int T, int K, const int8_t* q, const uint16_t* scale, int N,
+                    float* y, int n0, int n1);
+  void (*gemv_q8_0)(const float* x, int T, int K, const int8_t* q, const float* d, int N,
+                    float* y, int n0, int n1);
+  void (*attn_part)(const AttnArgs& a, int b, int kvh, int t0, int t1, float* out, float* ml);
+  void (*silu_mul)(const float* gu, int T, int I, float* out);
+};
+
+const IsaKernels& avx512_kernels();
+const IsaKernels& avx2_kernels();
+const IsaKernels& scalar_kernels();
+
+constexpr int MAX_GQA = 16;        // query heads per KV head attn_part holds
+constexpr int MAX_HEAD_DIM = 256;
+
+}  // namespace kvk

@@ -1,0 +1,19 @@
+// The decode kernels compiled for AVX2 and FMA: kernels.h in vec.h's KV_ISA=256 vocabulary.
+#include <immintrin.h>
+#include "common.h"
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define KV_ISA 256
+namespace kvk {
+namespace isa_avx2 {
+#include "vec.h"
+#include "kernels.h"
+}  // namespace isa_avx2
+}  // namespace kvk
+#pragma GCC pop_options
+
+const kvk::IsaKernels& kvk::avx2_kernels() {
+  using namespace isa_avx2;
+  static const IsaKernels k{"avx2", KV_W, gemv_int4, gemv_int4_q16, gemv_int8, gemv_q8_0, attn_part, silu_mul};
+  return k;
+}

@@ -1,0 +1,16 @@
+// The decode kernels compiled for portable C++ (any CPU): kernels.h in vec.h's KV_ISA=0 vocabulary.
+#include <immintrin.h>
+#include "common.h"
+#define KV_ISA 0
+namespace kvk {
+namespace isa_scalar {
+#include "vec.h"
+#include "kernels.h"
+}  // namespace isa_scalar
+}  // namespace kvk
+
+const kvk::IsaKernels& kvk::scalar_kernels() {
+  using namespace isa_scalar;
+  static const IsaKernels k{"scalar", KV_W, gemv_int4, gemv_int4_q16, gemv_int8, gemv_q8_0, attn_part, silu_mul};
+  return k;
+}

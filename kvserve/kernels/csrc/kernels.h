@@ -1,0 +1,419 @@
+// The decode kernels, written once in vec.h's vocabulary and compiled once per ISA region. Only
+// raw pointers and this file's own functions here: nothing from ATen or the standard library is
+// instantiated inside an ISA region (it would be merged with other regions' copies at link time).
+// Each function of one ISA is reached through kvk::IsaKernels (common.h).
+
+static inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+
+static inline int imin(int a, int b) { return a < b ? a : b; }
+
+// exp(x) for x <= 0 in place (Cephes' polynomial, about 2 ulp), a loop the compiler vectorises.
+static void exp_inplace(float* x, int n) {
+#pragma omp simd
+  for (int i = 0; i < n; ++i) {
+    float v = x[i] < -87.0f ? -87.0f : (x[i] > 88.0f ? 88.0f : x[i]);
+    float fx = __builtin_floorf(v * 1.44269504088896341f + 0.5f);
+    float r = v - fx * 0.693359375f + fx * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t e = ((int32_t)fx + 127) << 23;
+    float two_n;
+    __builtin_memcpy(&two_n, &e, 4);
+    x[i] = p * two_n;
+  }
+}
+
+// ---- int4 GEMV: RB weight rows by TB activation rows per register block -----------------
+// Few activation rows (decode): each weight is dequantized once into registers and multiplied
+// with every row; NA accumulators per (row, activation) break the FMA latency chain at T <= 2.
+template <int RB, int TB>
+static inline void int4_block(const float* xp, int K, const uint8_t* nib, const uint16_t* sz,
+                              int N, int G, float* y, int n, int t0) {
+  constexpr int NV = 32 / KV_W, NA = TB <= 2 ? 2 : 1;
+  VF acc[RB][TB][NA];
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < TB; ++t)
+      for (int a = 0; a < NA; ++a) acc[r][t][a] = vzero();
+  const size_t row_bytes = (size_t)K / 2;
+  for (int g = 0; g < K / G; ++g) {
+    const uint16_t* sg = sz + ((size_t)g * N + n) * 2;
+    for (int c = g * G; c < (g + 1) * G; c += 32) {
+      VF xv[TB][NV];
+      for (int t = 0; t < TB; ++t)
+        for (int v = 0; v < NV; ++v) xv[t][v] = vload(xp + (size_t)(t0 + t) * K + c + v * KV_W);
+      for (int r = 0; r < RB; ++r) {
+        const float sc = bf16_to_f32(sg[2 * r]);
+        VF w[NV];
+        nib32(nib + (size_t)(n + r) * row_bytes + c / 2, vset(sc), vset(bf16_to_f32(sg[2 * r + 1]) - 8.0f * sc), w);
+        for (int t = 0; t < TB; ++t)
+          for (int v = 0; v < NV; ++v) acc[r][t][v % NA] = vfma(w[v], xv[t][v], acc[r][t][v % NA]);
+      }
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < TB; ++t) {
+      VF s = acc[r][t][0];
+      for (int a = 1; a < NA; ++a) s = s + acc[r][t][a];
+      y[(size_t)(t0 + t) * N + n + r] = vsum(s);
+    }
+}
+
+#if KV_ISA == 512
+#define KV_RB 4
+#else
+#define KV_RB 2
+#endif
+constexpr int SLAB = 2048;   // weights of a row dequantized at a time by the tile path
+
+// Many activation rows (batches, prefill): KV_RB weight rows dequantized into a buffer, SLAB
+// weights at a time, then a register-blocked KV_RB x 4 product over every activation row.
+static void int4_tile(const float* xp, int T, int K, const uint8_t* nib, const uint16_t* sz, int N,
+                      int G, float* y, int n, int rb) {
+  float buf[KV_RB][SLAB];
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < rb; ++r) y[(size_t)t * N + n + r] = 0.0f;
+  for (int k0 = 0; k0 < K; k0 += SLAB) {
+    const int kn = imin(SLAB, K - k0);
+    for (int r = 0; r < rb; ++r)
+      for (int c = 0; c < kn; c += 32) {
+        const int g = (k0 + c) / G;
+        const uint16_t* p = sz + ((size_t)g * N + n + r) * 2;
+        const float sc = bf16_to_f32(p[0]);
+        VF w[32 / KV_W];
+        nib32(nib + (size_t)(n + r) * (K / 2) + (k0 + c) / 2, vset(sc), vset(bf16_to_f32(p[1]) - 8.0f * sc), w);
+        for (int v = 0; v < 32 / KV_W; ++v) vstore(buf[r] + c + v * KV_W, w[v]);
+      }
+    for (int r = rb; r < KV_RB; ++r)
+      for (int c = 0; c < kn; ++c) buf[r][c] = 0.0f;
+    for (int t0 = 0; t0 < T; t0 += 4) {
+      const int tb = imin(4, T - t0);
+      VF acc[KV_RB][4];
+      for (int r = 0; r < KV_RB; ++r)
+        for (int t = 0; t < 4; ++t) acc[r][t] = vzero();
+      const float* xt[4];
+      for (int t = 0; t < 4; ++t) xt[t] = xp + (size_t)(t0 + imin(t, tb - 1)) * K + k0;
+      for (int c = 0; c < kn; c += KV_W) {
+        VF xv[4];
+        for (int t = 0; t < 4; ++t) xv[t] = vload(xt[t] + c);
+        for (int r = 0; r < KV_RB; ++r) {
+          VF w = vload(buf[r] + c);
+          for (int t = 0; t < 4; ++t) acc[r][t] = vfma(w, xv[t], acc[r][t]);
+        }
+      }
+      for (int r = 0; r < rb; ++r)
+        for (int t = 0; t < tb; ++t) y[(size_t)(t0 + t) * N + n + r] += vsum(acc[r][t]);
+    }
+  }
+}
+
+// Few activation rows, integer dot products: x quantized per 32 weights to int16 (xq = round(x /
+// dx), dx = max |x| / 32767: about 2^-16 of the block's largest, as exact as float32 at these
+// sizes), each block's sum of q * xq exact in int32 (VNNI vpdpwssd / AVX2 vpmaddwd), then
+//   y[n] += s[n, b] * dx[b] * (sum(q * xq) - 8 sum(xq)) + zero[n, b] * sum(x)
+// xq layout per pair of blocks (b, b+1): their 16 even weights each, then their 16 odd ones.
+// dx [T, Bp] and xs [T, 2, Bp] (per block sum(x), then dx * sum(xq)), Bp = K / 32 padded to 16
+// with zeros. ks [N, 2, K / 32] bfloat16: row n's block scales, then its block zeros.
+static inline void bf16x16(const uint16_t* p, int n, float* out) {   // n <= 16 values, zero-padded
+  if (n == 16) {
+#pragma omp simd
+    for (int i = 0; i < 16; ++i) out[i] = bf16_to_f32(p[i]);
+  } else {
+    for (int i = 0; i < 16; ++i) out[i] = i < n ? bf16_to_f32(p[i]) : 0.0f;
+  }
+}
+
+template <int TB>
+static inline void q16_row(const int16_t* xq, const float* dx, const float* xs, int K, int Bp,
+                           const uint8_t* nib, const uint16_t* ks, float* y, int N, int n) {
+  const int nb = K / 32;
+  const uint8_t* w = nib + (size_t)n * (K / 2);
+  const uint16_t* srow = ks + (size_t)n * 2 * nb;
+  float acc[TB], s16[16], z16[16];
+  for (int t = 0; t < TB; ++t) acc[t] = 0.0f;
+#if KV_ISA == 512
+  __m512 facc[TB];
+  for (int t = 0; t < TB; ++t) facc[t] = _mm512_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(15);
+#elif KV_ISA == 256
+  __m256 facc[TB];
+  for (int t = 0; t < TB; ++t) facc[t] = _mm256_setzero_ps();
+  const __m128i m4 = _mm_set1_epi8(15);
+#endif
+  for (int b0 = 0; b0 < nb; b0 += 16) {
+    const int bn = imin(16, nb - b0);
+    bf16x16(srow + b0, bn, s16);
+    bf16x16(srow + nb + b0, bn, z16);
+#if KV_ISA == 512
+    const __m512 s8 = _mm512_mul_ps(_mm512_set1_ps(-8.0f), _mm512_loadu_ps(s16)), zv = _mm512_loadu_ps(z16);
+    __m512 sv[TB];
+    for (int t = 0; t < TB; ++t) {
+      const float* st = xs + (size_t)t * 2 * Bp + b0;
+      facc[t] = _mm512_fmadd_ps(zv, _mm512_loadu_ps(st), _mm512_fmadd_ps(s8, _mm512_loadu_ps(st + Bp), facc[t]));
+      sv[t] = _mm512_mul_ps(_mm512_loadu_ps(s16), _mm512_loadu_ps(dx + (size_t)t * Bp + b0));
+    }
+    for (int p = 0; p < bn; p += 2) {           // two blocks: 64 weights, 32 in each zmm
+      __m256i bytes = _mm256_loadu_si256((const __m256i*)(w + (size_t)(b0 + p) * 16));
+      __m512i lo = _mm512_cvtepu8_epi16(_mm256_and_si256(bytes, m4));                     // evens of b, b+1
+      __m512i hi = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), m4));  // odds
+      const __m512i idx = _mm512_setr_epi32(p, p, p, p, p, p, p, p, p + 1, p + 1, p + 1, p + 1, p + 1, p + 1, p + 1, p + 1);
+      for (int t = 0; t < TB; ++t) {
+        const int16_t* xp = xq + (size_t)t * K + (size_t)(b0 + p) * 32;
+        __m512i d = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void*)xp));
+        d = _mm512_dpwssd_epi32(d, hi, _mm512_loadu_si512((const void*)(xp + 32)));
+        facc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(idx, sv[t]), facc[t]);
+      }
+    }
+#elif KV_ISA == 256
+    __m256 sv[TB][2];
+    for (int h = 0; h < 2; ++h) {
+      const __m256 s8 = _mm256_mul_ps(_mm256_set1_ps(-8.0f), _mm256_loadu_ps(s16 + 8 * h)), zv = _mm256_loadu_ps(z16 + 8 * h);
+      for (int t = 0; t < TB; ++t) {
+        const float* st = xs + (size_t)t * 2 * Bp + b0 + 8 * h;
+        facc[t] = _mm256_fmadd_ps(zv, _mm256_loadu_ps(st), _mm256_fmadd_ps(s8, _mm256_loadu_ps(st + Bp), facc[t]));
+        sv[t][h] = _mm256_mul_ps(_mm256_loadu_ps(s16 + 8 * h), _mm256_loadu_ps(dx + (size_t)t * Bp + b0 + 8 * h));
+      }
+    }
+    for (int p = 0; p < bn; ++p) {              // one block: 32 weights, 16 in each ymm
+      __m128i bytes = _mm_loadu_si128((const __m128i*)(w + (size_t)(b0 + p) * 16));
+      __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, m4));
+      __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), m4));
+      const __m256i idx = _mm256_set1_epi32(p & 7);
+      const size_t off = (size_t)(b0 + (p & ~1)) * 32 + (p & 1) * 16;   // within the pair layout
+      for (int t = 0; t < TB; ++t) {
+        const int16_t* xp = xq + (size_t)t * K + off;
+        __m256i d = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i*)xp)),
+                                     _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i*)(xp + 32))));
+        facc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_permutevar8x32_ps(sv[t][p >> 3], idx), facc[t]);
+      }
+    }
+#else
+    for (int t = 0; t < TB; ++t)
+      for (int i = 0; i < 16; ++i)
+        acc[t] += z16[i] * xs[(size_t)t * 2 * Bp + b0 + i] - 8.0f * s16[i] * xs[(size_t)t * 2 * Bp + Bp + b0 + i];
+    for (int p = 0; p < bn; ++p) {
+      const uint8_t* bw = w + (size_t)(b0 + p) * 16;
+      const size_t off = (size_t)(b0 + (p & ~1)) * 32 + (p & 1) * 16;
+      for (int t = 0; t < TB; ++t) {
+        const int16_t* xb = xq + (size_t)t * K + off;
+        int32_t d = 0;
+        for (int j = 0; j < 16; ++j) d += (bw[j] & 15) * xb[j] + (bw[j] >> 4) * xb[32 + j];
+        acc[t] += (float)d * s16[p] * dx[(size_t)t * Bp + b0 + p];
+      }
+    }
+#endif
+  }
+  for (int t = 0; t < TB; ++t) {
+#if KV_ISA == 512
+    acc[t] += _mm512_reduce_add_ps(facc[t]);
+#elif KV_ISA == 256
+    acc[t] += vsum(facc[t]);
+#endif
+    y[(size_t)t * N + n] = acc[t];
+  }
+}
+
+static void gemv_int4_q16(const int16_t* xq, const float* dx, const float* xs, int T, int K, int Bp,
+                         const uint8_t* nib, const uint16_t* ks, int N, float* y, int n0, int n1) {
+  for (int n = n0; n < n1; ++n)
+    for (int t = 0; t < T; t += 4) {
+      const int16_t* xt = xq + (size_t)t * K;
+      const float *dt = dx + (size_t)t * Bp, *st = xs + (size_t)t * 2 * Bp;
+      float* yt = y + (size_t)t * N;
+      switch (imin(4, T - t)) {
+        case 4: q16_row<4>(xt, dt, st, K, Bp, nib, ks, yt, N, n); break;
+        case 3: q16_row<3>(xt, dt, st, K, Bp, nib, ks, yt, N, n); break;
+        case 2: q16_row<2>(xt, dt, st, K, Bp, nib, ks, yt, N, n); break;
+        default: q16_row<1>(xt, dt, st, K, Bp, nib, ks, yt, N, n); break;
+      }
+    }
+}
+
+template <int RB>
+static void int4_rows(const float* xp, int T, int K, const uint8_t* nib, const uint16_t* sz, int N,
+                      int G, float* y, int n) {
+  switch (T) {
+    case 1: int4_block<RB, 1>(xp, K, nib, sz, N, G, y, n, 0); break;
+    case 2: int4_block<RB, 2>(xp, K, nib, sz, N, G, y, n, 0); break;
+    case 3: int4_block<RB, 3>(xp, K, nib, sz, N, G, y, n, 0); break;
+    default: int4_tile(xp, T, K, nib, sz, N, G, y, n, RB); break;
+  }
+}
+
+static void gemv_int4(const float* xp, int T, int K, const uint8_t* nib, const uint16_t* sz, int N,
+                      int G, float* y, int n0, int n1) {
+  int n = n0;
+  for (; n + KV_RB <= n1; n += KV_RB) int4_rows<KV_RB>(xp, T, K, nib, sz, N, G, y, n);
+  for (; n < n1; ++n) int4_rows<1>(xp, T, K, nib, sz, N, G, y, n);
+}
+
+// ---- int8 GEMVs: one scale per row (int8) or per 32 weights (GGUF Q8_0) -----------------
+template <int RB, int TB, bool BLOCKS>
+static inline void int8_block(const float* x, int K, const int8_t* q, const uint16_t* row_scale,
+                              const float* d, float* y, int N, int n, int t0) {
+  constexpr int NV = 32 / KV_W, NA = TB <= 2 ? 2 : 1;
+  VF acc[RB][TB][NA];
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < TB; ++t)
+      for (int a = 0; a < NA; ++a) acc[r][t][a] = vzero();
+  for (int c = 0; c < K; c += 32) {
+    VF xv[TB][NV];
+    for (int t = 0; t < TB; ++t)
+      for (int v = 0; v < NV; ++v) xv[t][v] = vload(x + (size_t)(t0 + t) * K + c + v * KV_W);
+    for (int r = 0; r < RB; ++r) {
+      const int8_t* p = q + (size_t)(n + r) * K + c;
+      VF w[NV];
+      if (BLOCKS) {
+        VF dv = vset(d[(size_t)(n + r) * (K / 32) + c / 32]);
+        for (int v = 0; v < NV; ++v) w[v] = vmul(i8f(p + v * KV_W), dv);
+      } else {
+        for (int v = 0; v < NV; ++v) w[v] = i8f(p + v * KV_W);
+      }
+      for (int t = 0; t < TB; ++t)
+        for (int v = 0; v < NV; ++v) acc[r][t][v % NA] = vfma(w[v], xv[t][v], acc[r][t][v % NA]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    float sc = BLOCKS ? 1.0f : bf16_to_f32(row_scale[n + r]);
+    for (int t = 0; t < TB; ++t) {
+      VF s = acc[r][t][0];
+      for (int a = 1; a < NA; ++a) s = s + acc[r][t][a];
+      y[(size_t)(t0 + t) * N + n + r] = vsum(s) * sc;
+    }
+  }
+}
+
+template <int RB, bool BLOCKS>
+static void int8_rows(const float* x, int T, int K, const int8_t* q, const uint16_t* rs,
+                      const float* d, float* y, int N, int n) {
+  int t = 0;
+  for (; t + 4 <= T; t += 4) int8_block<RB, 4, BLOCKS>(x, K, q, rs, d, y, N, n, t);
+  switch (T - t) {
+    case 3: int8_block<RB, 3, BLOCKS>(x, K, q, rs, d, y, N, n, t); break;
+    case 2: int8_block<RB, 2, BLOCKS>(x, K, q, rs, d, y, N, n, t); break;
+    case 1: int8_block<RB, 1, BLOCKS>(x, K, q, rs, d, y, N, n, t); break;
+    default: break;
+  }
+}
+
+template <bool BLOCKS>
+static void int8_all(const float* x, int T, int K, const int8_t* q, const uint16_t* rs,
+                     const float* d, int N, float* y, int n0, int n1) {
+  int n = n0;
+  for (; n + KV_RB <= n1; n += KV_RB) int8_rows<KV_RB, BLOCKS>(x, T, K, q, rs, d, y, N, n);
+  for (; n < n1; ++n) int8_rows<1, BLOCKS>(x, T, K, q, rs, d, y, N, n);
+}
+
+static void gemv_int8(const float* x, int T, int K, const int8_t* q, const uint16_t* scale, int N,
+                      float* y, int n0, int n1) {
+  int8_all<false>(x, T, K, q, scale, nullptr, N, y, n0, n1);
+}
+
+static void gemv_q8_0(const float* x, int T, int K, const int8_t* q, const float* d, int N,
+                      float* y, int n0, int n1) {
+  int8_all<true>(x, T, K, q, nullptr, d, N, y, n0, n1);
+}
+
+// ---- paged decode attention: one (sequence, KV head, token range) part -------------------
+// A K / V row as float32: the cache's own memory (float32) or converted into `buf`.
+static inline const float* kv_row(const kvk::AttnArgs& a, const void* cache, const float* scales,
+                                  int64_t slot_row, float* buf) {
+  const int D = a.head_dim;
+  if (a.kv_kind == 0) return (const float*)cache + slot_row * D;
+  if (a.kv_kind == 1) {
+    const uint16_t* p = (const uint16_t*)cache + slot_row * D;
+#pragma omp simd
+    for (int d = 0; d < D; ++d) buf[d] = bf16_to_f32(p[d]);
+    return buf;
+  }
+  const int8_t* p = (const int8_t*)cache + slot_row * D;
+  const float s = scales[slot_row];
+#pragma omp simd
+  for (int d = 0; d < D; ++d) buf[d] = (float)p[d] * s;
+  return buf;
+}
+
+static void attn_part(const kvk::AttnArgs& a, int b, int kvh, int t0, int t1, float* out,
+                      float* ml) {
+  constexpr int CH = 32;   // tokens scored together: one softmax rescale per chunk
+  const int D = a.head_dim, G = a.num_heads / a.num_kv_heads, bs = a.block_size;
+  const float* q = a.q + ((size_t)b * a.num_heads + (size_t)kvh * G) * D;
+  const int64_t* table = a.block_tables + (size_t)b * a.table_stride;
+  float m[kvk::MAX_GQA], l[kvk::MAX_GQA], sc[kvk::MAX_GQA][CH];
+  float kbuf[CH][kvk::MAX_HEAD_DIM], vbuf[kvk::MAX_HEAD_DIM];
+  const float* rows[CH];
+  for (int g = 0; g < G; ++g) {
+    m[g] = -3.0e38f;
+    l[g] = 0.0f;
+    for (int d = 0; d < D; ++d) out[g * D + d] = 0.0f;
+  }
+  for (int c = t0; c < t1; c += CH) {
+    const int n = imin(CH, t1 - c);
+    for (int i = 0; i < n; ++i) {
+      const int t = c + i;
+      const int64_t row = (table[t / bs] * a.num_kv_heads + kvh) * bs + t % bs;  // [blocks, KV, bs]
+      rows[i] = kv_row(a, a.k_cache, a.k_scale, row, kbuf[i]);
+    }
+    for (int g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      float mx = m[g];
+      for (int i = 0; i < n; ++i) {
+        VF acc = vzero();
+        for (int d = 0; d < D; d += KV_W) acc = vfma(vload(qg + d), vload(rows[i] + d), acc);
+        sc[g][i] = vsum(acc) * a.scale;
+        mx = sc[g][i] > mx ? sc[g][i] : mx;
+      }
+      float alpha[1] = {m[g] - mx};
+      exp_inplace(alpha, 1);
+      for (int i = 0; i < n; ++i) sc[g][i] -= mx;
+      exp_inplace(sc[g], n);
+      float sum = 0.0f;
+      for (int i = 0; i < n; ++i) sum += sc[g][i];
+      l[g] = l[g] * alpha[0] + sum;
+      m[g] = mx;
+      if (alpha[0] != 1.0f) {
+        VF av = vset(alpha[0]);
+        for (int d = 0; d < D; d += KV_W) vstore(out + g * D + d, vmul(vload(out + g * D + d), av));
+      }
+    }
+    for (int i = 0; i < n; ++i) {
+      const int t = c + i;
+      const int64_t row = (table[t / bs] * a.num_kv_heads + kvh) * bs + t % bs;
+      const float* vr = kv_row(a, a.v_cache, a.v_scale, row, vbuf);
+      for (int g = 0; g < G; ++g) {
+        VF p = vset(sc[g][i]);
+        for (int d = 0; d < D; d += KV_W) vstore(out + g * D + d, vfma(p, vload(vr + d), vload(out + g * D + d)));
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    ml[2 * g] = m[g];
+    ml[2 * g + 1] = l[g];
+  }
+}
+
+// ---- SwiGLU --------------------------------------------------------------------------------
+static void silu_mul(const float* gu, int T, int I, float* out) {
+  float e[256];
+  for (int t = 0; t < T; ++t) {
+    const float* g = gu + (size_t)t * 2 * I;
+    const float* u = g + I;
+    float* o = out + (size_t)t * I;
+    for (int a = 0; a < I; a += 256) {
+      const int n = imin(256, I - a);
+      for (int i = 0; i < n; ++i) e[i] = -g[a + i] > 88.0f ? 88.0f : -g[a + i];
+      exp_inplace(e, n);
+#pragma omp simd
+      for (int i = 0; i < n; ++i) o[a + i] = g[a + i] / (1.0f + e[i]) * u[a + i];
+    }
+  }
+}

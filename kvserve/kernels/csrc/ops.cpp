@@ -1,0 +1,311 @@
+// kvserve's CPU decode ops (torch.library namespace `kvserve`): the int4 / int8 / Q8_0 GEMVs
+// reading kvserve's own packed layouts once, and paged decode attention over the block table
+// split along the context (FlashDecoding). ISA chosen at run time (set_isa, from torch's
+// capability), threads from ATen's pool (at::parallel_for).
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "ops.h"
+
+namespace kvk {
+
+static int g_want = 512;   // set_isa: the widest ISA the caller allows
+
+static bool cpu_has(int isa_bits) {
+  __builtin_cpu_init();
+  if (isa_bits >= 512)
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512vnni") &&
+           __builtin_cpu_supports("fma");
+  if (isa_bits >= 256) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return true;
+}
+
+static const IsaKernels& table_for(int bits) {
+  if (bits >= 512) return avx512_kernels();
+  if (bits >= 256) return avx2_kernels();
+  return scalar_kernels();
+}
+
+static int allowed_bits() {
+  for (int bits : {512, 256}) if (g_want >= bits && cpu_has(bits)) return bits;
+  return 0;
+}
+
+const IsaKernels& isa() { return table_for(allowed_bits()); }
+
+const IsaKernels& isa_dividing(int n) {
+  for (int bits : {512, 256, 0}) {
+    if (bits > allowed_bits()) continue;
+    const IsaKernels& k = table_for(bits);
+    if (n % k.width == 0) return k;
+  }
+  return scalar_kernels();
+}
+
+static std::string set_isa(int64_t bits) {
+  g_want = (int)bits;
+  return isa().name;
+}
+
+Linear make_linear(int64_t format, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, int64_t group) {
+  Linear w;
+  w.format = (int)format;
+  w.a = a;
+  w.b = b;
+  w.c = c;
+  w.N = (int)a.size(0);
+  w.K = (int)(format == INT4 ? 2 * a.size(1) : a.size(1));
+  w.G = (int)group;
+  TORCH_CHECK(a.is_contiguous() && (!b.defined() || b.is_contiguous()), "kvserve: weights must be contiguous");
+  if (format == DENSE) {
+    TORCH_CHECK(a.scalar_type() == at::kFloat && a.dim() == 2, "kvserve: dense weights are float32 [N, K]");
+  } else if (format == INT4) {
+    TORCH_CHECK(a.scalar_type() == at::kByte && b.scalar_type() == at::kBFloat16 && w.G % 32 == 0 &&
+                    w.K % w.G == 0 && b.size(0) == w.K / w.G && b.size(1) == w.N && b.size(2) == 2,
+                "kvserve: int4 takes nibbles [N, K/2] uint8 and scales_and_zeros [K/G, N, 2] bfloat16");
+    TORCH_CHECK(!c.defined() || c.numel() == 0 ||
+                    (c.scalar_type() == at::kBFloat16 && c.is_contiguous() && c.size(0) == w.N && c.size(1) == 2 &&
+                     c.size(2) == w.K / 32),
+                "kvserve: int4 block scales are [N, 2, K/32] bfloat16");
+  } else if (format == INT8) {
+    TORCH_CHECK(a.scalar_type() == at::kChar && b.scalar_type() == at::kBFloat16 && w.K % 32 == 0 &&
+                    b.numel() == w.N, "kvserve: int8 takes q [N, K] int8 and scale [N] bfloat16");
+  } else {
+    TORCH_CHECK(format == Q8_0 && a.scalar_type() == at::kChar && b.scalar_type() == at::kFloat &&
+                    w.K % 32 == 0 && b.size(0) == w.N && b.size(1) == w.K / 32,
+                "kvserve: Q8_0 takes q [N, K] int8 and d [N, K/32] float32");
+  }
+  return w;
+}
+
+// Each 32 weights of x as [the 16 even ones, the 16 odd ones]: the order nib32 yields weights in.
+static void int4_order(const float* x, int T, int K, float* xp) {
+  for (int t = 0; t < T; ++t)
+    for (int c = 0; c < K; c += 32)
+      for (int j = 0; j < 16; ++j) {
+        xp[(size_t)t * K + c + j] = x[(size_t)t * K + c + 2 * j];
+        xp[(size_t)t * K + c + 16 + j] = x[(size_t)t * K + c + 2 * j + 1];
+      }
+}
+
+// Rows 0..N in tiles of 16 over ATen's threads; a matrix too small to pay for the fork runs inline.
+template <typename F>
+static void parallel_rows(int N, int K, int T, const F& fn) {
+  const int tiles = (N + 15) / 16;
+  const int64_t grain = std::max<int64_t>(1, 65536 / ((int64_t)16 * K * std::max(T, 1)));
+  at::parallel_for(0, tiles, grain, [&](int64_t a, int64_t b) {
+    fn((int)(a * 16), (int)std::min<int64_t>(b * 16, N));
+  });
+}
+
+// x [T, K] -> xq int16 per 32 weights (dx = max |x| / 32767) in kernels.h's pair layout (per two
+// blocks: their even weights, then their odd ones); dx [T, Bp] and xs [T, 2, Bp] (each block's
+// exact sum, then dx * the sum of its xq), zero-padded.
+static void quantize_blocks(const float* x, int T, int K, int Bp, int16_t* xq, float* dx, float* xs) {
+  for (int t = 0; t < T; ++t)
+    for (int b = 0; b < Bp; ++b) {
+      float* d = dx + (size_t)t * Bp + b;
+      float* s = xs + (size_t)t * 2 * Bp + b;
+      if (b >= K / 32) { *d = s[0] = s[Bp] = 0.0f; continue; }
+      const float* xb = x + (size_t)t * K + (size_t)b * 32;
+      float amax = 0.0f, sum = 0.0f;
+      for (int j = 0; j < 32; ++j) { amax = std::max(amax, std::fabs(xb[j])); sum += xb[j]; }
+      const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+      int16_t* q = xq + (size_t)t * K + (size_t)(b & ~1) * 32 + (b & 1) * 16;
+      int64_t qsum = 0;
+      for (int j = 0; j < 16; ++j) {
+        q[j] = (int16_t)std::nearbyint(xb[2 * j] * inv);
+        q[32 + j] = (int16_t)std::nearbyint(xb[2 * j + 1] * inv);
+        qsum += q[j] + q[32 + j];
+      }
+      *d = amax / 32767.0f;
+      s[0] = sum;
+      s[Bp] = *d * (float)qsum;
+    }
+}
+
+bool int4_q16_route(const Linear& w, int T) {
+  return w.format == INT4 && T <= Q8_ROWS && w.c.defined() && w.c.numel() > 0 && w.K % 64 == 0;
+}
+
+void linear_into(const float* x, int T, const Linear& w, float* y, float* xp) {
+  const IsaKernels& k = isa();
+  const int N = w.N, K = w.K;
+  if (w.format == DENSE) {
+    at::Tensor xt = at::from_blob(const_cast<float*>(x), {T, K}, at::kFloat);
+    at::Tensor yt = at::from_blob(y, {T, N}, at::kFloat);
+    at::mm_out(yt, xt, w.a.t());
+  } else if (int4_q16_route(w, T)) {
+    const int Bp = (K / 32 + 15) / 16 * 16;
+    std::vector<float> dx((size_t)T * Bp), xs((size_t)T * 2 * Bp);
+    int16_t* xq = (int16_t*)xp;   // T * K int16 in the float scratch
+    quantize_blocks(x, T, K, Bp, xq, dx.data(), xs.data());
+    const uint8_t* nib = w.a.data_ptr<uint8_t>();
+    const uint16_t* ks = (const uint16_t*)w.c.data_ptr<at::BFloat16>();
+    parallel_rows(N, K, T, [&](int n0, int n1) {
+      k.gemv_int4_q16(xq, dx.data(), xs.data(), T, K, Bp, nib, ks, N, y, n0, n1);
+    });
+  } else if (w.format == INT4) {
+    int4_order(x, T, K, xp);
+    const uint8_t* nib = w.a.data_ptr<uint8_t>();
+    const uint16_t* sz = (const uint16_t*)w.b.data_ptr<at::BFloat16>();
+    parallel_rows(N, K, T, [&](int n0, int n1) { k.gemv_int4(xp, T, K, nib, sz, N, w.G, y, n0, n1); });
+  } else if (w.format == INT8) {
+    const int8_t* q = w.a.data_ptr<int8_t>();
+    const uint16_t* s = (const uint16_t*)w.b.data_ptr<at::BFloat16>();
+    parallel_rows(N, K, T, [&](int n0, int n1) { k.gemv_int8(x, T, K, q, s, N, y, n0, n1); });
+  } else {
+    const int8_t* q = w.a.data_ptr<int8_t>();
+    const float* d = w.b.data_ptr<float>();
+    parallel_rows(N, K, T, [&](int n0, int n1) { k.gemv_q8_0(x, T, K, q, d, N, y, n0, n1); });
+  }
+}
+
+static at::Tensor linear_op(const at::Tensor& x, const Linear& w) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == w.K,
+              "kvserve: x must be float32 [T, ", w.K, "]");
+  at::Tensor xc = x.contiguous();
+  const int T = (int)xc.size(0);
+  at::Tensor y = at::empty({T, w.N}, xc.options());
+  at::Tensor xp = w.format == INT4 ? at::empty_like(xc) : at::Tensor();   // int4_order or xq scratch
+  linear_into(xc.data_ptr<float>(), T, w, y.data_ptr<float>(), xp.defined() ? xp.data_ptr<float>() : nullptr);
+  return y;
+}
+
+static at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& sz,
+                              const c10::optional<at::Tensor>& block_scales, int64_t group) {
+  return linear_op(x, make_linear(INT4, nibbles, sz, block_scales.value_or(at::Tensor()), group));
+}
+static at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
+  return linear_op(x, make_linear(INT8, q, scale, at::Tensor(), 0));
+}
+static at::Tensor linear_q8_0(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d) {
+  return linear_op(x, make_linear(Q8_0, q, d, at::Tensor(), 32));
+}
+
+AttnArgs attn_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
+                   const at::Tensor& block_tables, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.is_contiguous(), "kvserve: q is float32 [B, H, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.size(3) == q.size(2),
+              "kvserve: caches are [num_blocks, KV, block_size, D]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous(), "kvserve: block tables are int64");
+  AttnArgs a{};
+  a.q = q.data_ptr<float>();
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  auto kind = k_cache.scalar_type();
+  TORCH_CHECK(kind == v_cache.scalar_type() && (kind == at::kFloat || kind == at::kBFloat16 || kind == at::kChar),
+              "kvserve: caches are float32, bfloat16 or int8");
+  a.kv_kind = kind == at::kFloat ? 0 : (kind == at::kBFloat16 ? 1 : 2);
+  if (a.kv_kind == 2) {
+    TORCH_CHECK(k_scale.has_value() && v_scale.has_value() && k_scale->scalar_type() == at::kFloat &&
+                    k_scale->is_contiguous() && v_scale->is_contiguous(),
+                "kvserve: int8 caches need float32 scales [num_blocks, KV, block_size]");
+    a.k_scale = k_scale->data_ptr<float>();
+    a.v_scale = v_scale->data_ptr<float>();
+  }
+  a.num_heads = (int)q.size(1);
+  a.head_dim = (int)q.size(2);
+  a.num_kv_heads = (int)k_cache.size(1);
+  a.block_size = (int)k_cache.size(2);
+  a.block_stride = k_cache.size(1) * k_cache.size(2) * k_cache.size(3);
+  a.block_tables = block_tables.data_ptr<int64_t>();
+  a.table_stride = block_tables.size(1);
+  a.scale = (float)scale;
+  TORCH_CHECK(a.num_heads % a.num_kv_heads == 0 && a.num_heads / a.num_kv_heads <= MAX_GQA &&
+                  a.head_dim <= MAX_HEAD_DIM, "kvserve: decode attention takes up to ", MAX_GQA,
+              " query heads per KV head and head dims up to ", MAX_HEAD_DIM);
+  return a;
+}
+
+void attention_into(const AttnArgs& a, const int64_t* lens, int B, int64_t window, float* out) {
+  const IsaKernels& k = isa_dividing(a.head_dim);
+  const int KV = a.num_kv_heads, G = a.num_heads / KV, D = a.head_dim;
+  int64_t longest = 0;
+  for (int b = 0; b < B; ++b) longest = std::max(longest, lens[b]);
+  // FlashDecoding: few (sequence, KV head) items and a long context split along the tokens.
+  const int threads = at::get_num_threads();
+  int splits = 1;
+  if (B * KV < 4 * threads && longest >= 256)
+    splits = (int)std::min<int64_t>((4 * threads + B * KV - 1) / (B * KV), longest / 128);
+  const int items = B * KV * splits;
+  std::vector<float> acc((size_t)items * G * D), ml((size_t)items * G * 2);
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int b = (int)(i / (KV * splits)), kvh = (int)(i / splits % KV), s = (int)(i % splits);
+      const int64_t len = lens[b], start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t per = ((len - start + splits - 1) / splits + 31) / 32 * 32;
+      const int t0 = (int)std::min(len, start + s * per), t1 = (int)std::min(len, start + (s + 1) * per);
+      k.attn_part(a, b, kvh, t0, t1, &acc[(size_t)i * G * D], &ml[(size_t)i * G * 2]);
+    }
+  });
+  for (int b = 0; b < B; ++b)
+    for (int kvh = 0; kvh < KV; ++kvh)
+      for (int g = 0; g < G; ++g) {
+        const size_t first = ((size_t)b * KV + kvh) * splits;
+        float m = -3.0e38f;
+        for (int s = 0; s < splits; ++s) m = std::max(m, ml[((first + s) * G + g) * 2]);
+        float l = 0.0f;
+        std::vector<float> wts(splits);
+        for (int s = 0; s < splits; ++s) {
+          wts[s] = std::exp(ml[((first + s) * G + g) * 2] - m);
+          l += wts[s] * ml[((first + s) * G + g) * 2 + 1];
+        }
+        float* o = out + ((size_t)b * a.num_heads + (size_t)kvh * G + g) * D;
+        for (int d = 0; d < D; ++d) {
+          float v = 0.0f;
+          for (int s = 0; s < splits; ++s) v += wts[s] * acc[((first + s) * G + g) * D + d];
+          o[d] = v / l;
+        }
+      }
+}
+
+static at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const c10::optional<at::Tensor>& k_scale,
+                                   const c10::optional<at::Tensor>& v_scale, const at::Tensor& block_tables,
+                                   const at::Tensor& context_lens, double scale, int64_t window) {
+  at::Tensor qc = q.contiguous(), tables = block_tables.contiguous(), lens = context_lens.contiguous();
+  TORCH_CHECK(lens.scalar_type() == at::kLong && lens.numel() == qc.size(0) && tables.size(0) == qc.size(0),
+              "kvserve: context_lens [B] and block_tables [B, nb] int64");
+  AttnArgs a = attn_args(qc, k_cache, v_cache, k_scale, v_scale, tables, scale);
+  at::Tensor out = at::empty_like(qc);
+  attention_into(a, lens.data_ptr<int64_t>(), (int)qc.size(0), window, out.data_ptr<float>());
+  return out;
+}
+
+static at::Tensor silu_mul_op(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
+              "kvserve: gate_up is float32 [T, 2I]");
+  at::Tensor g = gate_up.contiguous();
+  at::Tensor out = at::empty({g.size(0), g.size(1) / 2}, g.options());
+  isa().silu_mul(g.data_ptr<float>(), (int)g.size(0), (int)out.size(1), out.data_ptr<float>());
+  return out;
+}
+
+}  // namespace kvk
+
+TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.def("set_isa(int bits) -> str", &kvk::set_isa);
+  m.def("linear_int4(Tensor x, Tensor nibbles, Tensor scales_and_zeros, Tensor? block_scales, int group_size) -> Tensor");
+  m.def("linear_int8(Tensor x, Tensor q, Tensor scale) -> Tensor");
+  m.def("linear_q8_0(Tensor x, Tensor q, Tensor d) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
+        "Tensor block_tables, Tensor context_lens, float scale, int window) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
+  m.impl("linear_int4", &kvk::linear_int4);
+  m.impl("linear_int8", &kvk::linear_int8);
+  m.impl("linear_q8_0", &kvk::linear_q8_0);
+  m.impl("decode_attention", &kvk::decode_attention);
+  m.impl("silu_mul", &kvk::silu_mul_op);
+}

@@ -1,0 +1,39 @@
+// The ATen-facing side of the kernels (default target): ISA choice, threading, shape checks.
+#pragma once
+#include <ATen/ATen.h>
+
+#include "common.h"
+
+namespace kvk {
+
+// The kernel table in use: the widest ISA both the CPU and `set_isa` allow. `width_dividing(n)`:
+// the widest allowed table whose vector width divides n (head dims that are not a multiple fall
+// back to a narrower ISA, then to the portable code).
+const IsaKernels& isa();
+const IsaKernels& isa_dividing(int n);
+
+// A linear weight as the kernels read it (kvserve/kernels/__init__.py packs them):
+//   DENSE: a float32 tensor [N, K]; INT4: nibbles [N, K/2] uint8 + (scale, zero) [K/G, N, 2]
+//   bfloat16; INT8: q [N, K] int8 + scale [N] bfloat16; Q8_0: q [N, K] int8 + d [N, K/32] float32.
+enum Format { DENSE = 0, INT4 = 1, INT8 = 2, Q8_0 = 3 };
+//   An INT4 weight's `c`, if given: its block scales and zeros per row, [N, 2, Bp] bfloat16, for
+//   the integer-dot route of steps of <= Q8_ROWS rows (activations in int16 per 32 weights).
+struct Linear {
+  int format = DENSE, N = 0, K = 0, G = 0;
+  at::Tensor a, b, c;
+};
+constexpr int Q8_ROWS = 3;      // kvserve/kernels/__init__.py: KERNEL_ROWS
+Linear make_linear(int64_t format, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, int64_t group);
+bool int4_q16_route(const Linear& w, int T);
+
+// y [T, N] = x [T, K] @ W.T, both float32 row-major; `xp` scratch [T, K] for the int4 order.
+void linear_into(const float* x, int T, const Linear& w, float* y, float* xp);
+
+// Paged decode attention of B one-token queries: out [B, H, D] float32 (args as common.h), each
+// sequence over its last min(context_len, window) tokens (window <= 0: all).
+void attention_into(const AttnArgs& a, const int64_t* context_lens, int B, int64_t window, float* out);
+AttnArgs attn_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
+                   const at::Tensor& block_tables, double scale);
+
+}  // namespace kvk

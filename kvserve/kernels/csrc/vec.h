@@ -1,0 +1,77 @@
+// The vector vocabulary kernels.h is written in, one set per ISA. Included once per ISA region
+// (isa_avx512.cpp, isa_avx2.cpp, isa_scalar.cpp) after `#pragma GCC target`, with KV_ISA set:
+// 512 (AVX-512F/BW/DQ/VL + FMA), 256 (AVX2 + FMA), 0 (portable C++, any CPU).
+//   VF            a vector of KV_W floats
+//   vload(p)      KV_W floats from p          vstore(p, v)
+//   vfma(a, b, c) a * b + c                   vset(x), vzero(), vsum(v) (horizontal add)
+//   nib32(p, s, z, out)  16 bytes of nibbles (kvserve's int4 layout: weight 2j in the low nibble
+//                 of byte j) -> 32 weights q * s + z, as [the 16 even weights, the 16 odd ones]
+//                 in 32 / KV_W vectors
+//   i8f(p)        KV_W int8 -> KV_W floats  vmul(a, b)
+#pragma once
+
+#if KV_ISA == 512
+#define KV_W 16
+typedef __m512 VF;
+static inline VF vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float* p, VF v) { _mm512_storeu_ps(p, v); }
+static inline VF vfma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+static inline VF vset(float x) { return _mm512_set1_ps(x); }
+static inline VF vzero() { return _mm512_setzero_ps(); }
+static inline float vsum(VF v) { return _mm512_reduce_add_ps(v); }
+static inline void nib32(const uint8_t* p, VF s, VF z, VF* out) {
+  __m128i b = _mm_loadu_si128((const __m128i*)p);
+  __m128i m = _mm_set1_epi8(15);
+  __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+  out[0] = vfma(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), s, z);
+  out[1] = vfma(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), s, z);
+}
+static inline VF vmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+static inline VF i8f(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+#elif KV_ISA == 256
+#define KV_W 8
+typedef __m256 VF;
+static inline VF vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline void vstore(float* p, VF v) { _mm256_storeu_ps(p, v); }
+static inline VF vfma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+static inline VF vset(float x) { return _mm256_set1_ps(x); }
+static inline VF vzero() { return _mm256_setzero_ps(); }
+static inline float vsum(VF v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+static inline void nib32(const uint8_t* p, VF s, VF z, VF* out) {
+  __m128i b = _mm_loadu_si128((const __m128i*)p);
+  __m128i m = _mm_set1_epi8(15);
+  __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+  out[0] = vfma(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), s, z);
+  out[1] = vfma(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), s, z);
+  out[2] = vfma(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), s, z);
+  out[3] = vfma(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), s, z);
+}
+static inline VF vmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+static inline VF i8f(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+#else
+#define KV_W 1
+typedef float VF;
+static inline VF vload(const float* p) { return *p; }
+static inline void vstore(float* p, VF v) { *p = v; }
+static inline VF vfma(VF a, VF b, VF c) { return a * b + c; }
+static inline VF vset(float x) { return x; }
+static inline VF vzero() { return 0.f; }
+static inline float vsum(VF v) { return v; }
+static inline void nib32(const uint8_t* p, VF s, VF z, VF* out) {
+  for (int j = 0; j < 16; ++j) {
+    out[j] = (float)(p[j] & 15) * s + z;
+    out[16 + j] = (float)(p[j] >> 4) * s + z;
+  }
+}
+static inline VF vmul(VF a, VF b) { return a * b; }
+static inline VF i8f(const int8_t* p) { return (float)p[0]; }
+#endif

@@ -1,0 +1,104 @@
+"""The fused decode step (seed 000, "a decode step reads every weight byte"): every decoder layer
+of a pure-decode step in one call of kvserve's C++ kernels (`torch.ops.kvserve.decode_layers`,
+kvserve/kernels), instead of ~220 eager ATen calls a layer.
+
+Chosen once at load: the model must be float32 on the CPU, without tensor parallelism, with an
+unquantized KV cache, head dims and GQA ratios the attention kernel holds, and linear weights the
+kernels read (float32 tensors, int4, int8, GGUF Q8_0). Anything else runs the layer-by-layer torch
+path, with one log line naming why. A step with prefill chunks always takes the torch path (its
+decode rows still reach the fused attention and GEMV ops there).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvserve import kernels
+from kvserve.model.quant import Int4Weight, Int8Weight
+
+logger = logging.getLogger(__name__)
+DENSE, INT4, INT8, Q8_0 = 0, 1, 2, 3
+MAX_ROWS = 64        # decode rows the fused step takes with float32 weights (at::mm inside)
+EMPTY = torch.empty(0)
+
+
+def linear_spec(w) -> tuple | None:
+    """(format, group, a, b, c) of a linear weight as the kernels read it, or None."""
+    if isinstance(w, torch.Tensor):
+        return (DENSE, 0, w, EMPTY, EMPTY) if w.dtype == torch.float32 else None
+    if isinstance(w, Int4Weight):
+        return INT4, w.group_size, w.nibbles, w.scales_and_zeros, _or_empty(w.block_scales)
+    if isinstance(w, Int8Weight) and w.shape[1] % 32 == 0:
+        return INT8, 0, w.q, w.scale, EMPTY
+    return None
+
+
+def _or_empty(t):
+    return EMPTY if t is None else t
+
+
+class FusedDecode:
+    """The flat weight list and spec `decode_layers` reads, built once from a LlamaModel."""
+
+    def __init__(self, model, weights: list[torch.Tensor], spec: list[int]):
+        self.model, self.weights, self.spec = model, weights, spec
+        # quantized weights: only steps kvserve's GEMVs take (kernels.KERNEL_ROWS); torch's
+        # kernels run bigger batches faster, layer by layer
+        self.max_rows = MAX_ROWS if set(spec[0::2]) == {DENSE} else kernels.KERNEL_ROWS
+
+    @classmethod
+    def build(cls, model) -> "FusedDecode | None":
+        why = cls._why_not(model)
+        if why is None:
+            weights, spec = [], []
+            for layer in model.layers:
+                lins = [linear_spec(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+                if any(s is None for s in lins):
+                    why = "a linear weight format the kernels do not read"
+                    break
+                weights += [layer.input_norm, layer.post_norm,
+                            *[EMPTY if t is None else t for t in (layer.qkv_bias, layer.q_norm, layer.k_norm)]]
+                for fmt, group, a, b, c in lins:
+                    weights += [a, b, c]
+                    spec += [fmt, group]
+        if why is not None:
+            logger.info("fused decode step off (%s): decode steps run layer by layer in torch", why)
+            return None
+        fused = cls(model, weights, spec)
+        logger.info("fused decode step on: pure-decode steps of up to %d rows run every layer in one "
+                    "kernel call (%s)", fused.max_rows, kernels.isa())
+        return fused
+
+    @staticmethod
+    def _why_not(model) -> str | None:
+        cfg, attn = model.cfg, model.attn
+        if model.device.type != "cpu" or not kernels.available(model.device):
+            return "no kvserve kernels here"
+        if model.dtype != torch.float32:
+            return f"model dtype {model.dtype}, the fused step runs float32"
+        if model.tp is not None:
+            return "tensor parallelism"
+        if attn.kv_cache_dtype != "auto":
+            return f"kv_cache_dtype {attn.kv_cache_dtype}"
+        if type(attn).__name__ != "TorchPagedAttention":
+            return f"attention backend {type(attn).__name__}"
+        if cfg.num_heads % cfg.num_kv_heads or cfg.num_heads // cfg.num_kv_heads > 16 or cfg.head_dim > 256:
+            return f"{cfg.num_heads} query heads on {cfg.num_kv_heads} KV heads of dim {cfg.head_dim}"
+        if cfg.head_dim % 2:
+            return f"odd head dim {cfg.head_dim}"
+        return None
+
+    def takes(self, num_tokens: int, num_decode_tokens: int) -> bool:
+        """A pure-decode step of at most `max_rows` rows."""
+        return num_tokens == num_decode_tokens and 0 < num_tokens <= self.max_rows
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, meta, kv_caches) -> torch.Tensor:
+        """x [B, hidden] float32 (the embeddings) -> the residual stream after the last layer."""
+        m, cfg = self.model, self.model.cfg
+        torch.ops.kvserve.decode_layers(
+            x, self.weights, self.spec, m.rope_cos, m.rope_sin, positions,
+            [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.decode_block_tables,
+            meta.decode_context_lens, meta.slot_mapping, cfg.num_heads, cfg.num_kv_heads,
+            cfg.rms_norm_eps, m.attn.scale, m.attn.sliding_window or 0)
+        return x
