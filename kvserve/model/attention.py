@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvserve import kernels
 from kvserve.kv.block_pool import NULL_BLOCK
 from kvserve.model import kv_quant
 
@@ -116,6 +117,7 @@ class AttentionBackend:
         self.sliding_window = sliding_window
         self.scale = head_dim ** -0.5
         self.kv_cache_dtype = kv_quant.check_kv_cache_dtype(kv_cache_dtype)
+        self.fused_decode: bool | None = None     # kvserve's decode kernel runs (decided at first use)
 
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         raise NotImplementedError
@@ -173,8 +175,21 @@ class TorchPagedAttention(AttentionBackend):
         return cache.index_select(0, index)
 
     def _decode(self, q, k_cache, v_cache, meta):
-        """One-token queries of B sequences. q [B, H, D]; G = H / KV query heads per KV head.
-        Scores and outputs are computed per gathered block with two batched matmuls."""
+        """One-token queries of B sequences: kvserve's paged decode kernel where it runs
+        (`kernels.decode_attention_runs`), else `_decode_torch`."""
+        if self.fused_decode is None:
+            self.fused_decode = kernels.decode_attention_runs(self, q.device, q.dtype)
+        if not self.fused_decode:
+            return self._decode_torch(q, k_cache, v_cache, meta)
+        kc, ks = k_cache if isinstance(k_cache, tuple) else (k_cache, None)
+        vc, vs = v_cache if isinstance(v_cache, tuple) else (v_cache, None)
+        out = torch.ops.kvserve.decode_attention(q.float(), kc, vc, ks, vs, meta.decode_block_tables,
+                                                 meta.decode_context_lens, self.scale, self.sliding_window or 0)
+        return out.to(q.dtype)
+
+    def _decode_torch(self, q, k_cache, v_cache, meta):
+        """q [B, H, D]; G = H / KV query heads per KV head. Scores and outputs are computed per
+        gathered block with two batched matmuls."""
         B, H, D = q.shape
         KV, bs = self.num_kv_heads, self.block_size
         tables = meta.decode_block_tables                                   # [B, nb]
