@@ -124,6 +124,11 @@ static void int4_tile(const float* xp, int T, int K, const uint8_t* nib, const u
 // dx [T, Bp] and xs [T, 2, Bp] (per block sum(x), then dx * sum(xq)), Bp = K / 32 padded to 16
 // with zeros. ks [N, 2, K / 32] bfloat16: row n's block scales, then its block zeros.
 static inline void bf16x16(const uint16_t* p, int n, float* out) {   // n <= 16 values, zero-padded
+#if KV_ISA == 512
+  const __m256i h = _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), p);
+  _mm512_storeu_ps(out, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+  return;
+#endif
   if (n == 16) {
 #pragma omp simd
     for (int i = 0; i < 16; ++i) out[i] = bf16_to_f32(p[i]);
