@@ -18,7 +18,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 ORDER = ["DEFAULT", "AVX2", "AVX512"]
-MODULES = ["tests/model/test_quant.py", "tests/model/test_gguf_quant.py", "tests/model/test_gguf.py",
+MODULES = ["tests/kernels", "tests/model/test_quant.py", "tests/model/test_gguf_quant.py", "tests/model/test_gguf.py",
            "tests/model/test_cpu_kernels.py", "tests/test_default_model.py",
            "tests/engine/test_kv_quant.py", "tests/engine/test_sharing.py",
            "tests/model/test_attention.py"]     # the one-call prefill SDPA: torch's fused kernel per ISA

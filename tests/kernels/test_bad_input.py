@@ -1,0 +1,56 @@
+"""Shapes kvserve's ops cannot take raise a clear error, never read past a tensor (issue 24, Bad
+input: "never wrong results"). The inputs below are views into bigger storage, so that the
+reads the current code makes past them stay inside memory the test owns."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.isa import needs_kernels
+
+pytestmark = needs_kernels
+NB, KV, BS, D, H = 8, 2, 4, 16, 4
+
+
+def caches(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(NB, KV, BS, D, generator=g).to(dtype) for _ in range(2)]
+
+
+def test_decode_attention_refuses_heads_and_dims_it_does_not_hold():
+    k, v = caches()
+    tables, lens = torch.tensor([[1, 2]]), torch.tensor([5])
+    with pytest.raises(RuntimeError, match="query heads per KV head"):
+        torch.ops.kvserve.decode_attention(torch.randn(1, 17 * KV, D), k, v, None, None, tables, lens, 0.25, 0)
+    with pytest.raises(RuntimeError, match="caches are"):
+        torch.ops.kvserve.decode_attention(torch.randn(1, H, D + 1), k, v, None, None, tables, lens, 0.25, 0)
+    with pytest.raises(RuntimeError, match="int8 caches need float32 scales"):
+        torch.ops.kvserve.decode_attention(torch.randn(1, H, D), *caches(torch.int8), None, None, tables, lens, 0.25, 0)
+    with pytest.raises(RuntimeError, match="int4 takes"):
+        torch.ops.kvserve.linear_int4(torch.randn(1, 64), torch.zeros(16, 32, dtype=torch.uint8),
+                                      torch.zeros(1, 16, 2, dtype=torch.bfloat16), None, 48)
+
+
+@pytest.mark.xfail(strict=True, reason="bug: decode_attention (ops.cpp attn_args) checks only the dtype and "
+                   "contiguity of int8 k_scale / v_scale, not their shape [num_blocks, KV, block_size]: a "
+                   "smaller scale tensor is read past its end (garbage outputs, or a crash)")
+def test_decode_attention_refuses_int8_scales_of_the_wrong_shape():
+    kq, vq = caches(torch.int8)
+    storage = torch.rand(NB * KV * BS) * 1e30              # what lies past the too-small view
+    scales = storage[:NB * KV].view(NB, KV)                 # [num_blocks, KV]: the block_size axis missing
+    with pytest.raises(RuntimeError, match="scale"):
+        torch.ops.kvserve.decode_attention(torch.randn(1, H, D), kq, vq, scales, scales, torch.tensor([[1, 2]]),
+                                           torch.tensor([5]), 0.25, 0)
+
+
+@pytest.mark.xfail(strict=True, reason="bug: decode_attention (ops.cpp) does not check context_lens against "
+                   "the block table's capacity (max_blocks * block_size): a longer context reads block ids "
+                   "past the end of its table row (another sequence's row, or past the tensor)")
+def test_decode_attention_refuses_a_context_longer_than_its_block_table():
+    k, v = caches()
+    storage = torch.tensor([[1, 2, 3, 0]])
+    tables = storage[:, :3]                                 # [1, 3] holds 12 tokens; storage[0, 3] lies past it
+    assert tables.is_contiguous()
+    with pytest.raises(RuntimeError, match="context"):
+        torch.ops.kvserve.decode_attention(torch.randn(1, H, D), k, v, None, None, tables,
+                                           torch.tensor([3 * BS + 1]), 0.25, 0)

@@ -1,0 +1,147 @@
+"""kvserve's GEMV ops (torch.ops.kvserve.linear_int4 / linear_int8 / linear_q8_0) against float64
+matmuls of the dequantized weights, on every ISA allowed here, property-based over shapes.
+
+Tolerances, per output y[t, n], with M = |x| @ |W|.T (the sum of the absolute products):
+  float routes (int4 without block scales or with > KERNEL_ROWS rows, int8, Q8_0):  4e-6 * M
+    (float32 accumulation over K <= 2304; measured up to 1.2e-6 * M, about 5e-7 of max |y|, on the
+    portable code's one-accumulator sums)
+  int4 with block scales, <= KERNEL_ROWS rows (activations in int16 per 32 weights):
+    1.01 * (|(q - 8) * scale| @ amax32(x).T) / 65534 + 4e-6 * M: the activation rounding of at
+    most half a step (amax of the 32-block / 32767) times the weights it multiplies (measured
+    about 2e-5 of max |y|, 3e-6 * M). Where block scales are given but the route falls back (more
+    rows, K not a multiple of 64) the result is the float route's, bit for bit.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from kvserve import kernels
+from kvserve.model.quant import Int4Weight, Int8Weight, quantize_int8
+from tests.kernels.isa import ISA_BITS, needs_kernels, on_isa
+
+pytestmark = needs_kernels
+FLOAT_TOL = 4e-6
+SETTINGS = settings(max_examples=25, deadline=None)
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def activations(g: torch.Generator, T: int, K: int) -> torch.Tensor:
+    """x [T, K] float32: 32-blocks of very different magnitudes, one of them all zero."""
+    x = torch.randn(T, K, generator=g) * torch.exp(2 * torch.randn(T, K // 32, 1, generator=g)).repeat_interleave(
+        32, dim=1).view(T, K)
+    zero = int(torch.randint(0, K // 32, (1,), generator=g))
+    x[:, 32 * zero:32 * zero + 32] = 0.0
+    return x
+
+
+def int4_weight(g: torch.Generator, N: int, K: int, group: int, zeros: bool) -> Int4Weight:
+    q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+    scale = torch.rand(N, K // group, generator=g) * 0.1 + 1e-3
+    zero = torch.randn(N, K // group, generator=g) * 0.05 if zeros else None
+    return Int4Weight(q, scale, zero, dtype=torch.float32)
+
+
+def check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, extra: torch.Tensor | float = 0.0):
+    """y [T, N] against x @ w.T in float64, within FLOAT_TOL * M + extra."""
+    ref = x.double() @ w.double().T
+    bound = FLOAT_TOL * (x.double().abs() @ w.double().abs().T) + extra + 1e-30
+    err = (y.double() - ref).abs()
+    assert y.shape == ref.shape and bool((err <= bound).all()), (
+        f"max error {err.max():.3g} (relative {err.max() / ref.abs().max():.3g}), "
+        f"worst over bound {(err / bound).max():.3g}")
+
+
+def q16_rounding(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    """(|(q - 8) * scale| @ amax32(x).T) / 65534 [T, N]: the int16 route's activation rounding."""
+    N, K = w.shape
+    T = x.shape[0]
+    amax = x.double().abs().view(T, K // 32, 32).amax(-1).repeat_interleave(32, dim=1)          # [T, K]
+    scale = w.scales_and_zeros[..., 0].double().T.repeat_interleave(w.group_size, dim=1)        # [N, K]
+    q = torch.stack([w.nibbles & 15, w.nibbles >> 4], -1).view(N, K).double()
+    return 1.01 * (amax @ ((q - 8).abs() * scale).T) / 65534
+
+
+@pytest.mark.parametrize("bits", ISA_BITS)
+@SETTINGS
+@given(seed=st.integers(0, 2**31), group=st.sampled_from([32, 64, 128, 256]), blocks=st.integers(1, 9),
+       N=st.integers(1, 80), T=st.integers(1, 40), zeros=st.booleans(), block_scales=st.booleans(),
+       n_threads=st.sampled_from([1, 2]))
+@example(seed=1, group=256, blocks=9, N=33, T=5, zeros=True, block_scales=False, n_threads=1)  # two 2048 slabs
+@example(seed=2, group=32, blocks=3, N=20, T=2, zeros=True, block_scales=True, n_threads=1)   # K % 64: float
+@example(seed=3, group=128, blocks=2, N=17, T=3, zeros=False, block_scales=True, n_threads=2)
+def test_linear_int4(bits, seed, group, blocks, N, T, zeros, block_scales, n_threads):
+    g = torch.Generator().manual_seed(seed)
+    K = group * blocks
+    if block_scales:
+        T = 1 + T % kernels.KERNEL_ROWS if seed % 4 else T     # mostly the int16 route's rows
+    w = int4_weight(g, N, K, group, zeros)
+    x = activations(g, T, K)
+    bs = kernels.int4_block_scales(w.scales_and_zeros, K) if block_scales else None
+    with on_isa(bits), threads(n_threads):
+        y = torch.ops.kvserve.linear_int4(x, w.nibbles, w.scales_and_zeros, bs, group)
+    int16_route = block_scales and T <= kernels.KERNEL_ROWS and K % 64 == 0
+    if block_scales and not int16_route:
+        with on_isa(bits):
+            assert torch.equal(y, torch.ops.kvserve.linear_int4(x, w.nibbles, w.scales_and_zeros, None, group))
+    check(y, x, w.dequantize(dtype=torch.float32), q16_rounding(x, w) if int16_route else 0.0)
+
+
+@pytest.mark.parametrize("bits", ISA_BITS)
+@SETTINGS
+@given(seed=st.integers(0, 2**31), blocks=st.integers(1, 48), N=st.integers(1, 80), T=st.integers(1, 40),
+       n_threads=st.sampled_from([1, 2]))
+def test_linear_int8(bits, seed, blocks, N, T, n_threads):
+    g = torch.Generator().manual_seed(seed)
+    K = 32 * blocks
+    q, scale = quantize_int8(torch.randn(N, K, generator=g), torch.bfloat16)    # q [N, K] int8, scale [N] bf16
+    x = activations(g, T, K)
+    with on_isa(bits), threads(n_threads):
+        y = torch.ops.kvserve.linear_int8(x, q, scale)
+    check(y, x, q.double() * scale.double()[:, None])
+
+
+@pytest.mark.parametrize("bits", ISA_BITS)
+@SETTINGS
+@given(seed=st.integers(0, 2**31), blocks=st.integers(1, 48), N=st.integers(1, 80), T=st.integers(1, 40),
+       n_threads=st.sampled_from([1, 2]))
+def test_linear_q8_0(bits, seed, blocks, N, T, n_threads):
+    g = torch.Generator().manual_seed(seed)
+    K = 32 * blocks
+    q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+    d = torch.rand(N, K // 32, generator=g) * 0.01                           # [N, K/32] float32 (GGUF's d)
+    x = activations(g, T, K)
+    with on_isa(bits), threads(n_threads):
+        y = torch.ops.kvserve.linear_q8_0(x, q, d)
+    check(y, x, q.double() * d.double().repeat_interleave(32, dim=1))
+
+
+def test_quantized_weights_run_kvserves_ops_for_a_few_rows():
+    """Int4Weight / Int8Weight.linear at <= KERNEL_ROWS rows is kvserve's op, bit for bit; more
+    rows take torch's paths, still the same product."""
+    g = torch.Generator().manual_seed(0)
+    w4 = int4_weight(g, 64, 256, 64, zeros=True)
+    w8 = Int8Weight(*quantize_int8(torch.randn(64, 256, generator=g), torch.bfloat16))
+    if w4.kernel_max_rows < kernels.KERNEL_ROWS:
+        pytest.skip(f"torch's capability {torch.backends.cpu.get_cpu_capability()} keeps int4 off the kernels")
+    assert w4.block_scales is not None
+    for T in range(1, kernels.KERNEL_ROWS + 1):
+        x = torch.randn(T, 256, generator=g)
+        assert torch.equal(w4.linear(x), torch.ops.kvserve.linear_int4(
+            x, w4.nibbles, w4.scales_and_zeros, w4.block_scales, 64))
+        assert torch.equal(w8.linear(x), torch.ops.kvserve.linear_int8(x, w8.q, w8.scale))
+    x = torch.randn(8, 256, generator=g)
+    torch.testing.assert_close(w4.linear(x), x @ w4.dequantize(dtype=torch.float32).T, rtol=2e-2, atol=2e-2)
