@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -9,6 +10,9 @@ import torch
 from kvserve import kernels
 
 BUILT = kernels.load()
+if not BUILT and os.environ.get("KVSERVE_REQUIRE_KERNELS") == "1" and os.environ.get("KVSERVE_KERNELS") != "torch":
+    raise RuntimeError("KVSERVE_REQUIRE_KERNELS=1 (CI) but kvserve's kernels did not build: see the warning "
+                       "with the compiler's message")
 needs_kernels = pytest.mark.skipif(not BUILT, reason="kvserve's kernels are not built here (KVSERVE_KERNELS=torch "
                                    "or no compiler): the pure-torch path is tested by the rest of the suite")
 

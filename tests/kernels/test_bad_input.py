@@ -1,6 +1,6 @@
 """Shapes kvserve's ops cannot take raise a clear error, never read past a tensor (issue 24, Bad
 input: "never wrong results"). The inputs below are views into bigger storage, so that the
-reads the current code makes past them stay inside memory the test owns."""
+reads an unchecked op would make past them stay inside memory the test owns."""
 from __future__ import annotations
 
 import pytest
@@ -31,9 +31,6 @@ def test_decode_attention_refuses_heads_and_dims_it_does_not_hold():
                                       torch.zeros(1, 16, 2, dtype=torch.bfloat16), None, 48)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: decode_attention (ops.cpp attn_args) checks only the dtype and "
-                   "contiguity of int8 k_scale / v_scale, not their shape [num_blocks, KV, block_size]: a "
-                   "smaller scale tensor is read past its end (garbage outputs, or a crash)")
 def test_decode_attention_refuses_int8_scales_of_the_wrong_shape():
     kq, vq = caches(torch.int8)
     storage = torch.rand(NB * KV * BS) * 1e30              # what lies past the too-small view
@@ -43,9 +40,6 @@ def test_decode_attention_refuses_int8_scales_of_the_wrong_shape():
                                            torch.tensor([5]), 0.25, 0)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: decode_attention (ops.cpp) does not check context_lens against "
-                   "the block table's capacity (max_blocks * block_size): a longer context reads block ids "
-                   "past the end of its table row (another sequence's row, or past the tensor)")
 def test_decode_attention_refuses_a_context_longer_than_its_block_table():
     k, v = caches()
     storage = torch.tensor([[1, 2, 3, 0]])
@@ -54,3 +48,28 @@ def test_decode_attention_refuses_a_context_longer_than_its_block_table():
     with pytest.raises(RuntimeError, match="context"):
         torch.ops.kvserve.decode_attention(torch.randn(1, H, D), k, v, None, None, tables,
                                            torch.tensor([3 * BS + 1]), 0.25, 0)
+
+
+def test_decode_attention_refuses_block_ids_outside_the_cache():
+    k, v = caches()
+    with pytest.raises(RuntimeError, match="block id"):
+        torch.ops.kvserve.decode_attention(torch.randn(1, H, D), k, v, None, None, torch.tensor([[1, NB]]),
+                                           torch.tensor([BS + 1]), 0.25, 0)
+
+
+def test_decode_layers_refuses_a_slot_outside_the_cache():
+    """The fused step writes each new token's K/V at its slot: one past the cache is refused."""
+    k, v = caches()
+    hidden, I = H * D, 32
+    norm = torch.ones(hidden)
+    empty = torch.empty(0)
+    weights = [norm, norm, empty, empty, empty,
+               torch.randn((H + 2 * KV) * D, hidden), empty, empty,
+               torch.randn(hidden, H * D), empty, empty,
+               torch.randn(2 * I, hidden), empty, empty,
+               torch.randn(hidden, I), empty, empty]
+    cos, sin = torch.ones(64, D), torch.zeros(64, D)
+    with pytest.raises(RuntimeError, match="slot"):
+        torch.ops.kvserve.decode_layers(torch.randn(1, hidden), weights, [0, 0] * 4, cos, sin, torch.tensor([4]),
+                                        [k], [v], torch.tensor([[1, 2]]), torch.tensor([5]),
+                                        torch.tensor([NB * BS]), H, KV, 1e-5, 0.25, 0)

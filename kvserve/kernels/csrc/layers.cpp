@@ -52,8 +52,18 @@ static void decode_layers(at::Tensor x, at::TensorList weights, at::IntArrayRef 
   TORCH_CHECK(rope_cos.size(1) == D && rope_cos.scalar_type() == at::kFloat, "kvserve: rope tables are float32 [P, D]");
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int b = 0; b < B; ++b)
+  TORCH_CHECK(positions.numel() >= B && slot_mapping.numel() >= B && context_lens.numel() == B &&
+                  block_tables.size(0) == B, "kvserve: positions, slots, lengths and tables for ", B, " rows");
+  const int64_t slots_total = k_caches[0].size(0) * bs;
+  for (int b = 0; b < B; ++b) {
     TORCH_CHECK(pos[b] >= 0 && pos[b] < rope_cos.size(0), "kvserve: position ", pos[b], " beyond the RoPE table");
+    TORCH_CHECK(slots[b] >= 0 && slots[b] < slots_total, "kvserve: slot ", slots[b], " outside the cache");
+  }
+  for (int l = 0; l < L; ++l)
+    TORCH_CHECK(k_caches[l].sizes() == k_caches[0].sizes() && v_caches[l].sizes() == k_caches[0].sizes() &&
+                    k_caches[l].scalar_type() == at::kFloat && v_caches[l].scalar_type() == at::kFloat &&
+                    k_caches[l].is_contiguous() && v_caches[l].is_contiguous(),
+                "kvserve: decode_layers takes float32 caches of one shape");
 
   std::vector<Linear> lin((size_t)L * 4);
   int widest = hidden;
@@ -102,6 +112,7 @@ static void decode_layers(at::Tensor x, at::TensorList weights, at::IntArrayRef 
     }
     at::Tensor qt = at::from_blob(q.data(), {B, H, D}, at::kFloat);
     AttnArgs a = attn_args(qt, k_caches[l], v_caches[l], c10::nullopt, c10::nullopt, block_tables, scale);
+    if (l == 0) check_tables(a, context_lens.data_ptr<int64_t>(), B, k_caches[0].size(0));
     attention_into(a, context_lens.data_ptr<int64_t>(), B, window, attn.data());
     linear_into(attn.data(), B, w[1], o.data(), xp.data());
     const float* post_norm = t[1].data_ptr<float>();

@@ -209,6 +209,8 @@ AttnArgs attn_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     TORCH_CHECK(k_scale.has_value() && v_scale.has_value() && k_scale->scalar_type() == at::kFloat &&
                     k_scale->is_contiguous() && v_scale->is_contiguous(),
                 "kvserve: int8 caches need float32 scales [num_blocks, KV, block_size]");
+    TORCH_CHECK(k_scale->sizes() == k_cache.sizes().slice(0, 3) && v_scale->sizes() == k_scale->sizes(),
+                "kvserve: int8 cache scales are [num_blocks, KV, block_size]");
     a.k_scale = k_scale->data_ptr<float>();
     a.v_scale = v_scale->data_ptr<float>();
   }
@@ -224,6 +226,17 @@ AttnArgs attn_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
                   a.head_dim <= MAX_HEAD_DIM, "kvserve: decode attention takes up to ", MAX_GQA,
               " query heads per KV head and head dims up to ", MAX_HEAD_DIM);
   return a;
+}
+
+void check_tables(const AttnArgs& a, const int64_t* lens, int B, int64_t num_blocks) {
+  for (int b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= a.table_stride * a.block_size, "kvserve: context length ", lens[b],
+                " of sequence ", b, " outside 1..", a.table_stride * a.block_size, " (its block table)");
+    const int64_t* row = a.block_tables + (size_t)b * a.table_stride;
+    for (int64_t i = 0; i < (lens[b] + a.block_size - 1) / a.block_size; ++i)
+      TORCH_CHECK(row[i] >= 0 && row[i] < num_blocks, "kvserve: block id ", row[i], " outside the cache's ",
+                  num_blocks, " blocks");
+  }
 }
 
 void attention_into(const AttnArgs& a, const int64_t* lens, int B, int64_t window, float* out) {
@@ -276,6 +289,7 @@ static at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cach
   TORCH_CHECK(lens.scalar_type() == at::kLong && lens.numel() == qc.size(0) && tables.size(0) == qc.size(0),
               "kvserve: context_lens [B] and block_tables [B, nb] int64");
   AttnArgs a = attn_args(qc, k_cache, v_cache, k_scale, v_scale, tables, scale);
+  check_tables(a, lens.data_ptr<int64_t>(), (int)qc.size(0), k_cache.size(0));
   at::Tensor out = at::empty_like(qc);
   attention_into(a, lens.data_ptr<int64_t>(), (int)qc.size(0), window, out.data_ptr<float>());
   return out;

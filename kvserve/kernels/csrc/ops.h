@@ -31,6 +31,9 @@ void linear_into(const float* x, int T, const Linear& w, float* y, float* xp);
 
 // Paged decode attention of B one-token queries: out [B, H, D] float32 (args as common.h), each
 // sequence over its last min(context_len, window) tokens (window <= 0: all).
+// ValueError-style checks (TORCH_CHECK) that every context fits its table row and every block
+// id it reads is inside the cache: nothing is read out of bounds.
+void check_tables(const AttnArgs& a, const int64_t* context_lens, int B, int64_t num_blocks);
 void attention_into(const AttnArgs& a, const int64_t* context_lens, int B, int64_t window, float* out);
 AttnArgs attn_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
