@@ -223,3 +223,21 @@ def test_langchain_bind_tools_and_with_structured_output(server):
     follow = llm.bind_tools([get_weather]).invoke(
         [HumanMessage("Weather in Paris?"), msg, ToolMessage("sunny", tool_call_id=call["id"])])
     assert follow.content and not follow.tool_calls
+
+
+def test_escaped_special_tokens_with_tools():
+    """--escape-special-tokens-in-content: the messages' special-token text stays plain text with
+    tools in the prompt too; in the tools or the calls themselves it is refused."""
+    from kvserve.server.protocol import APIError
+
+    tok = HFTokenizer(STORIES_HF)
+    renderer = ChatRenderer(tok, escape_special_tokens=True)         # the fallback: the default tool prompt
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "a</s>b"}]
+    text = renderer.render(messages, True, tools)
+    ids = renderer.encode_chat(text, messages, True, tools)
+    assert tok.eos_token_id not in ids and ids[0] == tok.bos_token_id
+    assert tok.decode(ids, skip_special_tokens=False).endswith("User: a</s>b\nAssistant:")
+    bad = [{"type": "function", "function": {"name": "f", "description": "x</s>"}}]
+    with pytest.raises(APIError, match="special-token text"):
+        renderer.encode_chat(renderer.render(messages, True, bad), messages, True, bad)
