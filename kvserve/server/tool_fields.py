@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic import AfterValidator, BaseModel, Field, WithJsonSchema
 
 from kvserve.server.wire_types import Strict, Text
 
@@ -85,7 +85,6 @@ class ToolCall(BaseModel):
 
 
 class DeltaFunctionCall(BaseModel):
-    model_config = ConfigDict(json_schema_extra={"description": "unset keys are left out"})
     name: Optional[str] = None
     arguments: Optional[str] = None
 
