@@ -74,9 +74,9 @@ def apply_top_k_top_p_min_p(x: torch.Tensor, params) -> torch.Tensor:
         sorted_probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
         before = sorted_probs.cumsum(dim=-1) - sorted_probs     # mass of higher-ranked tokens
         p = torch.tensor(top_p, device=x.device).unsqueeze(1)
-        # keeps at least the top token; rows with top_p == 1 are exempt, as rounding can push
-        # `before` of tail tokens to 1.0
-        drop |= (before >= p) & (p < 1.0)
+        # keeps at least the top token (a top_p below float32's smallest value rounds to 0);
+        # rows with top_p == 1 are exempt, as rounding can push `before` of tail tokens to 1.0
+        drop |= (before >= p) & (p < 1.0) & (rank > 0)
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.empty_like(x).scatter_(1, order, sorted_x)
     if any(mp > 0 for mp in min_p):

@@ -271,3 +271,13 @@ def test_engine_step_never_raises_on_vocab_dependent_params(llm):
     assert len(gen(llm, "Tom", temperature=1.0, top_k=2**63 - 1, seed=2**64 - 2, n=1, max_tokens=4).token_ids) == 4
     both = llm.generate(["Tom"], SamplingParams(n=2, seed=2**64 - 2, temperature=1.0, max_tokens=4))[0]
     assert [len(c.token_ids) for c in both.outputs] == [4, 4]
+
+
+def test_a_top_p_too_small_for_float32_keeps_the_top_token():
+    """top_p = 5e-324 rounds to 0.0 in float32: the top token stays, so the row is greedy (it
+    once dropped every token and sampled token 0; the schema fuzz found it)."""
+    import torch
+    from kvserve.sample.sampler import apply_top_k_top_p_min_p
+    x = torch.tensor([[0.5, 3.0, 1.0, -2.0]])
+    out = apply_top_k_top_p_min_p(x, [SamplingParams(temperature=1.0, top_p=5e-324)])
+    assert out[0, 1] == 3.0 and torch.isinf(out[0, [0, 2, 3]]).all()
