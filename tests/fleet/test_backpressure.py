@@ -36,7 +36,9 @@ def test_a_burst_over_max_waiting_takes_no_replica_out():
             return r.status_code, r.headers.get("retry-after"), code
 
         with ThreadPoolExecutor(20) as pool:
-            burst = [pool.submit(complete, i, 200) for i in range(16)]
+            # long enough that the burst overlaps however fast a step is (the fused decode step
+            # made 200-token answers of stories260K short enough to drain between arrivals)
+            burst = [pool.submit(complete, i, 400) for i in range(16)]
             time.sleep(0.3)                 # the replicas are full: short requests meanwhile
             short = []
             for k in range(4):
