@@ -23,6 +23,9 @@ MODULES = ["tests/kernels", "tests/model/test_quant.py", "tests/model/test_gguf_
            "tests/engine/test_kv_quant.py", "tests/engine/test_sharing.py",
            "tests/model/test_attention.py"]     # the one-call prefill SDPA: torch's fused kernel per ISA
 SELF_INT4 = "tests/reference/test_spec_exactness.py::test_constrained_speculative_engine_equals_unconstrained"
+# greedy equals transformers and the differential fuzzer: with the fused decode step (on for float32
+# models) on each capability's ISA, and with KVSERVE_KERNELS=torch on this host's
+EXACTNESS = ["tests/reference/test_exactness.py", "tests/reference/test_differential.py"]
 
 
 def below_this_host() -> list[str]:
@@ -37,7 +40,7 @@ def test_quantized_paths_under_a_forced_capability(capability):
                     f"{capability} is not below it (the main run covers it where it is this host's)")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability.lower()}
     # seeds 4 and 10 of the speculative fuzz use the self-int4 draft
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *MODULES,
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *MODULES, *EXACTNESS,
            f"{SELF_INT4}[4]", f"{SELF_INT4}[10]",
            "-k", "not test_quantized_paths_under_a_forced_capability"]
     check = [sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"]
@@ -45,4 +48,14 @@ def test_quantized_paths_under_a_forced_capability(capability):
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     tail = "\n".join(run.stdout.splitlines()[-60:])
     assert run.returncode == 0, f"under ATEN_CPU_CAPABILITY={capability}:\n{tail}\n{run.stderr[-3000:]}"
+    assert " passed" in tail and "failed" not in tail.splitlines()[-1]
+
+
+def test_exactness_with_kvserve_kernels_off():
+    """KVSERVE_KERNELS=torch: the pure-torch path (no compiler, or a failed build) stays exact."""
+    env = {**os.environ, "KVSERVE_KERNELS": "torch"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *EXACTNESS]
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    tail = "\n".join(run.stdout.splitlines()[-40:])
+    assert run.returncode == 0, f"under KVSERVE_KERNELS=torch:\n{tail}\n{run.stderr[-3000:]}"
     assert " passed" in tail and "failed" not in tail.splitlines()[-1]
