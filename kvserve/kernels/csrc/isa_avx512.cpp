@@ -1,4 +1,4 @@
-// The decode kernels compiled for AVX-512 (F, BW, DQ, VL, VNNI) and FMA: kernels.h in vec.h's KV_ISA=512 vocabulary.
+// The decode kernels compiled for AVX-512 (F, BW, DQ, VL, VNNI) and FMA: kernels.h and attention.h in vec.h's KV_ISA=512 vocabulary.
 #include <immintrin.h>
 #include "common.h"
 #pragma GCC push_options
@@ -8,6 +8,7 @@ namespace kvk {
 namespace isa_avx512 {
 #include "vec.h"
 #include "kernels.h"
+#include "attention.h"
 }  // namespace isa_avx512
 }  // namespace kvk
 #pragma GCC pop_options

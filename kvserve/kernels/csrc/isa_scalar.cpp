@@ -1,4 +1,4 @@
-// The decode kernels compiled for portable C++ (any CPU): kernels.h in vec.h's KV_ISA=0 vocabulary.
+// The decode kernels compiled for portable C++ (any CPU): kernels.h and attention.h in vec.h's KV_ISA=0 vocabulary.
 #include <immintrin.h>
 #include "common.h"
 #define KV_ISA 0
@@ -6,6 +6,7 @@ namespace kvk {
 namespace isa_scalar {
 #include "vec.h"
 #include "kernels.h"
+#include "attention.h"
 }  // namespace isa_scalar
 }  // namespace kvk
 

@@ -1,0 +1,97 @@
+// Paged decode attention and SwiGLU, in vec.h's vocabulary: the rest of the kernels an ISA
+// region compiles (after kernels.h, whose helpers they use).
+
+// ---- paged decode attention: one (sequence, KV head, token range) part -------------------
+// A K / V row as float32: the cache's own memory (float32) or converted into `buf`.
+static inline const float* kv_row(const kvk::AttnArgs& a, const void* cache, const float* scales,
+                                  int64_t slot_row, float* buf) {
+  const int D = a.head_dim;
+  if (a.kv_kind == 0) return (const float*)cache + slot_row * D;
+  if (a.kv_kind == 1) {
+    const uint16_t* p = (const uint16_t*)cache + slot_row * D;
+#pragma omp simd
+    for (int d = 0; d < D; ++d) buf[d] = bf16_to_f32(p[d]);
+    return buf;
+  }
+  const int8_t* p = (const int8_t*)cache + slot_row * D;
+  const float s = scales[slot_row];
+#pragma omp simd
+  for (int d = 0; d < D; ++d) buf[d] = (float)p[d] * s;
+  return buf;
+}
+
+static void attn_part(const kvk::AttnArgs& a, int b, int kvh, int t0, int t1, float* out,
+                      float* ml) {
+  constexpr int CH = 32;   // tokens scored together: one softmax rescale per chunk
+  const int D = a.head_dim, G = a.num_heads / a.num_kv_heads, bs = a.block_size;
+  const float* q = a.q + ((size_t)b * a.num_heads + (size_t)kvh * G) * D;
+  const int64_t* table = a.block_tables + (size_t)b * a.table_stride;
+  float m[kvk::MAX_GQA], l[kvk::MAX_GQA], sc[kvk::MAX_GQA][CH];
+  float kbuf[CH][kvk::MAX_HEAD_DIM], vbuf[kvk::MAX_HEAD_DIM];
+  const float* rows[CH];
+  for (int g = 0; g < G; ++g) {
+    m[g] = -3.0e38f;
+    l[g] = 0.0f;
+    for (int d = 0; d < D; ++d) out[g * D + d] = 0.0f;
+  }
+  for (int c = t0; c < t1; c += CH) {
+    const int n = imin(CH, t1 - c);
+    for (int i = 0; i < n; ++i) {
+      const int t = c + i;
+      const int64_t row = (table[t / bs] * a.num_kv_heads + kvh) * bs + t % bs;  // [blocks, KV, bs]
+      rows[i] = kv_row(a, a.k_cache, a.k_scale, row, kbuf[i]);
+    }
+    for (int g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      float mx = m[g];
+      for (int i = 0; i < n; ++i) {
+        VF acc = vzero();
+        for (int d = 0; d < D; d += KV_W) acc = vfma(vload(qg + d), vload(rows[i] + d), acc);
+        sc[g][i] = vsum(acc) * a.scale;
+        mx = sc[g][i] > mx ? sc[g][i] : mx;
+      }
+      float alpha[1] = {m[g] - mx};
+      exp_inplace(alpha, 1);
+      for (int i = 0; i < n; ++i) sc[g][i] -= mx;
+      exp_inplace(sc[g], n);
+      float sum = 0.0f;
+      for (int i = 0; i < n; ++i) sum += sc[g][i];
+      l[g] = l[g] * alpha[0] + sum;
+      m[g] = mx;
+      if (alpha[0] != 1.0f) {
+        VF av = vset(alpha[0]);
+        for (int d = 0; d < D; d += KV_W) vstore(out + g * D + d, vmul(vload(out + g * D + d), av));
+      }
+    }
+    for (int i = 0; i < n; ++i) {
+      const int t = c + i;
+      const int64_t row = (table[t / bs] * a.num_kv_heads + kvh) * bs + t % bs;
+      const float* vr = kv_row(a, a.v_cache, a.v_scale, row, vbuf);
+      for (int g = 0; g < G; ++g) {
+        VF p = vset(sc[g][i]);
+        for (int d = 0; d < D; d += KV_W) vstore(out + g * D + d, vfma(p, vload(vr + d), vload(out + g * D + d)));
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    ml[2 * g] = m[g];
+    ml[2 * g + 1] = l[g];
+  }
+}
+
+// ---- SwiGLU --------------------------------------------------------------------------------
+static void silu_mul(const float* gu, int T, int I, float* out) {
+  float e[256];
+  for (int t = 0; t < T; ++t) {
+    const float* g = gu + (size_t)t * 2 * I;
+    const float* u = g + I;
+    float* o = out + (size_t)t * I;
+    for (int a = 0; a < I; a += 256) {
+      const int n = imin(256, I - a);
+      for (int i = 0; i < n; ++i) e[i] = -g[a + i] > 88.0f ? 88.0f : -g[a + i];
+      exp_inplace(e, n);
+#pragma omp simd
+      for (int i = 0; i < n; ++i) o[a + i] = g[a + i] / (1.0f + e[i]) * u[a + i];
+    }
+  }
+}
