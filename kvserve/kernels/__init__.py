@@ -64,11 +64,22 @@ def load() -> bool:
         logger.warning("kvserve's fused CPU kernels did not build, so the pure-torch path runs: %s",
                        str(e).strip()[-2000:])
         return False
+    _register_fakes()
     bits = CAPABILITY_BITS.get(torch.backends.cpu.get_cpu_capability(), 0)
     isa = torch.ops.kvserve.set_isa(bits)
     logger.info("kvserve's fused CPU kernels: %s (torch's capability %s)", isa,
                 torch.backends.cpu.get_cpu_capability())
     return True
+
+
+def _register_fakes() -> None:
+    """Shape functions of the ops, so they trace under torch.compile and FakeTensorMode."""
+    def linear(x, w, *rest):
+        return x.new_empty(x.shape[0], w.shape[0])
+    for name in ("linear_int4", "linear_int8", "linear_q8_0"):
+        torch.library.register_fake(f"kvserve::{name}")(linear)
+    torch.library.register_fake("kvserve::decode_attention")(lambda q, *rest: torch.empty_like(q))
+    torch.library.register_fake("kvserve::silu_mul")(lambda gu: gu.new_empty(gu.shape[0], gu.shape[1] // 2))
 
 
 def available(device="cpu") -> bool:

@@ -73,3 +73,17 @@ def test_decode_layers_refuses_a_slot_outside_the_cache():
         torch.ops.kvserve.decode_layers(torch.randn(1, hidden), weights, [0, 0] * 4, cos, sin, torch.tensor([4]),
                                         [k], [v], torch.tensor([[1, 2]]), torch.tensor([5]),
                                         torch.tensor([NB * BS]), H, KV, 1e-5, 0.25, 0)
+
+
+def test_ops_have_shape_functions_for_tracing():
+    """torch.compile / FakeTensorMode trace the ops through their registered fakes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        x = torch.empty(3, 64)
+        y = torch.ops.kvserve.linear_int4(x, torch.empty(48, 32, dtype=torch.uint8),
+                                          torch.empty(2, 48, 2, dtype=torch.bfloat16), None, 32)
+        att = torch.ops.kvserve.decode_attention(torch.empty(2, H, D), *caches(), None, None,
+                                                 torch.empty(2, 2, dtype=torch.long),
+                                                 torch.empty(2, dtype=torch.long), 0.25, 0)
+        act = torch.ops.kvserve.silu_mul(torch.empty(3, 64))
+    assert y.shape == (3, 48) and att.shape == (2, H, D) and act.shape == (3, 32)
