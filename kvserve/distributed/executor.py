@@ -132,7 +132,15 @@ class TPWorkers:
         if self.closed:
             raise RuntimeError("the tensor-parallel workers were shut down")
         self.check_alive()
-        dist.broadcast_object_list([to_host(msg)], src=0, group=self.group)
+        try:
+            dist.broadcast_object_list([to_host(msg)], src=0, group=self.group)
+        except Exception:
+            # a worker killed just before the broadcast is not reaped yet when check_alive runs,
+            # and the collective fails instead: name the dead worker if it is one
+            for p in self.procs:
+                p.join(1.0)
+            self.check_alive()
+            raise
 
     def close(self) -> None:
         """Stop the workers and leave the group (idempotent)."""
