@@ -204,6 +204,7 @@ class Int8Weight(QuantizedWeight):
         self.q = q.contiguous().to(device)
         self.scale = scale.to(device=device, dtype=self.compute_dtype)
         self.w8a8 = False                           # more rows than the kernel's: W8A8 (use_w8a8)
+        self.own_kernel = kernels.available(device)  # kvserve's GEMV for <= kernels.KERNEL_ROWS rows
 
     @classmethod
     def cat(cls, parts: list["Int8Weight"], dtype: torch.dtype, device) -> "Int8Weight":
@@ -240,7 +241,7 @@ class Int8Weight(QuantizedWeight):
 
     def linear(self, x, bias=None):
         T = x.shape[0]
-        if T <= min(self.kernel_max_rows, kernels.KERNEL_ROWS) and kernels.available(self.q.device):
+        if T <= min(self.kernel_max_rows, kernels.KERNEL_ROWS) and self.own_kernel:
             y = torch.ops.kvserve.linear_int8(x.float(), self.q, self.scale)
         elif T <= self.kernel_max_rows:
             y = torch.ops.aten._weight_int8pack_mm(

@@ -34,6 +34,13 @@ def reference_llm():
         torch.set_num_threads(threads)
 
 
+def openai_client(server: "LiveServer"):
+    """The official SDK against `server`: no retries, no proxy from the environment."""
+    import openai
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120,
+                         http_client=httpx.Client(trust_env=False, timeout=120))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

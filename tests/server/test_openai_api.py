@@ -13,7 +13,7 @@ import pytest
 from kvserve import SamplingParams
 from kvserve.server.chat import FALLBACK_CHAT_TEMPLATE
 
-from .live import LiveServer, reference_llm
+from .live import LiveServer, reference_llm, openai_client
 
 MODEL = "stories260K-hf"
 PROMPTS = ["Once upon a time", "Lily went to the park", "The cat was", "Tom had a big red ball",
@@ -29,8 +29,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    c = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120,
-                      http_client=httpx.Client(trust_env=False, timeout=120))
+    c = openai_client(server)
     yield c
     c.close()
 

@@ -11,11 +11,10 @@ from typing import Literal
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from pydantic import BaseModel
 
-from .live import LiveServer
+from .live import LiveServer, openai_client
 
 MODEL = "stories260K-hf"
 MESSAGES = [{"role": "user", "content": "Tell me about Lily."}]
@@ -39,8 +38,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    c = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120,
-                      http_client=httpx.Client(trust_env=False, timeout=120))
+    c = openai_client(server)
     yield c
     c.close()
 

@@ -16,7 +16,7 @@ import pytest
 from kvserve.model.tokenizer import HFTokenizer
 from kvserve.server.chat import ChatRenderer
 
-from .live import STORIES_HF, LiveServer
+from .live import STORIES_HF, LiveServer, openai_client
 
 MODEL = "stories260K-hf"
 TEMPLATE = (
@@ -49,8 +49,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    c = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120,
-                      http_client=httpx.Client(trust_env=False, timeout=120))
+    c = openai_client(server)
     yield c
     c.close()
 
