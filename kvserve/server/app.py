@@ -51,6 +51,11 @@ from kvserve.server.streaming import SSE_HEADERS, stream_completions, usage_of
 from kvserve.server.submission import Submission, collect_or_disconnect
 from kvserve.server.protocol import (
     ChatCompletionRequest, CompletionChoice, CompletionRequest, CompletionResponse, ModelCard, ModelList)
+from kvserve.server.embeddings import install as install_embeddings
+from kvserve.server.page import install as install_page
+from kvserve.server.request_log import install as install_request_log
+from kvserve.server.responses import install as install_responses
+from kvserve.server.tokenizer_routes import install as install_tokenizer_routes
 from kvserve.tool_calls import DEFAULT_TOOL_CALL_PARSER, tool_parser
 
 logger = logging.getLogger("kvserve.server")
@@ -67,10 +72,15 @@ class ServerState:
                  stream_stall_timeout: float | None = None,
                  max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
                  escape_special_tokens: bool = False, api_keys=None, answer_cache: dict | None = None,
-                 tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER):
+                 tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER, log_requests: bool = True,
+                 log_stats_interval: float = 10.0, metrics_prefix: str = "kvserve", ui: bool = True):
         tool_parser(tool_call_parser)           # an unknown name: ValueError before anything starts
         self.tool_call_parser = tool_call_parser
         self.model_name = served_model_name
+        self.log_requests = log_requests            # server/request_log.py
+        self.log_stats_interval = log_stats_interval
+        self.metrics_prefix = metrics_prefix
+        self.ui = ui                                # server/page.py
         self.api_key = api_key
         self.api_key_bytes = api_key_bytes(api_key) if api_key is not None else None
         self.metrics = ServerMetrics(served_model_name)
@@ -98,13 +108,15 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
               stream_stall_timeout: float | None = None, api_keys=None,
               answer_cache: dict | None = None, metrics_public: bool = False,
               metrics_tenant_labels: bool = False, escape_special_tokens: bool = False,
-              tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER) -> FastAPI:
+              tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER, log_requests: bool = True,
+              log_stats_interval: float = 10.0, metrics_prefix: str = "kvserve", ui: bool = True) -> FastAPI:
     """The FastAPI app serving `engine`: an `LLMEngine` or `EngineCore` (its core loop runs in
     a thread of this process) or a `CoreClient` (server/core_client.py). The engine loop starts
     with the app. `api_keys`: a keys file's path or a loaded `TenantRegistry` (server/answers.install)."""
     state = ServerState(engine, served_model_name, api_key, max_waiting, chat_template,
                         stream_stall_timeout, max_prompts_per_request, escape_special_tokens,
-                        api_keys, answer_cache, tool_call_parser)
+                        api_keys, answer_cache, tool_call_parser, log_requests, log_stats_interval,
+                        metrics_prefix, ui)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -151,6 +163,12 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
     async def chat_completions(request: Request):
         return await state.front.handle(request, ChatCompletionRequest, "chat", _chat)
 
+    # Each feature's routes (and background tasks) in its own module.
+    install_tokenizer_routes(app, state)    # /tokenize, /detokenize, /tokenizer_info, /version, /v1/models/{id}
+    install_embeddings(app, state)          # /v1/embeddings
+    install_responses(app, state)           # /v1/responses
+    install_request_log(app, state)         # a line per request, a stats line every few seconds
+    install_page(app, state)                # the chat page at /
     return app
 
 

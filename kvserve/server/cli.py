@@ -72,6 +72,15 @@ class ServerArgs:
         "how tool_choice \"auto\" reads tool calls in the model's text (vLLM's names): hermes "
         "(<tool_call>{...}</tool_call>, Qwen's and kvserve's default tool prompt's), llama3_json, "
         "mistral", choices=("hermes", "llama3_json", "mistral")))
+    disable_log_requests: bool = field(default=False, metadata=flag(
+        "no INFO line per finished request (id, tokens, TTFT, e2e, finish reason); vLLM's name"))
+    log_stats_interval: float = field(default=10.0, metadata=flag(
+        "seconds between the INFO stats lines (throughput, running/waiting/swapped, KV use, prefix "
+        "hit rate; 0 disables them)"))
+    metrics_prefix: str = field(default="kvserve", metadata=flag(
+        "the prefix of /metrics names: kvserve (kvserve:...) or vllm (vLLM's names, for existing "
+        "dashboards)", choices=("kvserve", "vllm")))
+    no_ui: bool = field(default=False, metadata=flag("serve no chat page at /"))
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -131,7 +140,9 @@ def cmd_serve(args) -> int:
                     metrics_public=args.metrics_public, metrics_tenant_labels=args.metrics_tenant_labels,
                     escape_special_tokens=escape_special_tokens(args),
                     api_keys=tenants, answer_cache=answer_cache_options(args),
-                    tool_call_parser=args.tool_call_parser)
+                    tool_call_parser=args.tool_call_parser,
+                    log_requests=not args.disable_log_requests, log_stats_interval=args.log_stats_interval,
+                    metrics_prefix=args.metrics_prefix, ui=not args.no_ui)
     log.info("serving %s as %r on http://%s:%d (max_model_len %d)", engine.config.model, name, args.host,
              args.port, engine.config.max_model_len)
     # uvicorn's own deadline comes a little after ours: by then every handler has answered.

@@ -1,0 +1,5 @@
+"""the chat page at `/` (being built; installs nothing yet)."""
+
+
+def install(app, state) -> None:
+    return None

@@ -1,0 +1,5 @@
+"""the request and stats log lines (being built; installs nothing yet)."""
+
+
+def install(app, state) -> None:
+    return None

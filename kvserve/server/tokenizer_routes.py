@@ -1,0 +1,5 @@
+"""the tokenizer endpoints (being built; installs nothing yet)."""
+
+
+def install(app, state) -> None:
+    return None
