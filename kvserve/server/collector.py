@@ -10,6 +10,7 @@ failure or a finished output is terminal: later puts for that request are ignore
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 import time
 from collections import deque
@@ -35,6 +36,8 @@ class RequestOutputCollector:
         self._closed: set[str] = set()           # requests with a terminal item
         self._event = asyncio.Event()
         self._wake_scheduled = False
+        # The handler's context (its tenant and `user`), for the request log (server/request_log.py).
+        self.context = contextvars.copy_context()
 
     # -- producer side (any thread) ----------------------------------------------------------
     def put(self, item) -> None:

@@ -48,6 +48,7 @@ class CoreClient:
         self.processor = Processor(tokenizer, limits)
         self.output = OutputProcessor(tokenizer, logprob_text=False)
         self.metrics = None
+        self.request_log = None      # server/request_log.py: a line per finished/aborted/failed request
         self.max_waiting: int | None = None
         self.stall_timeout: float | None = None
         self.dead: BaseException | None = None
@@ -188,10 +189,12 @@ class CoreClient:
 
     def abort(self, request_id: str) -> None:
         """Abort a request (from the event loop; for any id, any number of times)."""
+        whole = self._whole(request_id)
         self.output.abort(request_id)
         entry = self._streams.pop(request_id, None)
         if entry is not None:
             self.metrics.observe_abort(entry[1])
+            self._log_end(entry[0], request_id, whole, "abort")
         elif request_id in self._pending:
             self._aborted_pending.add(request_id)
         else:
@@ -263,8 +266,10 @@ class CoreClient:
                     self.output.abort(out.request_id)
                     self._tell(("abort", out.request_id))
             for out in finished:
-                if self._streams.pop(out.request_id, None) is not None:
+                entry = self._streams.pop(out.request_id, None)
+                if entry is not None:
                     self.metrics.observe_finished(out)
+                    self._log_end(entry[0], out.request_id, out)
             self.num_steps += 1
             self._set_stats(msg[2])
         elif kind == "stats":
@@ -283,12 +288,22 @@ class CoreClient:
             logger.warning("request %s: its client has read nothing for over %.0f s; aborting it",
                            out.request_id, self.stall_timeout)
             self.metrics.observe_abort(n)        # every sample, as `abort` counts them
+            self._log_end(collector, out.request_id, self._whole(out.request_id), "abort")
             collector.put(RequestFailed(out.request_id, APIError(
                 f"aborted: the client read nothing for over {self.stall_timeout:.0f} s "
                 "(--stream-stall-timeout)", status_code=408, type="server_error", code="client_too_slow")))
             return False
         collector.put(out)
         return True
+
+    def _whole(self, rid: str):
+        """The cumulative RequestOutput of an unfinished request (what it made so far), or None."""
+        req = self.output.requests.get(rid)
+        return req.output if req is not None else None
+
+    def _log_end(self, collector, rid: str, output, reason: str | None = None, error=None) -> None:
+        if self.request_log is not None:
+            self.request_log.ended(collector, rid, output, reason, error)
 
     def _set_stats(self, stats) -> None:
         self.last_stats = stats
@@ -348,5 +363,6 @@ class CoreClient:
                 accepted.set_exception(refusal)
         streams, self._streams = self._streams, {}
         for rid, (collector, _) in streams.items():
+            self._log_end(collector, rid, self._whole(rid), "error", err)
             self.output.abort(rid)
             collector.put(RequestFailed(rid, err))

@@ -50,6 +50,13 @@ server/answers.py: kvserve:answer_cache_lookups_total{tenant,cache,result},
 kvserve:semantic_cache_similarity, kvserve:semantic_cache_embedding_seconds).
 Every series carries `model_name`.
 
+`--metrics-prefix vllm` (ServerMetrics.set_prefix) serves the series vLLM also has under vLLM's
+names (_VLLM_NAMES; the deprecated gpu_* names too, as vLLM 0.9-0.10 serve them) and the rest
+as they are: kvserve:num_kv_blocks_*, engine_*, kv_tier_*, grammar_*, memory, tenants, caches.
+vLLM's time_per_output_token_seconds is its inter-token latency (one sample per gap), so it is
+kvserve:inter_token_latency_seconds there, and kvserve's per-request mean is served only as
+vllm:request_time_per_output_token_seconds.
+
 Who may read it, and what it names (app.py): with `--api-key` or `--api-keys`, /metrics needs a
 valid key like /v1 (`--metrics-public` opens it). A `tenant` label never holds the tenant's name
 unless `--metrics-tenant-labels` is given: it holds `tenant_pseudonym(name)`, a stable SHA-256
@@ -63,6 +70,7 @@ import math
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for app.py)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 
 from kvserve.server.memory_metrics import MemoryCollector
 from kvserve.structured.metrics import structured_output_metrics
@@ -209,9 +217,16 @@ class ServerMetrics:
                                labels + ["finished_reason"], registry=r)
         self.rejected = Counter("kvserve:http_requests_rejected", "HTTP requests refused, by reason.",
                                 labels + ["reason"], registry=r)
+        self.prefix = "kvserve"                 # set_prefix: "vllm" renames on the way out
         self.stats = _EngineStatsCollector(model_name)
         r.register(self.stats)
         r.register(MemoryCollector(model_name))   # resident memory; device memory on CUDA
+
+    def set_prefix(self, prefix: str) -> None:
+        """Serve vLLM's names (`vllm`) or kvserve's (`kvserve`, the default)."""
+        if prefix not in METRICS_PREFIXES:
+            raise ValueError(f"metrics prefix must be one of {METRICS_PREFIXES}, got {prefix!r}")
+        self.prefix = prefix
 
     def update_stats(self, snapshot) -> None:
         self.stats.snapshot = snapshot
@@ -250,7 +265,8 @@ class ServerMetrics:
 
     def render(self, tenant_labels: bool = False) -> bytes:
         """The Prometheus text; `tenant` labels as pseudonyms unless `tenant_labels`."""
-        return generate_latest(self.registry if tenant_labels else _PseudonymousTenants(self.registry))
+        source = self.registry if tenant_labels else _PseudonymousTenants(self.registry)
+        return generate_latest(_VllmNames(source) if self.prefix == "vllm" else source)
 
 
 def tenant_pseudonym(name: str) -> str:
@@ -270,6 +286,56 @@ class _PseudonymousTenants:
             fam.samples = [s._replace(labels={**s.labels, "tenant": tenant_pseudonym(s.labels["tenant"])})
                            if "tenant" in s.labels else s for s in fam.samples]
             yield fam
+
+
+METRICS_PREFIXES = ("kvserve", "vllm")
+
+# kvserve family -> the vLLM families serving its samples (the current name first, then the
+# deprecated one vLLM still serves); () drops it (its vLLM counterpart is served elsewhere).
+_VLLM_NAMES = {
+    "kvserve:num_requests_running": ("vllm:num_requests_running",),
+    "kvserve:num_requests_waiting": ("vllm:num_requests_waiting",),
+    "kvserve:kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "kvserve:prefix_cache_queries": ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries"),
+    "kvserve:prefix_cache_hits": ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits"),
+    "kvserve:num_preemptions": ("vllm:num_preemptions",),
+    "kvserve:prompt_tokens": ("vllm:prompt_tokens",),
+    "kvserve:generation_tokens": ("vllm:generation_tokens",),
+    "kvserve:request_success": ("vllm:request_success",),
+    "kvserve:request_prompt_tokens": ("vllm:request_prompt_tokens",),
+    "kvserve:request_generation_tokens": ("vllm:request_generation_tokens",),
+    "kvserve:time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
+    "kvserve:inter_token_latency_seconds": ("vllm:inter_token_latency_seconds",
+                                            "vllm:time_per_output_token_seconds"),
+    "kvserve:time_per_output_token_seconds": (),
+    "kvserve:request_time_per_output_token_seconds": ("vllm:request_time_per_output_token_seconds",),
+    "kvserve:e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+    "kvserve:request_queue_time_seconds": ("vllm:request_queue_time_seconds",),
+    "kvserve:request_prefill_time_seconds": ("vllm:request_prefill_time_seconds",),
+    "kvserve:request_decode_time_seconds": ("vllm:request_decode_time_seconds",),
+    "kvserve:spec_decode_num_drafts": ("vllm:spec_decode_num_drafts",),
+    "kvserve:spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
+    "kvserve:spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
+    "kvserve:spec_decode_num_accepted_tokens_per_pos": ("vllm:spec_decode_num_accepted_tokens_per_pos",),
+}
+
+
+class _VllmNames:
+    """The source's metric families, those in _VLLM_NAMES under vLLM's names."""
+
+    def __init__(self, source):
+        self.source = source
+
+    def collect(self):
+        for fam in self.source.collect():
+            names = _VLLM_NAMES.get(fam.name)
+            if names is None:
+                yield fam
+                continue
+            for name in names:      # e.g. kvserve:request_success_total -> vllm:request_success_total
+                out = Metric(name, fam.documentation, fam.type, fam.unit)
+                out.samples = [s._replace(name=name + s.name[len(fam.name):]) for s in fam.samples]
+                yield out
 
 
 def _observe(hist: Histogram, name: str, value) -> None:
