@@ -35,28 +35,30 @@ def special_token_pattern(tokenizer) -> re.Pattern | None:
     return re.compile("|".join(map(re.escape, texts))) if texts else None
 
 
-def encode_escaped(renderer, pattern: re.Pattern | None, messages: list[dict],
-                   add_generation_prompt: bool, text: str, tools: list[dict] | None = None) -> list[int]:
-    """Token ids of `text` (= renderer.render(messages, add_generation_prompt, tools)) with the
-    special-token text of the messages' fields read as plain text (module docstring)."""
+def encode_escaped(renderer, pattern: re.Pattern | None, messages: list[dict], text: str,
+                   rerender, add_special_tokens: bool | None = None) -> list[int]:
+    """Token ids of `text` (= rerender(messages), the renderer's render with the request's
+    options) with the special-token text of the messages' fields read as plain text (module
+    docstring). `add_special_tokens`: as `renderer.encode`'s."""
     fields = [(i, f) for i, m in enumerate(messages) for f in ESCAPED_FIELDS
               if isinstance(m.get(f), str) and pattern is not None and pattern.search(m[f])]
     if not fields:
-        return renderer.encode(text)                                  # 1. nothing to escape
+        return renderer.encode(text, add_special_tokens)              # 1. nothing to escape
     nonce = secrets.token_hex(8)
     marked = [dict(m) for m in messages]
     for k, (i, f) in enumerate(fields):
         marked[i][f] = f"\ue000{nonce}:{k}\ue001"
-    parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", renderer.render(marked, add_generation_prompt, tools))
+    parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", rerender(marked))
     values = [messages[i][f] for i, f in fields]
     if "".join(values[int(p)] if j % 2 else p for j, p in enumerate(parts)) != text:   # 2.
         raise ChatTemplateError("this chat template changes message text before writing it, so "
                                 "special-token text in it (such as <|...|>) cannot be kept as "
                                 "plain text: remove that text from the messages")
     tok = renderer.tokenizer
+    special = renderer.is_fallback if add_special_tokens is None else add_special_tokens
     if renderer.is_fallback:            # a template that writes no special token of its own
-        return tok.encode(text, add_special_tokens=True, split_special_tokens=True)
-    ids: list[int] = []
+        return tok.encode(text, add_special_tokens=special, split_special_tokens=True)
+    ids: list[int] = tok.encode("", add_special_tokens=True) if special else []    # (BOS)
     run: list[str] = []
 
     def flush():

@@ -6,6 +6,12 @@ Templates run in jinja2's sandbox with the variables and helpers Hugging Face te
 `messages`, `tools`, `add_generation_prompt`, `bos_token`, `eos_token`, `raise_exception`,
 `strftime_now` and the `tojson` filter.
 
+`continue_final_message` (Hugging Face's) leaves the last message open for the model to go on
+writing: the render is cut right after that message's text, and no generation prompt follows.
+`template_kwargs` (vLLM's `chat_template_kwargs`) are more variables for the template, such as
+Qwen3's `enable_thinking`; one the template never reads, or one the renderer itself sets, is
+refused, so no keyword is silently without effect.
+
 Tools (`render(..., tools=[{"type": "function", "function": {...}}])`) reach a template that
 reads a `tools` variable through it, with the history's tool calls as Hugging Face passes them
 (`message.tool_calls[i].function.arguments` a dict); any other template gets kvserve's default
@@ -80,22 +86,31 @@ class ChatRenderer:
         env.globals["strftime_now"] = _strftime_now
         try:
             self.template = env.from_string(template)
+            self.variables = frozenset(jinja2.meta.find_undeclared_variables(env.parse(template)))
             # A template written for tools reads the `tools` variable (and so its tool calls).
-            self.accepts_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(template))
+            self.accepts_tools = "tools" in self.variables
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template does not parse ({e}): fix it, or pass another "
                              "--chat-template.") from e
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
-               tools: list[dict] | None = None) -> str:
-        """The prompt text; ChatTemplateError (a ValueError) if the template refuses the messages."""
-        extra = {}
+               tools: list[dict] | None = None, *, continue_final_message: bool = False,
+               template_kwargs: dict | None = None) -> str:
+        """The prompt text; ChatTemplateError (a ValueError) if the template refuses the messages
+        or the options (module docstring)."""
+        extra = self._template_kwargs(template_kwargs)
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be "
+                                        "true: set add_generation_prompt to false to continue the last message")
+            if not messages or not messages[-1].get("content"):
+                raise ChatTemplateError("continue_final_message needs a last message with text to continue")
         if self.accepts_tools:
             extra["tools"] = tools or None
         elif tools or any(m.get("tool_calls") for m in messages):
             messages = with_tool_prompt(messages, tools)
         try:
-            return self.template.render(
+            text = self.template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
                 bos_token=getattr(self.tokenizer, "bos_token", None) or "",
                 eos_token=getattr(self.tokenizer, "eos_token", None) or "", **extra)
@@ -104,10 +119,40 @@ class ChatRenderer:
             raise ChatTemplateError(f"the chat template rejected the conversation ({e}): change the "
                                     "messages to a form it accepts (most want alternating user and "
                                     "assistant turns).") from e
+        return _cut_after_last(text, messages[-1]["content"]) if continue_final_message else text
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of rendered text (BOS added only for the fallback, see the module doc)."""
-        return self.tokenizer.encode(text, add_special_tokens=self.is_fallback)
+    def _template_kwargs(self, kwargs: dict | None) -> dict:
+        kwargs = dict(kwargs or {})
+        reserved = sorted(k for k in kwargs if k in _RESERVED_VARIABLES)
+        if reserved:
+            raise ChatTemplateError(f"chat_template_kwargs may not set {reserved}: the request's own fields "
+                                    "(messages, tools, add_generation_prompt) and the tokenizer set them")
+        unread = sorted(k for k in kwargs if k not in self.variables)
+        if unread:
+            raise ChatTemplateError(f"chat_template_kwargs {unread} are not read by this model's chat "
+                                    f"template (it reads {sorted(self.variables - _RESERVED_VARIABLES)})")
+        return kwargs
+
+    def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
+        """Token ids of rendered text. By default BOS is added only for the fallback (see the
+        module doc); `add_special_tokens` (the request's) overrides that."""
+        special = self.is_fallback if add_special_tokens is None else add_special_tokens
+        return self.tokenizer.encode(text, add_special_tokens=special)
+
+
+_RESERVED_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                                 "raise_exception", "strftime_now"})
+
+
+def _cut_after_last(text: str, final: str) -> str:
+    """`text` up to the end of the last occurrence of the final message's text (stripped, as
+    templates that trim messages write it): what comes after closes the turn."""
+    for needle in (final, final.strip()):
+        at = text.rfind(needle) if needle else -1
+        if at >= 0:
+            return text[:at + len(needle)]
+    raise ChatTemplateError("continue_final_message: the chat template does not write the last message's "
+                            "text as given, so it cannot be continued")
 
 
 def _model_template(tokenizer) -> str | None:

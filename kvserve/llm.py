@@ -57,10 +57,12 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = False, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} dicts) or a list of
         them, each rendered with the model's chat template (or `chat_template`, a file or the
-        template text; kvserve/chat_template.py) and generated like `generate`. One
+        template text; kvserve/chat_template.py: `continue_final_message` and the template's
+        extra variables `chat_template_kwargs` too) and generated like `generate`. One
         RequestOutput per conversation, in input order."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts, "
@@ -71,7 +73,8 @@ class LLM:
         for conv in conversations:
             if not isinstance(conv, (list, tuple)) or not all(isinstance(m, dict) for m in conv):
                 raise ValueError("each conversation must be a list of {'role', 'content'} dicts.")
-            text = renderer.render(list(conv), add_generation_prompt)
+            text = renderer.render(list(conv), add_generation_prompt, continue_final_message=continue_final_message,
+                                   template_kwargs=chat_template_kwargs)
             prompts.append({"prompt": text, "prompt_token_ids": renderer.encode(text)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

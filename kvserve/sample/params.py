@@ -20,6 +20,8 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_TEMPERATURE = 100.0           # as the OpenAI server's schema
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 MAX_ABS_LENGTH_PENALTY = 10.0     # seq_len ** length_penalty stays a finite, non-zero float
+MAX_LOGIT_BIAS = 300              # OpenAI's limit on logit_bias entries
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
 
 
 def _is_int(v) -> bool:
@@ -52,6 +54,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-k logprobs per prompt token (0: the prompt token only)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # token id -> a number in [-100, 100] added to its logit before sampling (OpenAI's): -100
+    # bans a token, 100 all but forces it. Logprobs stay those of the raw model distribution.
+    logit_bias: dict[int, float] | None = None
     # Beam search (vLLM v0's fields): keep the `beam_width` most likely partial answers, ranked by
     # cumulative logprob / len ** length_penalty; returns the best `n`. Uses raw log-probabilities.
     use_beam_search: bool = False
@@ -147,15 +152,16 @@ class SamplingParams:
         bad = next((t for t in self.stop_token_ids if not _is_int(t) or not 0 <= t <= INT64_MAX), None)
         if bad is not None:
             self._fail(f"stop_token_ids must be non-negative integers (token ids), got {bad!r}.")
+        self._check_logit_bias()
         if self.use_beam_search:
             if not _is_int(self.beam_width) or self.beam_width < 1:
                 self._fail(f"beam_width must be an integer >= 1, got {self.beam_width!r}.")
             if self.n > self.beam_width:
                 self._fail(f"n ({self.n}) must not exceed beam_width ({self.beam_width}).")
             if (self.top_k or self.top_p < 1.0 or self.min_p or self.uses_penalties or self.min_tokens
-                    or self.stop_strings):
+                    or self.stop_strings or self.logit_bias):
                 self._fail("beam search ranks raw log-probabilities: top_k, top_p, min_p, penalties, "
-                           "min_tokens and stop strings are not supported with use_beam_search.")
+                           "logit_bias, min_tokens and stop strings are not supported with use_beam_search.")
         elif self.beam_width is not None:
             self._fail("beam_width needs use_beam_search=True.")
         so = self.structured_outputs
@@ -164,6 +170,21 @@ class SamplingParams:
         if so is not None and self.use_beam_search:
             self._fail("structured_outputs is not supported with beam search (use_beam_search): "
                        "sample or decode greedily instead.")
+
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            self._fail(f"logit_bias must map token ids to numbers, got {type(bias).__name__}.")
+        if len(bias) > MAX_LOGIT_BIAS:
+            self._fail(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}.")
+        lo, hi = LOGIT_BIAS_RANGE
+        for t, b in bias.items():
+            if not _is_int(t) or not 0 <= t <= INT64_MAX:
+                self._fail(f"logit_bias keys must be token ids (non-negative integers), got {t!r}.")
+            if not _is_finite_real(b) or not lo <= b <= hi:
+                self._fail(f"logit_bias values must be numbers in [{lo:g}, {hi:g}], got {b!r} for token {t}.")
 
     def verify_for_model(self, vocab_size: int) -> None:
         """Checks that depend on the model: raise ValueError if these parameters cannot be served
@@ -174,6 +195,9 @@ class SamplingParams:
         bad = sorted(t for t in self.stop_token_id_set if t >= vocab_size)
         if bad:
             self._fail(f"stop_token_ids {bad[:8]} are outside the vocabulary [0, {vocab_size}).")
+        bad = sorted(t for t in self.logit_bias or () if t >= vocab_size)
+        if bad:
+            self._fail(f"logit_bias token ids {bad[:8]} are outside the vocabulary [0, {vocab_size}).")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and v > vocab_size:

@@ -1,6 +1,6 @@
 """Turn one step's logits into one token per sampling sequence (seed 000, "Prefill and decode").
 
-Order, as in vLLM v0 and transformers' generate: penalties (repetition on prompt + output,
+Order, as in vLLM v0 and transformers' generate: OpenAI's logit_bias added, penalties (repetition on prompt + output,
 presence and frequency on output), min_tokens masking of stop tokens, then greedy argmax, or
 temperature, top-k, top-p, min-p and a draw. (vLLM v1 applies min-p before top-k/top-p; the two
 orders differ when top-p and min-p are combined.) `process_logits` / `processed_logprobs` give
@@ -35,12 +35,13 @@ class Sampled:
 def process_logits(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     """The logits each row's token is chosen from, [S, V], one row per request in `reqs`.
 
-    Every row: penalties, then -inf on stop tokens while min_tokens is not reached. A sampled
+    Every row: logit_bias added, penalties, then -inf on stop tokens while min_tokens is not reached. A sampled
     row then also gets temperature, top-k, top-p and min-p (-inf where filtered out): its token
     is drawn from softmax of the row. A greedy row's token is the row's argmax. `logits` is
     never written to; when no row changes it is returned as is.
     """
     x = logits.clone() if any(_changes_logits(r) for r in reqs) else logits
+    _apply_logit_bias(x, reqs)
     _apply_penalties(x, reqs)
     _mask_early_stops(x, reqs)
     rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
@@ -88,7 +89,16 @@ def apply_top_k_top_p_min_p(x: torch.Tensor, params) -> torch.Tensor:
 
 def _changes_logits(r: Request) -> bool:
     p = r.params
-    return p.uses_penalties or r.num_output_tokens < p.min_tokens or not p.greedy
+    return p.uses_penalties or r.num_output_tokens < p.min_tokens or not p.greedy or bool(p.logit_bias)
+
+
+def _apply_logit_bias(logits: torch.Tensor, reqs: Sequence[Request]) -> None:
+    """In place: each row's logit_bias added to its tokens' logits (ids < V: verify_for_model)."""
+    for i, r in enumerate(reqs):
+        bias = r.params.logit_bias
+        if bias:
+            ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+            logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
 
 
 def _apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> None:

@@ -35,6 +35,7 @@ from kvserve.cache.exact import ExactCache, cacheable, request_key
 from kvserve.cache.semantic import DEFAULT_THRESHOLD
 from kvserve.server.body import parse_body
 from kvserve.server.chat import template_messages
+from kvserve.server.sampling import check_priority
 from kvserve.server.protocol import (
     ChatCompletionChoice, ChatCompletionResponse, ChatCompletionStreamChoice, ChatCompletionStreamResponse,
     ChatMessage, CompletionChoice, CompletionResponse, CompletionStreamResponse, DeltaMessage, UsageInfo)
@@ -100,6 +101,7 @@ class Front:
         tenancy = self.state.tenancy
         tenant = tenancy.authenticate(request)
         req = await parse_body(self.state, request, model_cls)
+        check_priority(self.state, req)
         tenancy.begin(tenant, req)
         plan = await self._plan(req, endpoint, tenant.name, request)
         if plan is None:
@@ -128,7 +130,8 @@ class Front:
             return None
         fields = req.model_dump(exclude={"prompt", "messages"})
         logprobs = req.logprobs is not None and req.logprobs is not False    # completions' 0 asks too
-        if not cacheable(fields) or getattr(req, "echo", False) or logprobs or getattr(req, "tools", None):
+        if not cacheable(fields) or getattr(req, "echo", False) or logprobs or getattr(req, "tools", None) \
+                or getattr(req, "prompt_logprobs", None) is not None:
             return None             # (an answer with tool calls is not kept: the store holds text)
         plan = Plan(endpoint, tenant)
         scope = [tenant, req.cache_salt]        # who may see the answer (after Tenancy.begin)

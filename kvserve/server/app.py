@@ -34,7 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.server.answers import install as install_front
-from kvserve.server.body import api_key_bytes
+from kvserve.server.body import IgnoredFieldsHeader, api_key_bytes
 from kvserve.server.errors import EngineFailureReport, install_error_handlers
 from kvserve.server.limits import (
     DEFAULT_MAX_PROMPTS_PER_REQUEST, MIN_BYTES_PER_TOKEN_BOUND, ServerLimits, Tokenization,
@@ -45,7 +45,7 @@ from kvserve.server.core_client import CoreClient
 from kvserve.server.chat import ChatRenderer
 from kvserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kvserve.server.chat_completions import chat_completions as _chat
-from kvserve.server.openai_logprobs import completion_logprobs, echo_logprobs, echo_only
+from kvserve.server.openai_logprobs import completion_logprobs, echo_logprobs, echo_only, prompt_logprobs_table
 from kvserve.server.sampling import sampling_params
 from kvserve.server.streaming import SSE_HEADERS, stream_completions, usage_of
 from kvserve.server.submission import Submission, collect_or_disconnect
@@ -133,6 +133,7 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
 
     app = FastAPI(title="kvserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.kvserve = state
+    app.add_middleware(IgnoredFieldsHeader)     # names the unknown fields a request sent (body.py)
     install_error_handlers(app, state)
     install_openapi(app, ROUTES)
 
@@ -184,7 +185,8 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
                   for item in items]
     # echo with max_tokens=0 (vLLM's rule): generate one token, return none of it.
     constraint = req.constraint()
-    params = [sampling_params(req, max(m, 1), req.logprobs, req.logprobs if req.echo else None, constraint)
+    asked = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
+    params = [sampling_params(req, max(m, 1), req.logprobs, max(asked) if asked else None, constraint)
               for m in max_tokens]
     rid_prefix = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -218,13 +220,15 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
         prefix_text = prompt_texts[pi] if req.echo else ""
         for c in out.outputs:
             lp = None
+            as_ids = req.return_tokens_as_token_ids
             if req.logprobs is not None and req.echo:
-                lp = echo_logprobs(state, out, c, req.logprobs, req.skip_special_tokens)
+                lp = echo_logprobs(state, out, c, req.logprobs, req.skip_special_tokens, as_ids)
             elif req.logprobs is not None and c.logprobs is not None:
                 lp = completion_logprobs(state, out.prompt_token_ids, c.token_ids, c.logprobs,
-                                          len(prefix_text), req.logprobs, req.skip_special_tokens)
+                                         len(prefix_text), req.logprobs, req.skip_special_tokens, as_ids)
+            plp = prompt_logprobs_table(state, out, as_ids) if req.prompt_logprobs is not None else None
             choices.append(CompletionChoice(index=pi * req.n + c.index, text=prefix_text + c.text,
                                             logprobs=lp, finish_reason=c.finish_reason,
-                                            stop_reason=c.stop_reason))
+                                            stop_reason=c.stop_reason, prompt_logprobs=plp))
     return CompletionResponse(id=rid_prefix, created=created, model=state.model_name,
                               choices=choices, usage=usage_of(outs)).model_dump()

@@ -12,15 +12,21 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 from decimal import Decimal
 
 from fastapi import Request
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from kvserve.server.protocol import APIError
 from kvserve.server.request_rules import CONSTRAINTS_CODE, MIN_TOKENS_CODE, RULE_ERROR
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
+IGNORED_FIELDS_HEADER = "kvserve-ignored-fields"
+_IGNORED_KEY = "kvserve_ignored_fields"
+MAX_NAMED_IGNORED = 16
+
+logger = logging.getLogger("kvserve.server")
 
 
 def check_auth(state, request: Request) -> None:
@@ -101,7 +107,50 @@ async def parse_body(state, request: Request, model_cls):
     if req.model is not None and req.model not in (state.model_name, state.engine.config.model):
         raise APIError(f"the model {req.model!r} does not exist; this server serves "
                        f"{state.model_name!r}", 404, param="model", code="model_not_found")
+    ignored = unknown_fields(req, obj)
+    if ignored:     # accepted (newer clients send newer fields) but said: the log and a header
+        logger.warning("%s %s: ignored the unknown request fields %s", request.method, request.url.path, ignored)
+        setattr(request.state, _IGNORED_KEY, ignored)
     return req
+
+
+def unknown_fields(model, raw, path: str = "") -> list[str]:
+    """The keys of the JSON `raw` that `model` (a parsed request or part) has no field for, as
+    paths ("foo", "messages[0].bar"), nested parts included."""
+    if isinstance(model, BaseModel) and isinstance(raw, dict):
+        fields = type(model).model_fields
+        by_key = {f.alias or name: name for name, f in fields.items()}
+        out = [f"{path}{k}" for k in raw if k not in by_key]
+        for key, name in by_key.items():
+            if key in raw:
+                out += unknown_fields(getattr(model, name), raw[key], f"{path}{key}.")
+        return out
+    if isinstance(model, list) and isinstance(raw, list) and model and isinstance(model[0], BaseModel):
+        return [u for i, (m, r) in enumerate(zip(model, raw))
+                for u in unknown_fields(m, r, f"{path[:-1]}[{i}].")]
+    return []
+
+
+class IgnoredFieldsHeader:
+    """ASGI middleware: a response to a request with unknown fields names them (up to
+    MAX_NAMED_IGNORED, escaped to ASCII) in the `kvserve-ignored-fields` header."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_named(message):
+            ignored = scope.get("state", {}).get(_IGNORED_KEY)
+            if message["type"] == "http.response.start" and ignored:
+                names = [json.dumps(n[:64])[1:-1] for n in ignored[:MAX_NAMED_IGNORED]]
+                value = ", ".join(names) + (", ..." if len(ignored) > MAX_NAMED_IGNORED else "")
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  (IGNORED_FIELDS_HEADER.encode(), value.encode("ascii"))]}
+            await send(message)
+        await self.app(scope, receive, send_named)
 
 
 def validation_error_to_api_error(err: ValidationError) -> APIError:
@@ -121,8 +170,11 @@ def validation_error_to_api_error(err: ValidationError) -> APIError:
     msg = first.get("msg", "invalid value").removeprefix("Value error, ")
     if union and _is_shape_error(first):
         msg = f"invalid type ({_UNION_HINTS.get(str(loc[-1]), 'see the API reference')})"
-    elif first["type"] in ("too_long", "literal_error") and param in _UNSUPPORTED:
+    elif first["type"] in ("too_long", "literal_error", "none_required") and loc and str(loc[0]) in _UNSUPPORTED:
+        param = str(loc[0])
         msg = _UNSUPPORTED[param]
+    elif first["type"] == "string_pattern_mismatch" and loc and loc[0] == "logit_bias":
+        msg = "logit_bias keys must be token ids written as strings, such as \"50256\""
     elif first["type"] == "extra_forbidden":
         parent = str(loc[-2]) if len(loc) > 1 else ""
         msg = f"not supported (the object takes only {_ALLOWED.get(parent, 'the documented keys')})"
@@ -153,7 +205,16 @@ _UNION_HINTS = {
                    "\"function\": {\"name\": ...}}",
 }
 _UNSUPPORTED = {"suffix": "suffix is not supported",
-                "best_of": "best_of is not supported beyond 1 (use n for more samples)"}
+                "best_of": "best_of is not supported beyond 1 (use n for more samples)",
+                "functions": "functions is not supported (it is the deprecated form of tools: use tools)",
+                "function_call": "function_call is not supported (the deprecated form of tool_choice: use "
+                                 "tool_choice)",
+                "audio": "audio output is not supported (this server writes text)",
+                "modalities": "modalities other than [\"text\"] are not supported",
+                "prediction": "prediction (predicted outputs) is not supported",
+                "web_search_options": "web search is not supported",
+                "reasoning_effort": "reasoning_effort is not supported: the served model has no reasoning "
+                                    "modes kvserve can select"}
 
 
 def _is_shape_error(e: dict) -> bool:

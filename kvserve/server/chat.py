@@ -24,17 +24,20 @@ class ChatRenderer(_SharedRenderer):
         self._special = special_token_pattern(tokenizer)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
-               tools: list[dict] | None = None) -> str:
+               tools: list[dict] | None = None, **options) -> str:
+        """`options`: continue_final_message, template_kwargs (kvserve/chat_template.py)."""
         try:
-            return super().render(messages, add_generation_prompt, tools)
+            return super().render(messages, add_generation_prompt, tools, **options)
         except ChatTemplateError as e:
             raise _refused(e) from e
 
     def encode_chat(self, text: str, messages: list[dict], add_generation_prompt: bool,
-                    tools: list[dict] | None = None) -> list[int]:
-        """Token ids of `text`, the render of `messages`: escaped when the server escapes."""
+                    tools: list[dict] | None = None, add_special_tokens: bool | None = None,
+                    **options) -> list[int]:
+        """Token ids of `text`, the render of `messages` with `options`: escaped when the server
+        escapes; `add_special_tokens` None: the renderer's default (kvserve/chat_template.py)."""
         if not self.escape_special_tokens:
-            return self.encode(text)
+            return self.encode(text, add_special_tokens)
         calls = [m["tool_calls"] for m in messages if m.get("tool_calls")]
         if self._special is not None and (tools or calls) and \
                 self._special.search(json.dumps([tools, calls], ensure_ascii=False)):
@@ -42,13 +45,17 @@ class ChatRenderer(_SharedRenderer):
                            "this server (--escape-special-tokens-in-content)", param="tools",
                            code="chat_template_error")
         try:
-            return encode_escaped(self, self._special, messages, add_generation_prompt, text, tools)
+            return encode_escaped(self, self._special, messages, text,
+                                  lambda marked: self.render(marked, add_generation_prompt, tools, **options),
+                                  add_special_tokens)
         except ChatTemplateError as e:
             raise _refused(e) from e
 
 
 def _refused(e: ChatTemplateError) -> APIError:
-    return APIError(f"messages: {e}", param="messages", code="chat_template_error")
+    text = str(e)
+    param = next((p for p in ("chat_template_kwargs", "continue_final_message") if text.startswith(p)), "messages")
+    return APIError(text if param != "messages" else f"messages: {text}", param=param, code="chat_template_error")
 
 
 def template_messages(req) -> list[dict]:

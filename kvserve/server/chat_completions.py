@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from kvserve.server.chat import template_messages
-from kvserve.server.openai_logprobs import chat_logprobs
+from kvserve.server.openai_logprobs import chat_logprobs, prompt_logprobs_table
 from kvserve.server.prompts import max_tokens_for
 from kvserve.server.protocol import (
     APIError, ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse)
@@ -29,16 +29,21 @@ async def chat_completions(state, req: ChatCompletionRequest, request: Request):
     tools = plan.template_tools
     messages = template_messages(req)
     size = sum(len(m["content"]) for m in messages) + sum(len(str(t)) for t in tools or ())
-    text = await state.tokenization.call(size, state.chat.render, messages, req.add_generation_prompt, tools)
+    options = {"continue_final_message": req.continue_final_message,
+               "template_kwargs": req.chat_template_kwargs}
+    text = await state.tokenization.call(size, lambda: state.chat.render(
+        messages, req.add_generation_prompt, tools, **options))
     state.limits.check_text_fits(text)
-    ids = await state.tokenization.call(len(text), state.chat.encode_chat, text, messages,
-                                        req.add_generation_prompt, tools)
+    ids = await state.tokenization.call(len(text), lambda: state.chat.encode_chat(
+        text, messages, req.add_generation_prompt, tools, req.add_special_tokens, **options))
     max_tokens = max_tokens_for(state, len(ids), req.requested_max_tokens(), req.min_tokens)
     k = req.top_logprobs or 0
     # A parser's markers may be special tokens: kept in the text, unless the request says.
     keep_special = plan.keeps_special_tokens and "skip_special_tokens" not in req.model_fields_set
-    params = sampling_params(req, max_tokens, k if req.logprobs else None,
+    params = sampling_params(req, max_tokens, k if req.logprobs else None, req.prompt_logprobs,
                              constraint=plan.constraint or req.constraint(), keep_special_tokens=keep_special)
+    # vLLM's echo: an answer to a conversation ending in the assistant's own words starts with them.
+    echo = messages[-1]["content"] if req.echo and messages[-1]["role"] == "assistant" else None
     stop_text = _special_text(state.tokenizer) if keep_special else None
 
     def new_output() -> ChoiceOutput:
@@ -58,7 +63,7 @@ async def chat_completions(state, req: ChatCompletionRequest, request: Request):
         raise
 
     if req.stream:
-        return StreamingResponse(stream_chat(state, req, sub, rid, created, k, new_output),
+        return StreamingResponse(stream_chat(state, req, sub, rid, created, k, new_output, echo),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
 
     final = await collect_or_disconnect(sub, request)
@@ -69,13 +74,16 @@ async def chat_completions(state, req: ChatCompletionRequest, request: Request):
     for c in out.outputs:
         lp = None
         if req.logprobs and c.logprobs is not None:
-            lp = ChatChoiceLogprobs(content=chat_logprobs(state, out.prompt_token_ids, c.token_ids,
-                                                           c.logprobs, k, req.skip_special_tokens))
+            lp = ChatChoiceLogprobs(content=chat_logprobs(state, out.prompt_token_ids, c.token_ids, c.logprobs, k,
+                                                          req.skip_special_tokens, req.return_tokens_as_token_ids))
         message, finish_reason = new_output().message(c.text, c.finish_reason, c.token_ids)
+        if echo is not None and message.content is not None:
+            message.content = echo + message.content
         choices.append(ChatCompletionChoice(index=c.index, message=message, logprobs=lp,
                                             finish_reason=finish_reason, stop_reason=c.stop_reason))
+    plp = prompt_logprobs_table(state, out, req.return_tokens_as_token_ids) if req.prompt_logprobs is not None else None
     return ChatCompletionResponse(id=rid, created=created, model=state.model_name, choices=choices,
-                                  usage=usage_of([out])).model_dump()
+                                  usage=usage_of([out]), prompt_logprobs=plp).model_dump()
 
 
 def _special_text(tokenizer):

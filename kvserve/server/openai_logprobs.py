@@ -1,7 +1,10 @@
 """Logprobs in OpenAI's shapes: the completions API's `logprobs` object (tokens, token_logprobs,
 top_logprobs, text_offset; echoed prompts included) and the chat API's `content` list, from
 the engine's `{token_id: Logprob}` tables. A token's text is read in context so that the texts
-join up to the completion text."""
+join up to the completion text; with vLLM's `return_tokens_as_token_ids` a token is named
+"token_id:N" instead, so a client can tell apart tokens whose texts are equal or not valid
+UTF-8 alone. `prompt_logprobs_table` is vLLM's `prompt_logprobs`: per prompt token a map of token
+id to {logprob, rank, decoded_token}, None for the first."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -13,7 +16,8 @@ CONTEXT_TOKENS = 6
 
 
 def logprob_entries(state, context: list[int], token_ids: list[int], tables: list[dict],
-                     k: int, skip_special: bool = True) -> list[tuple[str, float | None, list[tuple[str, float]]]]:
+                     k: int, skip_special: bool = True,
+                     as_ids: bool = False) -> list[tuple[str, float | None, list[tuple[str, float]]]]:
     """(token text, its logprob, top-k [(text, logprob)]) for each token; a None table (the
     first prompt token, which nothing predicts) gives (text, None, None).
 
@@ -22,6 +26,10 @@ def logprob_entries(state, context: list[int], token_ids: list[int], tables: lis
     space. The last few tokens before it (prompt and earlier output) are the context; so the
     chosen tokens' texts concatenate to the completion text.
     """
+    if as_ids:
+        return [(f"token_id:{tid}", _chosen(table, tid),
+                 [(f"token_id:{t}", lp.logprob) for t, lp in _top(table, k)] if table is not None else None)
+                for tid, table in zip(token_ids, tables)]
     tok = state.tokenizer
     seq = list(context[-CONTEXT_TOKENS:])
 
@@ -36,8 +44,7 @@ def logprob_entries(state, context: list[int], token_ids: list[int], tables: lis
     prev = tok.decode(seq, skip_special_tokens=skip_special) if tok is not None else ""
     out = []
     for tid, table in zip(token_ids, tables):
-        chosen = table.get(tid) if table is not None else None
-        top = sorted(table.items(), key=lambda kv: -kv[1].logprob)[:k] if table is not None else None
+        top = _top(table, k) if table is not None else None
         alts = [(piece(prev, seq + [t], t), lp.logprob) for t, lp in top] if top is not None else None
         seq.append(tid)
         text = piece(prev, seq, tid)
@@ -45,15 +52,42 @@ def logprob_entries(state, context: list[int], token_ids: list[int], tables: lis
         if len(seq) > 4 * CONTEXT_TOKENS:      # keep decoding cheap on long outputs
             seq = seq[-CONTEXT_TOKENS:]
             prev = tok.decode(seq, skip_special_tokens=skip_special) if tok is not None else ""
-        out.append((text, chosen.logprob if chosen is not None else None, alts))
+        out.append((text, _chosen(table, tid), alts))
     return out
 
 
-def completion_logprobs(state, context: list[int], token_ids: list[int],
-                         logprobs: list[dict], start_offset: int, k: int, skip_special: bool) -> CompletionLogProbs:
+def _chosen(table: dict | None, tid: int) -> float | None:
+    entry = table.get(tid) if table is not None else None
+    return entry.logprob if entry is not None else None
+
+
+def _top(table: dict, k: int) -> list:
+    return sorted(table.items(), key=lambda kv: -kv[1].logprob)[:k]
+
+
+def prompt_logprobs_table(state, out, as_ids: bool = False) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` of a finished output: per prompt token, None for the first (which
+    nothing predicts), else {token id: {"logprob", "rank", "decoded_token"}} for the prompt's
+    token and the top alternatives."""
+    tok = state.tokenizer
+
+    def name(tid: int) -> str:
+        if as_ids or tok is None:
+            return f"token_id:{tid}"
+        return tok.decode([tid], skip_special_tokens=False)
+    tables = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+    return [None if t is None else {str(tid): {"logprob": lp.logprob, "rank": lp.rank,
+                                               "decoded_token": lp.decoded_token if lp.decoded_token is not None
+                                               and not as_ids else name(tid)}
+                                    for tid, lp in t.items()}
+            for t in tables]
+
+
+def completion_logprobs(state, context: list[int], token_ids: list[int], logprobs: list[dict],
+                        start_offset: int, k: int, skip_special: bool, as_ids: bool = False) -> CompletionLogProbs:
     out = CompletionLogProbs()
     offset = start_offset
-    for text, chosen, alts in logprob_entries(state, context, token_ids, logprobs, k, skip_special):
+    for text, chosen, alts in logprob_entries(state, context, token_ids, logprobs, k, skip_special, as_ids):
         out.tokens.append(text)
         out.token_logprobs.append(chosen)
         top = None
@@ -82,20 +116,20 @@ def echo_only(out):
     return replace(out, outputs=[without_tokens(c) for c in out.outputs])
 
 
-def echo_logprobs(state, out, c, k: int, skip_special: bool) -> CompletionLogProbs:
+def echo_logprobs(state, out, c, k: int, skip_special: bool, as_ids: bool = False) -> CompletionLogProbs:
     """echo with logprobs: the prompt's tokens (a null logprob for the first, which nothing
     predicts), then completion `c`'s (None: the prompt alone), with text offsets from the start
     of the prompt's text."""
     ids, tables = out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids)
     if c is not None:
         ids, tables = ids + c.token_ids, tables + (c.logprobs or [])
-    return completion_logprobs(state, [], ids, tables, 0, k, skip_special)
+    return completion_logprobs(state, [], ids, tables, 0, k, skip_special, as_ids)
 
 
 def chat_logprobs(state, context: list[int], token_ids: list[int], logprobs: list[dict],
-                   k: int, skip_special: bool) -> list[ChatLogprobToken]:
+                  k: int, skip_special: bool, as_ids: bool = False) -> list[ChatLogprobToken]:
     content = []
-    for text, chosen, alts in logprob_entries(state, context, token_ids, logprobs, k, skip_special):
+    for text, chosen, alts in logprob_entries(state, context, token_ids, logprobs, k, skip_special, as_ids):
         content.append(ChatLogprobToken(
             token=text, logprob=chosen if chosen is not None else -9999.0, bytes=list(text.encode("utf-8")),
             top_logprobs=[ChatTopLogprob(token=t, logprob=lp, bytes=list(t.encode("utf-8"))) for t, lp in alts]))

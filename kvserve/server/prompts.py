@@ -44,7 +44,8 @@ async def prompt_items(state, req: CompletionRequest) -> list[dict]:
         raise APIError("this model has no tokenizer: send the prompt as token ids", param="prompt")
     for t in texts:
         state.limits.check_text_fits(t)
-    encoded = iter(await state.tokenization.run_many(tok.encode, texts) if texts else ())
+    encode = lambda t: tok.encode(t, add_special_tokens=req.add_special_tokens)   # noqa: E731
+    encoded = iter(await state.tokenization.run_many(encode, texts) if texts else ())
     items = []
     for p in prompts:
         if isinstance(p, str):

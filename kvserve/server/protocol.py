@@ -29,7 +29,7 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, TypeVar, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvserve.sample.params import (
-    INT64_MAX, MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+    INT64_MAX, LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, SEED_MAX)
 from kvserve.server.wire_types import Strict as _Strict
 from kvserve.server.wire_types import Text
@@ -44,11 +44,12 @@ MAX_N = 16
 MAX_SEED = SEED_MAX - (MAX_N - 1)   # sample i of n is seeded with seed + i, an unsigned 64-bit value
 MAX_MESSAGES = 2048
 MAX_CONTENT_PARTS = 256
-MAX_LOGIT_BIAS = 300              # logit_bias is not supported (ignored), but never unbounded
+MAX_TEMPLATE_KWARGS = 64
 MAX_CACHE_SALT_CHARS = 1024
 # List (and map) fields counted before their items are validated: server/limits.py.
 LIST_FIELD_LIMITS = {"stop": MAX_STOP_STRINGS, "stop_token_ids": MAX_STOP_TOKEN_IDS,
-                     "messages": MAX_MESSAGES, "logit_bias": MAX_LOGIT_BIAS, "tools": MAX_TOOLS}
+                     "messages": MAX_MESSAGES, "logit_bias": MAX_LOGIT_BIAS, "tools": MAX_TOOLS,
+                     "chat_template_kwargs": MAX_TEMPLATE_KWARGS}
 
 
 def _real(lo=None, hi=None, *, gt=None):
@@ -57,6 +58,9 @@ def _real(lo=None, hi=None, *, gt=None):
 
 
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+# logit_bias keys: token ids written as strings (JSON object keys), at most 18 digits (< 2**63)
+TokenIdKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,17})$")]
+LogitBias = Annotated[float, Field(ge=LOGIT_BIAS_RANGE[0], le=LOGIT_BIAS_RANGE[1], allow_inf_nan=False)]
 StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 T = TypeVar("T")
 NonEmpty = Annotated[T, Field(min_length=1)]
@@ -65,11 +69,12 @@ NonEmpty = Annotated[T, Field(min_length=1)]
 # The codes of the 4xx whose check needs the tokenizer, the model, the server's settings or two
 # numbers at once, which no request schema can state (README, "Request validation"): a body
 # the served schema admits gets no other 4xx.
+PRIORITY_CODE = "priority_not_supported"  # priority on a server whose scheduling policy ignores it
 ENGINE_REJECTED = "engine_rejected"     # add_request refused it: a token id outside the vocabulary,
                                         # n over max_num_seqs, a prompt the KV pool cannot hold
 INVALID_TOOLS = "invalid_tools"         # tools and tool_choice disagree (server/tool_choice.py)
 SEMANTIC_ERROR_CODES = ("context_length_exceeded", ENGINE_REJECTED, "model_not_found", "chat_template_error",
-                        MIN_TOKENS_CODE, "too_many_prompts", INVALID_TOOLS, CONSTRAINTS_CODE)
+                        MIN_TOKENS_CODE, "too_many_prompts", INVALID_TOOLS, CONSTRAINTS_CODE, PRIORITY_CODE)
 
 
 class APIError(Exception):
@@ -122,6 +127,9 @@ class _SamplingFields(ConstraintFields):
     cache_salt: Optional[Text] = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)  # vLLM's
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)     # vLLM's: lower runs first (--scheduling-policy priority)
     semantic_cache: bool = True         # false: this request skips the semantic answer cache
+    logit_bias: Optional[dict[TokenIdKey, LogitBias]] = Field(None, max_length=MAX_LOGIT_BIAS)   # OpenAI's
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)     # vLLM's: the prompt tokens' logprobs
+    return_tokens_as_token_ids: bool = False        # vLLM's: logprobs name tokens "token_id:N"
 
     @model_validator(mode="after")
     def _rules_hold(self):
@@ -148,10 +156,14 @@ class _SamplingFields(ConstraintFields):
                 kw[name] = v
         if self.stop is not None:
             kw["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if self.logit_bias:
+            kw["logit_bias"] = {int(t): float(b) for t, b in self.logit_bias.items()}
         return kw
 
 
-_COMPLETION_RULES = (
+_NOT_STREAMED = Implies("prompt_logprobs", NOT_NULL, "stream", False,
+                        "prompt_logprobs is not available when stream is true (vLLM's rule)")
+_COMPLETION_RULES = (_NOT_STREAMED,
     Implies("max_tokens", {"const": 0}, "echo", True,
             "max_tokens=0 is only allowed with echo=true (score the prompt, generate nothing)"),
     Implies("best_of", {"const": 1}, "n", 1, "best_of must equal n (only 1 is supported; use n)"),
@@ -170,6 +182,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False                                  # with logprobs: the prompt's too
     best_of: Optional[Literal[1]] = None                # OpenAI's; only 1 (= n): use n
     suffix: Optional[Annotated[str, Field(max_length=0)]] = None    # not supported: only "" or null
+    add_special_tokens: bool = True                     # vLLM's: the tokenizer's BOS (and such) on text prompts
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of single prompts (text or token ids)."""
@@ -214,7 +227,11 @@ class ChatMessageParam(_Strict):
         return "".join(p.text for p in self.content)
 
 
-_CHAT_RULES = (Implies("top_logprobs", NOT_NULL, "logprobs", True, "top_logprobs needs logprobs: true"),)
+_CHAT_RULES = (Implies("top_logprobs", NOT_NULL, "logprobs", True, "top_logprobs needs logprobs: true"),
+               _NOT_STREAMED,
+               Implies("continue_final_message", {"const": True}, "add_generation_prompt", False,
+                       "continue_final_message and add_generation_prompt cannot both be true: set "
+                       "add_generation_prompt to false to continue the last message"))
 
 
 class ChatCompletionRequest(_SamplingFields, ToolFields):
@@ -228,7 +245,18 @@ class ChatCompletionRequest(_SamplingFields, ToolFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
-    echo: bool = False
+    echo: bool = False          # vLLM's: the answer starts with the last message's text when it is the assistant's
+    continue_final_message: bool = False        # the last message stays open: the model goes on writing it
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(None, max_length=MAX_TEMPLATE_KWARGS)
+    add_special_tokens: Optional[bool] = None   # None: BOS only where the template writes none (chat_template.py)
+    # OpenAI's fields kvserve cannot honour; refused (400) rather than ignored.
+    functions: None = None              # the deprecated form of tools: use tools
+    function_call: None = None          # the deprecated form of tool_choice: use tool_choice
+    audio: None = None
+    modalities: Optional[list[Literal["text"]]] = None
+    prediction: None = None
+    web_search_options: None = None
+    reasoning_effort: None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -276,12 +304,17 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
 
 
+# vLLM's prompt_logprobs: per prompt token (None for the first) token id -> logprob, rank, decoded_token
+PromptLogprobs = list[Optional[dict[str, dict[str, Any]]]]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogProbs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class CompletionResponse(BaseModel):
@@ -328,6 +361,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: Optional[UsageInfo] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class DeltaMessage(BaseModel):

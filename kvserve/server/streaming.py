@@ -16,7 +16,7 @@ from kvserve.server.openai_logprobs import (CONTEXT_TOKENS, chat_logprobs, compl
                                             without_tokens)
 from kvserve.server.protocol import (
     APIError, ChatChoiceLogprobs, ChatCompletionStreamChoice, ChatCompletionStreamResponse, CompletionChoice,
-    CompletionStreamResponse, UsageInfo)
+    CompletionStreamResponse, DeltaMessage, UsageInfo)
 from kvserve.server.tool_output import ChoiceOutput
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -89,6 +89,11 @@ def _without_none(value):
     return value
 
 
+def _running_usage(req, counts: _Counts) -> UsageInfo | None:
+    """vLLM's `stream_options.continuous_usage_stats`: every chunk carries the usage so far."""
+    return counts.usage() if req.stream_options and req.stream_options.continuous_usage_stats else None
+
+
 async def _events(body, chunk, req, counts: _Counts, sub):
     """The stream around an endpoint's chunks: the usage chunk when asked, [DONE], an engine
     error as an error event, and the engine requests aborted however the stream ends."""
@@ -111,7 +116,8 @@ def stream_completions(state, req, sub, rid_prefix: str, created: int, index_of:
     offsets: dict[tuple[str, int], int] = {}
 
     def chunk(choices, usage_info=None):
-        return _chunk(CompletionStreamResponse, rid_prefix, created, state.model_name, choices, usage_info)
+        return _chunk(CompletionStreamResponse, rid_prefix, created, state.model_name, choices,
+                      usage_info or _running_usage(req, counts))
 
     async def body():
         # echo: the prompt's text first; with logprobs, once its prompt logprobs are in.
@@ -125,7 +131,8 @@ def stream_completions(state, req, sub, rid_prefix: str, created: int, index_of:
             pi = index_of[out.request_id]
             if pi in echo_pending:
                 echo_pending.discard(pi)
-                lp = echo_logprobs(state, out, None, req.logprobs, req.skip_special_tokens)
+                lp = echo_logprobs(state, out, None, req.logprobs, req.skip_special_tokens,
+                                   req.return_tokens_as_token_ids)
                 for j in range(req.n):
                     offsets[(out.request_id, j)] = sum(len(t) for t in lp.tokens)
                     yield chunk([CompletionChoice(index=pi * req.n + j, text=prompt_texts[pi], logprobs=lp)])
@@ -136,7 +143,7 @@ def stream_completions(state, req, sub, rid_prefix: str, created: int, index_of:
             lp = None
             if req.logprobs is not None and c.logprobs and c.token_ids:
                 lp = completion_logprobs(state, tail, c.token_ids, c.logprobs, offsets.get(key, 0),
-                                         req.logprobs, req.skip_special_tokens)
+                                         req.logprobs, req.skip_special_tokens, req.return_tokens_as_token_ids)
                 offsets[key] = offsets.get(key, 0) + sum(len(t) for t in lp.tokens)
             yield chunk([CompletionChoice(index=pi * req.n + c.index, text=c.text, logprobs=lp,
                                           finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
@@ -144,21 +151,27 @@ def stream_completions(state, req, sub, rid_prefix: str, created: int, index_of:
     return _events(body(), chunk, req, counts, sub)
 
 
-def stream_chat(state, req, sub, rid: str, created: int, k: int, new_output=ChoiceOutput):
-    """`new_output()`: a choice's output (server/tool_output.py): plain content, or its tool calls."""
+def stream_chat(state, req, sub, rid: str, created: int, k: int, new_output=ChoiceOutput,
+                echo: str | None = None):
+    """`new_output()`: a choice's output (server/tool_output.py): plain content, or its tool calls.
+    `echo`: text each choice starts with (chat's echo), sent first."""
     counts = _Counts()
 
     def chunk(choices, usage_info=None):
-        return _chunk(ChatCompletionStreamResponse, rid, created, state.model_name, choices, usage_info,
-                      strip_delta=True)
+        return _chunk(ChatCompletionStreamResponse, rid, created, state.model_name, choices,
+                      usage_info or _running_usage(req, counts), strip_delta=True)
 
     async def body():
         outputs: dict[int, ChoiceOutput] = {}
+        if echo is not None:
+            for i in range(req.n):
+                outputs[i] = new_output()
+                yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=echo))])
         async for out, c, tail in _chunks(sub, counts):
             lp = None
             if req.logprobs and c.logprobs and c.token_ids:
                 lp = ChatChoiceLogprobs(content=chat_logprobs(state, tail, c.token_ids, c.logprobs, k,
-                                                              req.skip_special_tokens))
+                                                              req.skip_special_tokens, req.return_tokens_as_token_ids))
             # The role on the first chunk of each choice, the finish reason on its last.
             first = c.index not in outputs
             if first:

@@ -84,7 +84,7 @@ def test_ordinary_prompts_keep_their_token_ids(smollm2):
         text = raw.render(msgs)
         want = raw.encode(text)
         assert esc.encode_chat(text, msgs, True) == want
-        assert encode_escaped(esc, always, msgs, True, text) == want, msgs
+        assert encode_escaped(esc, always, msgs, text, lambda m: esc.render(m, True)) == want, msgs
 
 
 def test_a_template_that_rewrites_content_is_refused(smollm2):
