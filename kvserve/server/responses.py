@@ -1,5 +1,187 @@
-"""`POST /v1/responses` (being built; installs nothing yet)."""
+"""`POST /v1/responses`, OpenAI's Responses API over the chat machinery, and the stored responses:
+
+    POST   /v1/responses                 create (JSON, or SSE with "stream": true)
+    GET    /v1/responses/{response_id}   a stored response
+    DELETE /v1/responses/{response_id}   forget it
+
+A request becomes a chat request (`chat_request`): its conversation -- the instructions as a
+system message, the previous response's conversation (`previous_response_id`), then `input` --
+as messages, its function tools as chat tools, `text.format` as `response_format`,
+`max_output_tokens` as `max_completion_tokens`. From there it is /v1/chat/completions' path:
+the chat template, `tool_plan` (server/tool_choice.py), the output constraint, one engine request,
+and its text read by a `ChoiceOutput` (server/tool_output.py) into a message item and
+function_call items (server/responses_items.py), whole or streamed (server/responses_stream.py).
+
+Authentication, rate limits and tenancy are the chat route's (server/tenants.py); the answer
+caches are not used. With `store` (the default) the response is kept (server/responses_store.py)
+for its tenant; an unknown `previous_response_id` is a 400 naming it.
+"""
+from __future__ import annotations
+
+import logging
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from kvserve.server.body import parse_body, validation_error_to_api_error
+from kvserve.server.chat import template_messages
+from kvserve.server.chat_completions import _special_text
+from kvserve.server.openapi import ROUTES
+from kvserve.server.prompts import max_tokens_for
+from kvserve.server.protocol import CONSTRAINTS_CODE, MAX_MESSAGES, APIError, ChatCompletionRequest
+from kvserve.server.responses_items import (
+    as_input_items, chat_messages, finish, new_id, output_items, response_shell, status_of, usage)
+from kvserve.server.responses_protocol import FunctionToolChoice, ResponsesRequest
+from kvserve.server.responses_store import ResponseStore
+from kvserve.server.responses_stream import stream_response
+from kvserve.server.sampling import sampling_params
+from kvserve.server.streaming import SSE_HEADERS
+from kvserve.server.submission import Submission, collect_or_disconnect
+from kvserve.server.tool_choice import tool_plan
+from kvserve.server.tool_output import ChoiceOutput
+
+logger = logging.getLogger("kvserve.server")
+NOT_FOUND = "response_not_found"
+PREVIOUS_NOT_FOUND = "previous_response_not_found"
 
 
 def install(app, state) -> None:
-    return None
+    store = state.responses = ResponseStore()
+
+    def listed(method: str, path: str) -> bool:
+        # In /openapi.json once server/openapi.py's ROUTES names the route (with its models).
+        return (method, path) in ROUTES
+
+    @app.post("/v1/responses", include_in_schema=listed("post", "/v1/responses"))
+    async def create(request: Request):
+        tenant = state.tenancy.authenticate(request)
+        req = await parse_body(state, request, ResponsesRequest)
+        state.tenancy.begin(tenant, req)
+        return await create_response(state, store, req, request, tenant.name)
+
+    path = "/v1/responses/{response_id}"
+
+    @app.get(path, include_in_schema=listed("get", path))
+    async def retrieve(response_id: str, request: Request):
+        tenant = state.tenancy.authenticate(request, limit=False)
+        asked = sorted(set(request.query_params) & {"stream", "include", "include[]", "starting_after"})
+        if asked:
+            raise APIError(f"{asked[0]}: not supported (a stored response is returned whole)", param=asked[0])
+        entry = store.get(response_id, tenant.name)
+        if entry is None:
+            raise _not_found(response_id)
+        return JSONResponse(entry.response)
+
+    @app.delete(path, include_in_schema=listed("delete", path))
+    async def delete(response_id: str, request: Request):
+        tenant = state.tenancy.authenticate(request, limit=False)
+        if not store.delete(response_id, tenant.name):
+            raise _not_found(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+def _not_found(response_id: str) -> APIError:
+    return APIError(f"no stored response has the id {response_id!r}", 404, param="response_id", code=NOT_FOUND)
+
+
+def conversation(store: ResponseStore, req: ResponsesRequest, tenant: str) -> list:
+    """The conversation's input items: the previous response's (its input and output), then `input`."""
+    items = req.input_items()
+    if req.previous_response_id is not None:
+        prev = store.get(req.previous_response_id, tenant)
+        if prev is None:
+            raise APIError(f"previous_response_id: no stored response has the id {req.previous_response_id!r} "
+                           "(it was made with store false, evicted, deleted, or never existed)",
+                           param="previous_response_id", code=PREVIOUS_NOT_FOUND)
+        items = list(prev.items) + items
+    if len(items) > MAX_MESSAGES:
+        raise APIError(f"input: the conversation has {len(items)} items with the previous response's, over "
+                       f"{MAX_MESSAGES}", param="input")
+    return items
+
+
+def chat_request(req: ResponsesRequest, items: list) -> ChatCompletionRequest:
+    """The chat request this response is made as."""
+    if req.forced_tool_call() and req.text is not None and req.text.response_format() is not None:
+        raise APIError("text.format: give at most one output constraint, got tool_choice and text.format (a forced "
+                       "call's arguments follow the function's schema)", param="text.format",
+                       code=CONSTRAINTS_CODE)
+    choice = req.tool_choice
+    if isinstance(choice, FunctionToolChoice):
+        choice = {"type": "function", "function": {"name": choice.name}}
+    body = {"messages": chat_messages(req.instructions, items),
+            "tools": [t.chat_tool() for t in req.tools] if req.tools else None,
+            "tool_choice": choice, "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "response_format": req.text.response_format() if req.text is not None else None,
+            "temperature": req.temperature, "top_p": req.top_p,
+            "max_completion_tokens": req.max_output_tokens, "user": req.user, "cache_salt": req.cache_salt,
+            "stream": req.stream}
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+    except ValidationError as e:        # (the Responses schema admits no body chat refuses)
+        raise validation_error_to_api_error(e) from None
+
+
+async def create_response(state, store: ResponseStore, req: ResponsesRequest, request: Request, tenant: str):
+    if state.chat is None:
+        raise APIError("this model has no tokenizer, so /v1/responses is not available; use "
+                       "/v1/completions with token ids")
+    items = conversation(store, req, tenant)
+    chat = chat_request(req, items)
+    plan = tool_plan(chat, state.tool_call_parser)
+    tools = plan.template_tools
+    messages = template_messages(chat)
+    size = sum(len(m["content"]) for m in messages) + sum(len(str(t)) for t in tools or ())
+    text = await state.tokenization.call(size, state.chat.render, messages, True, tools)
+    state.limits.check_text_fits(text)
+    ids = await state.tokenization.call(len(text), state.chat.encode_chat, text, messages, True, tools)
+    try:
+        max_tokens = max_tokens_for(state, len(ids), req.max_output_tokens)
+    except APIError as e:
+        e.param = {"max_tokens": "max_output_tokens", "prompt": "input"}.get(e.param, e.param)
+        e.message = e.message.replace("max_tokens", "max_output_tokens")
+        raise
+    keep_special = plan.keeps_special_tokens        # a parser's markers may be special tokens
+    params = sampling_params(chat, max_tokens, None, constraint=plan.constraint or chat.constraint(),
+                             keep_special_tokens=keep_special)
+    stop_text = _special_text(state.tokenizer) if keep_special else None
+    output = ChoiceOutput(plan.reader(), stop_text)
+
+    rid = new_id("resp")
+    shell = response_shell(req, rid, state.model_name)
+    sub = Submission(state, rid, stream=req.stream)
+    try:
+        item = {"prompt_token_ids": ids, "prompt": text}
+        if req.cache_salt is not None:
+            item["cache_salt"] = req.cache_salt
+        if not await sub.add_all([(item, params)], request):
+            sub.abort_unfinished()
+            return Response(status_code=499)
+    except BaseException:
+        sub.abort_unfinished()      # rejected, or the client left while we waited
+        raise
+
+    def done(final) -> None:
+        if req.store and final.status in ("completed", "incomplete"):
+            try:
+                turn = as_input_items(final.output)
+            except ValidationError:         # (an output no request could send back)
+                logger.warning("response %s is not stored: its output is not valid input", final.id)
+                return
+            store.put(tenant, final.model_dump(), items + turn)
+
+    if req.stream:
+        return StreamingResponse(stream_response(sub, shell, output, done), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    final = await collect_or_disconnect(sub, request)
+    if final is None:
+        return Response(status_code=499)
+    out = final[sub.request_ids[0]]
+    c = out.outputs[0]
+    message, _ = output.message(c.text, c.finish_reason, c.token_ids)
+    status, _ = status_of(c.finish_reason)
+    resp = finish(shell, c.finish_reason, output_items(message.content, message.tool_calls, status),
+                  usage(len(out.prompt_token_ids), len(c.token_ids), out.num_cached_tokens or 0))
+    done(resp)
+    return JSONResponse(resp.model_dump())
