@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
+from typing import Callable
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -21,7 +23,20 @@ from kvserve.server.tool_choice import tool_plan
 from kvserve.server.tool_output import ChoiceOutput
 
 
-async def chat_completions(state, req: ChatCompletionRequest, request: Request):
+@dataclass
+class ChatJob:
+    """A chat request made ready for the engine: its prompt, its SamplingParams, how each choice's
+    text becomes a message (`new_output()`), and chat's `echo` text."""
+    text: str
+    ids: list[int]
+    params: object
+    new_output: Callable[[], ChoiceOutput]
+    echo: str | None
+
+
+async def prepare_chat(state, req: ChatCompletionRequest, renames: dict | None = None) -> ChatJob:
+    """Render, tokenize (off the event loop when large) and bound `req`; `renames` maps chat's
+    field names to a caller's in the context-length error (the Responses API's)."""
     if state.chat is None:
         raise APIError("this model has no tokenizer, so chat is not available; use /v1/completions "
                        "with token ids")
@@ -36,7 +51,13 @@ async def chat_completions(state, req: ChatCompletionRequest, request: Request):
     state.limits.check_text_fits(text)
     ids = await state.tokenization.call(len(text), lambda: state.chat.encode_chat(
         text, messages, req.add_generation_prompt, tools, req.add_special_tokens, **options))
-    max_tokens = max_tokens_for(state, len(ids), req.requested_max_tokens(), req.min_tokens)
+    try:
+        max_tokens = max_tokens_for(state, len(ids), req.requested_max_tokens(), req.min_tokens)
+    except APIError as e:
+        for old, new in (renames or {}).items():
+            e.param = new if e.param == old else e.param
+            e.message = e.message.replace(old, new)
+        raise
     k = req.top_logprobs or 0
     # A parser's markers may be special tokens: kept in the text, unless the request says.
     keep_special = plan.keeps_special_tokens and "skip_special_tokens" not in req.model_fields_set
@@ -44,23 +65,34 @@ async def chat_completions(state, req: ChatCompletionRequest, request: Request):
                              constraint=plan.constraint or req.constraint(), keep_special_tokens=keep_special)
     # vLLM's echo: an answer to a conversation ending in the assistant's own words starts with them.
     echo = messages[-1]["content"] if req.echo and messages[-1]["role"] == "assistant" else None
-    stop_text = _special_text(state.tokenizer) if keep_special else None
+    stop_text = special_text(state.tokenizer) if keep_special else None
+    return ChatJob(text, ids, params, lambda: ChoiceOutput(plan.reader(), stop_text), echo)
 
-    def new_output() -> ChoiceOutput:
-        return ChoiceOutput(plan.reader(), stop_text)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    created = int(time.time())
-    sub = Submission(state, rid, stream=req.stream)
+
+async def submit(state, sub: Submission, job: ChatJob, cache_salt: str | None, request: Request) -> bool:
+    """Queue the job's one engine request; False when the client left first (aborted)."""
     try:
-        item = {"prompt_token_ids": ids, "prompt": text}
-        if req.cache_salt is not None:
-            item["cache_salt"] = req.cache_salt
-        if not await sub.add_all([(item, params)], request):
+        item = {"prompt_token_ids": job.ids, "prompt": job.text}
+        if cache_salt is not None:
+            item["cache_salt"] = cache_salt
+        if not await sub.add_all([(item, job.params)], request):
             sub.abort_unfinished()
-            return Response(status_code=499)
+            return False
     except BaseException:
         sub.abort_unfinished()      # rejected, or the client left while we waited
         raise
+    return True
+
+
+async def chat_completions(state, req: ChatCompletionRequest, request: Request):
+    job = await prepare_chat(state, req)
+    k = req.top_logprobs or 0
+    new_output, echo = job.new_output, job.echo
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    sub = Submission(state, rid, stream=req.stream)
+    if not await submit(state, sub, job, req.cache_salt, request):
+        return Response(status_code=499)
 
     if req.stream:
         return StreamingResponse(stream_chat(state, req, sub, rid, created, k, new_output, echo),
@@ -86,7 +118,7 @@ async def chat_completions(state, req: ChatCompletionRequest, request: Request):
                                   usage=usage_of([out]), prompt_logprobs=plp).model_dump()
 
 
-def _special_text(tokenizer):
+def special_text(tokenizer):
     """token id -> the text a special token writes ("" for any other token)."""
     special = getattr(tokenizer, "special_ids", frozenset())
     return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False) if token_id in special else ""

@@ -25,21 +25,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from kvserve.server.body import parse_body, validation_error_to_api_error
-from kvserve.server.chat import template_messages
-from kvserve.server.chat_completions import _special_text
+from kvserve.server.chat_completions import prepare_chat, submit
 from kvserve.server.openapi import ROUTES
-from kvserve.server.prompts import max_tokens_for
 from kvserve.server.protocol import CONSTRAINTS_CODE, MAX_MESSAGES, APIError, ChatCompletionRequest
 from kvserve.server.responses_items import (
     as_input_items, chat_messages, finish, new_id, output_items, response_shell, status_of, usage)
 from kvserve.server.responses_protocol import FunctionToolChoice, ResponsesRequest
 from kvserve.server.responses_store import ResponseStore
 from kvserve.server.responses_stream import stream_response
-from kvserve.server.sampling import sampling_params
 from kvserve.server.streaming import SSE_HEADERS
 from kvserve.server.submission import Submission, collect_or_disconnect
-from kvserve.server.tool_choice import tool_plan
-from kvserve.server.tool_output import ChoiceOutput
 
 logger = logging.getLogger("kvserve.server")
 NOT_FOUND = "response_not_found"
@@ -129,38 +124,13 @@ async def create_response(state, store: ResponseStore, req: ResponsesRequest, re
                        "/v1/completions with token ids")
     items = conversation(store, req, tenant)
     chat = chat_request(req, items)
-    plan = tool_plan(chat, state.tool_call_parser)
-    tools = plan.template_tools
-    messages = template_messages(chat)
-    size = sum(len(m["content"]) for m in messages) + sum(len(str(t)) for t in tools or ())
-    text = await state.tokenization.call(size, state.chat.render, messages, True, tools)
-    state.limits.check_text_fits(text)
-    ids = await state.tokenization.call(len(text), state.chat.encode_chat, text, messages, True, tools)
-    try:
-        max_tokens = max_tokens_for(state, len(ids), req.max_output_tokens)
-    except APIError as e:
-        e.param = {"max_tokens": "max_output_tokens", "prompt": "input"}.get(e.param, e.param)
-        e.message = e.message.replace("max_tokens", "max_output_tokens")
-        raise
-    keep_special = plan.keeps_special_tokens        # a parser's markers may be special tokens
-    params = sampling_params(chat, max_tokens, None, constraint=plan.constraint or chat.constraint(),
-                             keep_special_tokens=keep_special)
-    stop_text = _special_text(state.tokenizer) if keep_special else None
-    output = ChoiceOutput(plan.reader(), stop_text)
-
+    job = await prepare_chat(state, chat, {"max_tokens": "max_output_tokens", "prompt": "input"})
+    output = job.new_output()
     rid = new_id("resp")
     shell = response_shell(req, rid, state.model_name)
     sub = Submission(state, rid, stream=req.stream)
-    try:
-        item = {"prompt_token_ids": ids, "prompt": text}
-        if req.cache_salt is not None:
-            item["cache_salt"] = req.cache_salt
-        if not await sub.add_all([(item, params)], request):
-            sub.abort_unfinished()
-            return Response(status_code=499)
-    except BaseException:
-        sub.abort_unfinished()      # rejected, or the client left while we waited
-        raise
+    if not await submit(state, sub, job, req.cache_salt, request):
+        return Response(status_code=499)
 
     def done(final) -> None:
         if req.store and final.status in ("completed", "incomplete"):
