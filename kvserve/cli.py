@@ -19,8 +19,19 @@ COMMAND_MODULES = [
 ]
 
 
+def kvserve_version() -> str:
+    """The installed package's version (pyproject.toml's), or "unknown" when run uninstalled."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvserve")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"kvserve {kvserve_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)

@@ -14,7 +14,7 @@ the replicas' (default 16, the engine's), or no key will ever match their blocks
 503 with Retry-After) take a replica out; `--cb-timeout-duration-secs` later one probe request
 may bring it back (vllm-router's names; fleet/breaker.py).
 
-    kvserve serve --data-parallel-size N [--distributed-executor-backend mp|ray] [engine flags...]
+    kvserve serve [MODEL] --data-parallel-size N [--distributed-executor-backend mp|ray] [engine flags...]
 
 starts N replicas (`kvserve serve` with the same engine and server flags on free loopback
 ports, or Ray actors) and the router on --host/--port; SIGTERM or Ctrl-C stops the router
@@ -73,7 +73,10 @@ def _add_breaker_args(p, prefix: str) -> None:
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """`kvserve serve`: one server's flags (server/cli.py) and those of data parallelism. Replicas
-    get the former only (a parser of server/cli.py's flags alone picks them out)."""
+    get the former only (a parser of server/cli.py's flags alone picks them out); the MODEL
+    positional (vLLM's `vllm serve MODEL`) reaches them as --model (`model_from_positional`)."""
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model to serve, as --model takes it (give one of the two)")
     add_cli_args(p)
     g = p.add_argument_group("data parallel (kvserve/fleet/router_cli.py)")
     g.add_argument("--data-parallel-size", type=int, default=1,
@@ -84,8 +87,21 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     _add_policy_args(g, "router-")
 
 
+def model_from_positional(args) -> None:
+    """`kvserve serve MODEL`: MODEL becomes args.model (so replicas get it as --model);
+    ValueError when --model names another one."""
+    tag = getattr(args, "model_tag", None)
+    if tag is None:
+        return
+    if args.model is not None and os.path.normpath(args.model) != os.path.normpath(tag):
+        raise ValueError(f"the model is given twice, as MODEL ({tag!r}) and as --model ({args.model!r}): "
+                         "give one of them")
+    args.model = tag
+
+
 def cmd_serve(args) -> int:
     """One server (server/cli.py), or N replicas behind the router with --data-parallel-size N."""
+    model_from_positional(args)
     if args.data_parallel_size > 1:
         return serve_data_parallel(args)
     return serve_one(args)
