@@ -54,7 +54,9 @@ from kvserve.server.protocol import (
 from kvserve.server.embeddings import install as install_embeddings
 from kvserve.server.page import install as install_page
 from kvserve.server.request_log import install as install_request_log
+from kvserve.server.responses import ROUTES as RESPONSES_ROUTES
 from kvserve.server.responses import install as install_responses
+from kvserve.server.tokenizer_routes import ROUTES as TOKENIZER_ROUTES
 from kvserve.server.tokenizer_routes import install as install_tokenizer_routes
 from kvserve.tool_calls import DEFAULT_TOOL_CALL_PARSER, tool_parser
 
@@ -135,7 +137,7 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
     app.state.kvserve = state
     app.add_middleware(IgnoredFieldsHeader)     # names the unknown fields a request sent (body.py)
     install_error_handlers(app, state)
-    install_openapi(app, ROUTES)
+    install_openapi(app, {**ROUTES, **TOKENIZER_ROUTES, **RESPONSES_ROUTES})
 
     @app.get("/health")
     async def health():

@@ -131,6 +131,13 @@ def unknown_fields(model, raw, path: str = "") -> list[str]:
     return []
 
 
+def _header_safe(name: str) -> str:
+    """A field name as ASCII with control characters escaped; quoted when empty or when it
+    starts or ends with a space (a header value may not)."""
+    text = json.dumps(name)[1:-1]
+    return text if text and text == text.strip() else json.dumps(name)
+
+
 class IgnoredFieldsHeader:
     """ASGI middleware: a response to a request with unknown fields names them (up to
     MAX_NAMED_IGNORED, escaped to ASCII) in the `kvserve-ignored-fields` header."""
@@ -145,7 +152,7 @@ class IgnoredFieldsHeader:
         async def send_named(message):
             ignored = scope.get("state", {}).get(_IGNORED_KEY)
             if message["type"] == "http.response.start" and ignored:
-                names = [json.dumps(n[:64])[1:-1] for n in ignored[:MAX_NAMED_IGNORED]]
+                names = [_header_safe(n[:64]) for n in ignored[:MAX_NAMED_IGNORED]]
                 value = ", ".join(names) + (", ..." if len(ignored) > MAX_NAMED_IGNORED else "")
                 message = {**message, "headers": [*message.get("headers", ()),
                                                   (IGNORED_FIELDS_HEADER.encode(), value.encode("ascii"))]}

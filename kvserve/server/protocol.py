@@ -74,7 +74,8 @@ ENGINE_REJECTED = "engine_rejected"     # add_request refused it: a token id out
                                         # n over max_num_seqs, a prompt the KV pool cannot hold
 INVALID_TOOLS = "invalid_tools"         # tools and tool_choice disagree (server/tool_choice.py)
 SEMANTIC_ERROR_CODES = ("context_length_exceeded", ENGINE_REJECTED, "model_not_found", "chat_template_error",
-                        MIN_TOKENS_CODE, "too_many_prompts", INVALID_TOOLS, CONSTRAINTS_CODE, PRIORITY_CODE)
+                        MIN_TOKENS_CODE, "too_many_prompts", INVALID_TOOLS, CONSTRAINTS_CODE, PRIORITY_CODE,
+                        "invalid_token_id", "previous_response_not_found", "response_not_found")
 
 
 class APIError(Exception):

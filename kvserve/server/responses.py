@@ -26,10 +26,9 @@ from pydantic import ValidationError
 
 from kvserve.server.body import parse_body, validation_error_to_api_error
 from kvserve.server.chat_completions import prepare_chat, submit
-from kvserve.server.openapi import ROUTES
 from kvserve.server.protocol import CONSTRAINTS_CODE, MAX_MESSAGES, APIError, ChatCompletionRequest
 from kvserve.server.responses_items import (
-    as_input_items, chat_messages, finish, new_id, output_items, response_shell, status_of, usage)
+    ResponseObject, as_input_items, chat_messages, finish, new_id, output_items, response_shell, status_of, usage)
 from kvserve.server.responses_protocol import FunctionToolChoice, ResponsesRequest
 from kvserve.server.responses_store import ResponseStore
 from kvserve.server.responses_stream import stream_response
@@ -39,16 +38,16 @@ from kvserve.server.submission import Submission, collect_or_disconnect
 logger = logging.getLogger("kvserve.server")
 NOT_FOUND = "response_not_found"
 PREVIOUS_NOT_FOUND = "previous_response_not_found"
+ROUTES = {      # for server/openapi.py
+    ("post", "/v1/responses"): (ResponsesRequest, ResponseObject, True),
+    ("get", "/v1/responses/{response_id}"): (None, ResponseObject, False),
+}
 
 
 def install(app, state) -> None:
     store = state.responses = ResponseStore()
 
-    def listed(method: str, path: str) -> bool:
-        # In /openapi.json once server/openapi.py's ROUTES names the route (with its models).
-        return (method, path) in ROUTES
-
-    @app.post("/v1/responses", include_in_schema=listed("post", "/v1/responses"))
+    @app.post("/v1/responses")
     async def create(request: Request):
         tenant = state.tenancy.authenticate(request)
         req = await parse_body(state, request, ResponsesRequest)
@@ -57,7 +56,7 @@ def install(app, state) -> None:
 
     path = "/v1/responses/{response_id}"
 
-    @app.get(path, include_in_schema=listed("get", path))
+    @app.get(path)
     async def retrieve(response_id: str, request: Request):
         tenant = state.tenancy.authenticate(request, limit=False)
         asked = sorted(set(request.query_params) & {"stream", "include", "include[]", "starting_after"})
@@ -68,7 +67,7 @@ def install(app, state) -> None:
             raise _not_found(response_id)
         return JSONResponse(entry.response)
 
-    @app.delete(path, include_in_schema=listed("delete", path))
+    @app.delete(path)
     async def delete(response_id: str, request: Request):
         tenant = state.tenancy.authenticate(request, limit=False)
         if not store.delete(response_id, tenant.name):

@@ -388,9 +388,9 @@ def test_unknown_fields_are_named_in_the_log_and_a_header(app, endpoint, caplog)
     if endpoint == "chat":
         r = api.post(messages=[{"role": "user", "content": "Hi", "weight": 1}])
         assert r.headers[IGNORED_FIELDS_HEADER] == "messages[0].weight"
-    r = api.post(**{"bad\r\nX-Injected": 1, "é": 2})           # header-safe: escaped, never split
+    r = api.post(**{"bad\r\nX-Injected": 1, "é": 2, "": 3, " x ": 4})    # header-safe: escaped, never split
     assert r.status_code == 200 and "x-injected" not in r.headers
-    assert r.headers[IGNORED_FIELDS_HEADER] == "bad\\r\\nX-Injected, \\u00e9"
+    assert r.headers[IGNORED_FIELDS_HEADER] == 'bad\\r\\nX-Injected, \\u00e9, "", " x "'
 
 
 def test_tool_history_reaches_the_prompt(app):
