@@ -24,6 +24,7 @@ Failures inside the server are 500/503 bodies naming an error id, never the exce
 """
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import time
@@ -81,11 +82,11 @@ class ServerState:
         self.model_name = served_model_name
         self.log_requests = log_requests            # server/request_log.py
         self.log_stats_interval = log_stats_interval
-        self.metrics_prefix = metrics_prefix
         self.ui = ui                                # server/page.py
         self.api_key = api_key
         self.api_key_bytes = api_key_bytes(api_key) if api_key is not None else None
-        self.metrics = ServerMetrics(served_model_name)
+        self.metrics = ServerMetrics(served_model_name, metrics_prefix)
+        self.background: list = []      # coroutine functions run from startup to shutdown (request_log.py)
         # An LLMEngine's core runs in a thread of this process; a CoreClient is already running.
         self.core_client = (engine if isinstance(engine, CoreClient)
                             else CoreClient.in_thread(getattr(engine, "core", engine)))
@@ -123,12 +124,16 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.core_client.start()
+        tasks = [asyncio.create_task(run()) for run in state.background]
         # What startup made lives as long as the server: out of the collector's way, so that a
         # full collection (say, after one body of 300,000 small lists) walks only new objects.
         gc.freeze()
         try:
             yield
         finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             state.core_client.shutdown()
             state.tokenization.shutdown()
             state.front.shutdown()

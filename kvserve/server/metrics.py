@@ -179,7 +179,7 @@ def _kv_tier_metrics(model_name: str, tiers: dict | None):
 class ServerMetrics:
     """All metrics of one server, in their own registry (so tests can build several apps)."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, prefix: str = "kvserve"):
         self.model_name = model_name
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
@@ -217,7 +217,7 @@ class ServerMetrics:
                                labels + ["finished_reason"], registry=r)
         self.rejected = Counter("kvserve:http_requests_rejected", "HTTP requests refused, by reason.",
                                 labels + ["reason"], registry=r)
-        self.prefix = "kvserve"                 # set_prefix: "vllm" renames on the way out
+        self.set_prefix(prefix)                 # "vllm" renames on the way out
         self.stats = _EngineStatsCollector(model_name)
         r.register(self.stats)
         r.register(MemoryCollector(model_name))   # resident memory; device memory on CUDA

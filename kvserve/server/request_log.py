@@ -20,34 +20,28 @@ swapped) goes at DEBUG, so an idle server's INFO log stays quiet.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import math
 import time
-from contextlib import asynccontextmanager
 
-from kvserve.server.tenants import current_tenant
+from kvserve.server.tenants import current_tenant, current_user
 
 request_logger = logging.getLogger("kvserve.requests")
 stats_logger = logging.getLogger("kvserve.server")
 
-# The `user` field of the HTTP request being handled (set when its tenant is scoped).
-current_user: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvserve_user", default=None)
 _MAX_USER_CHARS = 64
 
 
 def install(app, state) -> None:
-    """Set the /metrics prefix, log each request's end unless `state.log_requests` is off, and
-    run the stats line with the app (every `state.log_stats_interval` s; 0: never)."""
-    state.metrics.set_prefix(state.metrics_prefix)
+    """Log each request's end unless `state.log_requests` is off, and run the stats line with
+    the app (every `state.log_stats_interval` s; 0: never)."""
     interval = state.log_stats_interval
     if interval is None or not math.isfinite(interval) or interval < 0:
         raise ValueError(f"log_stats_interval must be a number of seconds >= 0 (0: off), got {interval!r}")
     if state.log_requests:
         state.core_client.request_log = RequestLog(tenants=state.tenancy.registry is not None)
-        _remember_user(state.tenancy)
     if interval > 0:
-        _run_with_app(app, lambda: _stats_loop(StatsLine(state.core_client), interval))
+        state.background.append(lambda: _stats_loop(StatsLine(state.core_client), interval))
 
 
 # ---------------------------------------------------------------------- one line per request
@@ -96,19 +90,6 @@ def _finish_reasons(output) -> str:
 
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None or not math.isfinite(seconds) else f"{seconds * 1000:.1f}ms"
-
-
-def _remember_user(tenancy) -> None:
-    """Keep each request's `user` field in the handler's context, where its tenant is scoped
-    (server/tenants.py Tenancy.begin: every completion and chat request passes there)."""
-    begin = tenancy.begin
-
-    def begin_and_remember(tenant, req):
-        begin(tenant, req)
-        user = getattr(req, "user", None)
-        current_user.set(user if isinstance(user, str) and user else None)
-
-    tenancy.begin = begin_and_remember
 
 
 # ---------------------------------------------------------------------- the stats line
@@ -161,25 +142,3 @@ async def _stats_loop(line: StatsLine, interval: float) -> None:
             line.log()
         except Exception:  # noqa: BLE001 -- a bad snapshot must not end the line for good
             stats_logger.exception("the stats line failed")
-
-
-def _run_with_app(app, make_task) -> None:
-    """Run `make_task()` as a task from the app's startup to its shutdown. The app already has
-    a lifespan (Starlette then ignores on_startup), so it is wrapped: the task starts after
-    the app's own startup and is cancelled before its shutdown."""
-    inner = app.router.lifespan_context
-
-    @asynccontextmanager
-    async def lifespan(a):
-        async with inner(a) as maybe_state:
-            task = asyncio.create_task(make_task())
-            try:
-                yield maybe_state
-            finally:
-                task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
-
-    app.router.lifespan_context = lifespan

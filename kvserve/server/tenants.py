@@ -46,6 +46,8 @@ from kvserve.server.salts import derive_salt, load_secret
 
 # The tenant of the HTTP request being handled (for the per-tenant token counters).
 current_tenant: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvserve_tenant", default=None)
+# The request's `user` field, for its log line (server/request_log.py).
+current_user: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvserve_user", default=None)
 # What the scheduler needs of it (tenant, weight, priority), added to each engine prompt.
 current_fields: contextvars.ContextVar[dict | None] = contextvars.ContextVar("kvserve_fields", default=None)
 
@@ -261,6 +263,8 @@ class Tenancy:
         """Scope `req` to its tenant (prefix-cache salt, priority) and count it. With a keys
         file, `req.cache_salt` becomes the salt derived from (tenant, cache_salt)."""
         current_tenant.set(tenant.name)
+        user = getattr(req, "user", None)
+        current_user.set(user if isinstance(user, str) and user else None)
         current_fields.set(self.engine_fields(tenant, req))
         self.metrics.requests.labels(self.metrics.model_name, tenant.name).inc()
         if self.registry is not None:
