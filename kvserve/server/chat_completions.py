@@ -34,9 +34,11 @@ class ChatJob:
     echo: str | None
 
 
-async def prepare_chat(state, req: ChatCompletionRequest, renames: dict | None = None) -> ChatJob:
-    """Render, tokenize (off the event loop when large) and bound `req`; `renames` maps chat's
-    field names to a caller's in the context-length error (the Responses API's)."""
+async def chat_prompt(state, req):
+    """(tool plan, template messages, prompt text, token ids) of a chat request -- or of anything
+    with its prompt fields (messages, tools, tool_choice, add_generation_prompt,
+    continue_final_message, chat_template_kwargs, add_special_tokens: /tokenize's) -- rendered
+    and tokenized off the event loop when large, the text bounded before it is tokenized."""
     if state.chat is None:
         raise APIError("this model has no tokenizer, so chat is not available; use /v1/completions "
                        "with token ids")
@@ -51,6 +53,13 @@ async def prepare_chat(state, req: ChatCompletionRequest, renames: dict | None =
     state.limits.check_text_fits(text)
     ids = await state.tokenization.call(len(text), lambda: state.chat.encode_chat(
         text, messages, req.add_generation_prompt, tools, req.add_special_tokens, **options))
+    return plan, messages, text, ids
+
+
+async def prepare_chat(state, req: ChatCompletionRequest, renames: dict | None = None) -> ChatJob:
+    """Render, tokenize (off the event loop when large) and bound `req`; `renames` maps chat's
+    field names to a caller's in the context-length error (the Responses API's)."""
+    plan, messages, text, ids = await chat_prompt(state, req)
     try:
         max_tokens = max_tokens_for(state, len(ids), req.requested_max_tokens(), req.min_tokens)
     except APIError as e:

@@ -17,7 +17,6 @@ both): it measures text, it does not admit a prompt.
 """
 from __future__ import annotations
 
-from functools import partial
 from typing import Annotated, Any, Optional
 
 from fastapi import Request
@@ -26,11 +25,10 @@ from pydantic_core import PydanticCustomError
 
 from kvserve.cli import kvserve_version
 from kvserve.server.body import parse_body
-from kvserve.server.chat import template_messages
+from kvserve.server.chat_completions import chat_prompt
 from kvserve.server.protocol import (
     MAX_MESSAGES, MAX_TEMPLATE_KWARGS, APIError, ChatMessageParam, ModelCard, TokenId)
 from kvserve.server.request_rules import RULE_ERROR, Implies, check_rules, rules_schema
-from kvserve.server.tool_choice import tool_plan
 from kvserve.server.tool_fields import ToolFields
 from kvserve.server.wire_types import Strict, Text
 
@@ -159,23 +157,7 @@ async def prompt_ids(state, req: TokenizeRequest) -> list[int]:
         state.limits.check_text_fits(req.prompt)
         special = True if req.add_special_tokens is None else req.add_special_tokens
         return await state.tokenization.call(len(req.prompt), tok.encode, req.prompt, special)
-    if state.chat is None:
-        raise APIError("this model has no chat template renderer (no tokenizer)", param="messages")
-    tools = tool_plan(req, state.tool_call_parser).template_tools
-    messages = template_messages(req)
-    options = {}            # (only what the request sets: the renderer's defaults otherwise)
-    if req.continue_final_message:
-        options["continue_final_message"] = True
-    if req.chat_template_kwargs:
-        options["template_kwargs"] = req.chat_template_kwargs
-    size = sum(len(m["content"]) for m in messages) + sum(len(str(t)) for t in tools or ())
-    text = await state.tokenization.call(size, partial(state.chat.render, messages, req.add_generation_prompt,
-                                                       tools, **options))
-    state.limits.check_text_fits(text)
-    if req.add_special_tokens is not None:
-        options["add_special_tokens"] = req.add_special_tokens
-    return await state.tokenization.call(len(text), partial(state.chat.encode_chat, text, messages,
-                                                            req.add_generation_prompt, tools, **options))
+    return (await chat_prompt(state, req))[3]
 
 
 def tokenizer_info(state) -> TokenizerInfoResponse:
