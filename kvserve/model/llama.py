@@ -105,6 +105,15 @@ class LlamaModel:
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] -> logits [S, V] float32 at `logits_indices` [S]."""
+        x = self.hidden_states(input_ids, positions, meta, kv_caches, logits_indices)   # [S, hidden]
+        logits = linear(x, self.lm_head)                               # [S, V] ([S, V'] if tp)
+        return (logits if self.tp is None else self.tp.gather_logits(logits)).float()
+
+    @torch.inference_mode()
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                      kv_caches: list, indices: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T] -> the final hidden states (after the final norm) [S, hidden]
+        at `indices` [S]: what the lm_head reads, and what pooling reads (kvserve/pooling/)."""
         cfg = self.cfg
         H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         T = input_ids.shape[0]
@@ -112,7 +121,7 @@ class LlamaModel:
         x = embedding_rows(self.embed, input_ids) if tp is None else tp.embed(self.embed, input_ids)
         if self.fused is not None and self.fused.takes(T, meta.num_decode_tokens):
             x = self.fused.run(x, positions, meta, kv_caches)
-            return linear(rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps), self.lm_head).float()
+            return rms_norm(x[indices], self.norm, cfg.rms_norm_eps)
         cos = self.rope_cos[positions].to(self.dtype).unsqueeze(1)   # [T, 1, D]
         sin = self.rope_sin[positions].to(self.dtype).unsqueeze(1)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
@@ -131,6 +140,4 @@ class LlamaModel:
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             mlp_out = linear(swiglu(linear(h, layer.gate_up)), layer.down)
             x = x + (mlp_out if tp is None else tp.all_reduce(mlp_out))
-        x = rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps)  # [S, hidden]
-        logits = linear(x, self.lm_head)                               # [S, V] ([S, V'] if tp)
-        return (logits if tp is None else tp.gather_logits(logits)).float()
+        return rms_norm(x[indices], self.norm, cfg.rms_norm_eps)      # [S, hidden]
