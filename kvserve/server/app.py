@@ -52,6 +52,7 @@ from kvserve.server.streaming import SSE_HEADERS, stream_completions, usage_of
 from kvserve.server.submission import Submission, collect_or_disconnect
 from kvserve.server.protocol import (
     ChatCompletionRequest, CompletionChoice, CompletionRequest, CompletionResponse, ModelCard, ModelList)
+from kvserve.server.embeddings import ROUTES as EMBEDDING_ROUTES
 from kvserve.server.embeddings import install as install_embeddings
 from kvserve.server.page import install as install_page
 from kvserve.server.request_log import install as install_request_log
@@ -142,7 +143,7 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
     app.state.kvserve = state
     app.add_middleware(IgnoredFieldsHeader)     # names the unknown fields a request sent (body.py)
     install_error_handlers(app, state)
-    install_openapi(app, {**ROUTES, **TOKENIZER_ROUTES, **RESPONSES_ROUTES})
+    install_openapi(app, {**ROUTES, **TOKENIZER_ROUTES, **RESPONSES_ROUTES, **EMBEDDING_ROUTES})
 
     @app.get("/health")
     async def health():

@@ -18,6 +18,7 @@ from decimal import Decimal
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from kvserve.server.chat_fields import REFUSED
 from kvserve.server.protocol import APIError
 from kvserve.server.request_rules import CONSTRAINTS_CODE, MIN_TOKENS_CODE, RULE_ERROR
 
@@ -212,16 +213,7 @@ _UNION_HINTS = {
                    "\"function\": {\"name\": ...}}",
 }
 _UNSUPPORTED = {"suffix": "suffix is not supported",
-                "best_of": "best_of is not supported beyond 1 (use n for more samples)",
-                "functions": "functions is not supported (it is the deprecated form of tools: use tools)",
-                "function_call": "function_call is not supported (the deprecated form of tool_choice: use "
-                                 "tool_choice)",
-                "audio": "audio output is not supported (this server writes text)",
-                "modalities": "modalities other than [\"text\"] are not supported",
-                "prediction": "prediction (predicted outputs) is not supported",
-                "web_search_options": "web search is not supported",
-                "reasoning_effort": "reasoning_effort is not supported: the served model has no reasoning "
-                                    "modes kvserve can select"}
+                "best_of": "best_of is not supported beyond 1 (use n for more samples)", **REFUSED}
 
 
 def _is_shape_error(e: dict) -> bool:

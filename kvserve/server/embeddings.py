@@ -143,15 +143,21 @@ class EmbeddingClient(CoreClient):
         super().shutdown(timeout)
 
 
+UNSUPPORTED_TASK = "unsupported_task"     # an embedding route on a generation server, or the reverse
+ROUTES = {      # for server/openapi.py
+    ("post", "/v1/embeddings"): (EmbeddingRequest, EmbeddingResponse, False),
+}
+
+
 def install(app, state) -> None:
     client = state.core_client
     if not isinstance(client, EmbeddingClient):
-        @app.post("/v1/embeddings")
+        @app.post("/v1/embeddings", include_in_schema=False)       # (not served here)
         async def embeddings_refused(request: Request):
             state.tenancy.authenticate(request, limit=False)
             raise APIError("The model does not support Embeddings API: this server generates text "
                            "(kvserve serve --task generate); start one with --task embed (vLLM's "
-                           "--runner pooling) to serve embeddings")
+                           "--runner pooling) to serve embeddings", code=UNSUPPORTED_TASK)
         return
 
     for path, api in GENERATION_ROUTES.items():     # ahead of the generation routes
@@ -168,7 +174,7 @@ def install(app, state) -> None:
 def _refusal(state, api: str):
     async def refuse(request: Request):
         state.tenancy.authenticate(request, limit=False)
-        raise APIError(f"The model does not support {api}: {NOT_GENERATING}")
+        raise APIError(f"The model does not support {api}: {NOT_GENERATING}", code=UNSUPPORTED_TASK)
     return refuse
 
 

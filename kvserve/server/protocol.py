@@ -36,6 +36,7 @@ from kvserve.server.wire_types import Text
 from kvserve.server.request_rules import (
     CONSTRAINTS_CODE, MIN_TOKENS_CODE, NOT_NULL, Implies, check_rules, conflicting_constraints_error,
     min_tokens_error, rules_schema)
+from kvserve.server.chat_fields import CONTINUE_RULE, MAX_TEMPLATE_KWARGS, ChatTemplateFields, RefusedChatFields
 from kvserve.server.structured_fields import ConstraintFields
 from kvserve.server.tool_fields import (
     MAX_TOOLS, DeltaToolCall, NamedToolChoice, ToolCall, ToolCallsParam, ToolFields)
@@ -44,7 +45,6 @@ MAX_N = 16
 MAX_SEED = SEED_MAX - (MAX_N - 1)   # sample i of n is seeded with seed + i, an unsigned 64-bit value
 MAX_MESSAGES = 2048
 MAX_CONTENT_PARTS = 256
-MAX_TEMPLATE_KWARGS = 64
 MAX_CACHE_SALT_CHARS = 1024
 # List (and map) fields counted before their items are validated: server/limits.py.
 LIST_FIELD_LIMITS = {"stop": MAX_STOP_STRINGS, "stop_token_ids": MAX_STOP_TOKEN_IDS,
@@ -59,7 +59,8 @@ def _real(lo=None, hi=None, *, gt=None):
 
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 # logit_bias keys: token ids written as strings (JSON object keys), at most 18 digits (< 2**63)
-TokenIdKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,17})$")]
+TOKEN_ID_KEY = r"^(0|[1-9][0-9]{0,17})$"
+TokenIdKey = Annotated[str, Field(pattern=TOKEN_ID_KEY)]
 LogitBias = Annotated[float, Field(ge=LOGIT_BIAS_RANGE[0], le=LOGIT_BIAS_RANGE[1], allow_inf_nan=False)]
 StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 T = TypeVar("T")
@@ -75,7 +76,8 @@ ENGINE_REJECTED = "engine_rejected"     # add_request refused it: a token id out
 INVALID_TOOLS = "invalid_tools"         # tools and tool_choice disagree (server/tool_choice.py)
 SEMANTIC_ERROR_CODES = ("context_length_exceeded", ENGINE_REJECTED, "model_not_found", "chat_template_error",
                         MIN_TOKENS_CODE, "too_many_prompts", INVALID_TOOLS, CONSTRAINTS_CODE, PRIORITY_CODE,
-                        "invalid_token_id", "previous_response_not_found", "response_not_found")
+                        "invalid_token_id", "previous_response_not_found", "response_not_found",
+                        "unsupported_task")
 
 
 class APIError(Exception):
@@ -128,7 +130,8 @@ class _SamplingFields(ConstraintFields):
     cache_salt: Optional[Text] = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)  # vLLM's
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)     # vLLM's: lower runs first (--scheduling-policy priority)
     semantic_cache: bool = True         # false: this request skips the semantic answer cache
-    logit_bias: Optional[dict[TokenIdKey, LogitBias]] = Field(None, max_length=MAX_LOGIT_BIAS)   # OpenAI's
+    logit_bias: Optional[dict[TokenIdKey, LogitBias]] = Field(     # OpenAI's; keys: token ids
+        None, max_length=MAX_LOGIT_BIAS, json_schema_extra={"propertyNames": {"pattern": TOKEN_ID_KEY}})
     prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)     # vLLM's: the prompt tokens' logprobs
     return_tokens_as_token_ids: bool = False        # vLLM's: logprobs name tokens "token_id:N"
 
@@ -229,14 +232,11 @@ class ChatMessageParam(_Strict):
 
 
 _CHAT_RULES = (Implies("top_logprobs", NOT_NULL, "logprobs", True, "top_logprobs needs logprobs: true"),
-               _NOT_STREAMED,
-               Implies("continue_final_message", {"const": True}, "add_generation_prompt", False,
-                       "continue_final_message and add_generation_prompt cannot both be true: set "
-                       "add_generation_prompt to false to continue the last message"))
+               _NOT_STREAMED, CONTINUE_RULE)
 
 
-class ChatCompletionRequest(_SamplingFields, ToolFields):
-    """`POST /v1/chat/completions`."""
+class ChatCompletionRequest(_SamplingFields, ToolFields, ChatTemplateFields, RefusedChatFields):
+    """`POST /v1/chat/completions` (the template and refused fields: server/chat_fields.py)."""
     model_config = ConfigDict(json_schema_extra=rules_schema(_CHAT_RULES))
     RULES: ClassVar[tuple] = _CHAT_RULES
 
@@ -245,19 +245,7 @@ class ChatCompletionRequest(_SamplingFields, ToolFields):
     max_completion_tokens: Optional[int] = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True
     echo: bool = False          # vLLM's: the answer starts with the last message's text when it is the assistant's
-    continue_final_message: bool = False        # the last message stays open: the model goes on writing it
-    chat_template_kwargs: Optional[dict[str, Any]] = Field(None, max_length=MAX_TEMPLATE_KWARGS)
-    add_special_tokens: Optional[bool] = None   # None: BOS only where the template writes none (chat_template.py)
-    # OpenAI's fields kvserve cannot honour; refused (400) rather than ignored.
-    functions: None = None              # the deprecated form of tools: use tools
-    function_call: None = None          # the deprecated form of tool_choice: use tool_choice
-    audio: None = None
-    modalities: Optional[list[Literal["text"]]] = None
-    prediction: None = None
-    web_search_options: None = None
-    reasoning_effort: None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -17,18 +17,18 @@ both): it measures text, it does not admit a prompt.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional
+from typing import Annotated, Optional
 
-from fastapi import Request
+from fastapi import Path, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from kvserve.cli import kvserve_version
 from kvserve.server.body import parse_body
 from kvserve.server.chat_completions import chat_prompt
-from kvserve.server.protocol import (
-    MAX_MESSAGES, MAX_TEMPLATE_KWARGS, APIError, ChatMessageParam, ModelCard, TokenId)
-from kvserve.server.request_rules import RULE_ERROR, Implies, check_rules, rules_schema
+from kvserve.server.chat_fields import CONTINUE_RULE, ChatTemplateFields
+from kvserve.server.protocol import MAX_MESSAGES, APIError, ChatMessageParam, ModelCard, TokenId
+from kvserve.server.request_rules import RULE_ERROR, check_rules, rules_schema
 from kvserve.server.tool_fields import ToolFields
 from kvserve.server.wire_types import Strict, Text
 
@@ -37,9 +37,7 @@ INVALID_TOKEN_ID = "invalid_token_id"       # /detokenize: an id the vocabulary 
 # The fields of the chat form; a request with `prompt` may not send them.
 CHAT_ONLY = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools",
              "tool_choice", "parallel_tool_calls")
-_RULES = (Implies("continue_final_message", {"const": True}, "add_generation_prompt", False,
-                  "continue_final_message and add_generation_prompt cannot both be true: set "
-                  "add_generation_prompt to false to continue the last message"),)
+_RULES = (CONTINUE_RULE,)
 
 
 def _tokenize_schema(schema: dict, model) -> None:
@@ -49,19 +47,14 @@ def _tokenize_schema(schema: dict, model) -> None:
                             "then": {"not": {"anyOf": [{"required": [f]} for f in CHAT_ONLY]}}})
 
 
-class TokenizeRequest(ToolFields):
+class TokenizeRequest(ToolFields, ChatTemplateFields):
     """`POST /tokenize`: text (`prompt`) or a chat (`messages` and the chat fields), never both."""
     model_config = ConfigDict(json_schema_extra=_tokenize_schema)
 
     model: Optional[Text] = None
     prompt: Text = None                             # (absent, never null)
     messages: Annotated[list[ChatMessageParam], Field(min_length=1, max_length=MAX_MESSAGES)] = None
-    # None: true for a prompt; for messages, what /v1/chat/completions does (BOS only where the
-    # chat template writes none, kvserve/chat_template.py).
-    add_special_tokens: Optional[bool] = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: Optional[dict[str, Any]] = Field(None, max_length=MAX_TEMPLATE_KWARGS)
+    # (add_special_tokens None: true for a prompt; for messages, what /v1/chat/completions does)
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -208,7 +201,8 @@ def install(app, state) -> None:
         return VersionResponse(version=kvserve_version()).model_dump()
 
     @app.get("/v1/models/{model_id:path}")
-    async def model_card(model_id: str, request: Request):
+    async def model_card(request: Request, model_id: str = Path(pattern=r"^[^\n]*$")):
+        # (the route matches no newline in the id: the schema says so)
         state.tenancy.authenticate(request, limit=False)
         if model_id not in (state.model_name, state.engine.config.model):
             raise APIError(f"The model {model_id!r} does not exist; this server serves "

@@ -59,6 +59,13 @@ def browser():
         b.close()
 
 
+def expect(locator):
+    """Playwright's web-first assertion (it waits without evaluating script text in the page,
+    which the page's CSP forbids)."""
+    from playwright.sync_api import expect as playwright_expect
+    return playwright_expect(locator)
+
+
 def api_answer(server, messages: list[dict], max_tokens: int) -> str:
     r = httpx.post(server.base_url + "/v1/chat/completions", trust_env=False, timeout=60,
                    headers={"Authorization": f"Bearer {KEY}"},
@@ -143,7 +150,7 @@ def test_a_401_shows_in_the_page_until_the_key_is_set(browser, server, tmp_path)
         alert.wait_for(state="visible")
         assert "401" in alert.text_content() and "API key" in alert.text_content()
         p.set_key("wrong-key")
-        p.page.wait_for_function("document.getElementById('model').textContent === 'no model'")
+        expect(p.page.locator("#model")).to_have_text("no model")
         assert "401" in alert.text_content()
         p.send("<b>Once</b> upon a time")                  # refused: no turn, the text kept
         p.page.wait_for_timeout(300)
@@ -151,7 +158,7 @@ def test_a_401_shows_in_the_page_until_the_key_is_set(browser, server, tmp_path)
         assert p.page.input_value("#input") == "<b>Once</b> upon a time"
         p.screenshot(tmp_path, "chat-page-401.png")
         p.set_key(KEY)
-        p.page.wait_for_function("document.getElementById('model').textContent === 'stories260K-hf'")
+        expect(p.page.locator("#model")).to_have_text("stories260K-hf")
         assert alert.is_hidden()
         p.settings()
         p.send(p.page.input_value("#input"))
@@ -163,7 +170,7 @@ def test_a_401_shows_in_the_page_until_the_key_is_set(browser, server, tmp_path)
         assert text == api_answer(server, [{"role": "user", "content": "<b>Once</b> upon a time"}], 24)
         # the key is kept in this browser: a reload needs no typing
         p.page.reload()
-        p.page.wait_for_function("document.getElementById('model').textContent === 'stories260K-hf'")
+        expect(p.page.locator("#model")).to_have_text("stories260K-hf")
         assert p.page.input_value("#api-key") == KEY and p.page.locator("#alert").is_hidden()
     finally:
         p.close()
