@@ -2,12 +2,9 @@
 that sends each request to the replica most likely to hold its prefix (seed 003, "Radix trees":
 a prefix-aware router; Mooncake's cache-centric scheduling), balanced against load.
 
-    POST /v1/completions, /v1/chat/completions   routed (dist/replicas.py), the replica's answer
-                                                 relayed byte for byte, SSE chunk by chunk
-    GET  /v1/models                              from a healthy replica
-    GET  /health                                 200 while some replica is healthy, else 503
-    GET  /metrics                                the router's Prometheus metrics (router_metrics.py)
-    GET  /router/replicas                        each replica's state, as JSON
+Its routes are fleet/router_app.py's: completions and chat routed by prefix, the other POST
+routes by load (a Responses API continuation to the replica that holds its response), the GET
+routes from a healthy replica.
 
 A request's routing key is its leading block hashes, computed with the engine's own hash
 function and its `cache_salt` (dist/prefix_key.py). The key is matched against the block hashes
@@ -35,17 +32,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from contextlib import asynccontextmanager, suppress
+from contextlib import suppress
 
 import anyio
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from kvserve.fleet.breaker import backpressure_reason
 from kvserve.fleet.prefix_key import RequestHasher
-from kvserve.fleet.replicas import Replica, ReplicaSet
+from kvserve.fleet.replicas import Pick, Replica, ReplicaSet
+from kvserve.fleet.response_holders import ResponseHolders
 from kvserve.fleet.router_metrics import RouterMetrics
 
 logger = logging.getLogger("kvserve.router")
@@ -80,6 +78,7 @@ class Router:
         self.connect_timeout = connect_timeout
         self.max_body_bytes = max_body_bytes
         self.metrics = RouterMetrics(replicas)
+        self.responses = ResponseHolders()     # Responses API id -> the replica that stores it
         self.client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task | None = None
 
@@ -169,21 +168,28 @@ class Router:
             parts.append(part)
         return b"".join(parts)
 
-    async def proxy_post(self, request: Request, path: str) -> Response:
+    async def proxy_post(self, request: Request, path: str, by_prefix: bool = True) -> Response:
+        """Relay a POST: routed by its prefix (`by_prefix`), else by load alone; a Responses API
+        request continuing a response goes first to the replica that holds it."""
         body = await self.read_body(request)
         if body is None:
             return error_response(413, f"the request body is over {self.max_body_bytes} bytes",
                                   "request_too_large", "invalid_request_error")
-        return await self.forward(request, path, body, await self.routing_key(path, body))
+        hashes = await self.routing_key(path, body) if by_prefix else []
+        pin = self.responses.holder_of_previous(body) if path == "/v1/responses" else None
+        return await self.forward(request, path, body, hashes, pin)
 
-    async def forward(self, request: Request, path: str, body: bytes, hashes: list[bytes]) -> Response:
-        """Send `body` to the replica `hashes` pick, relay its answer; retried elsewhere while
-        nothing has been relayed (see the module docstring)."""
+    async def forward(self, request: Request, path: str, body: bytes, hashes: list[bytes],
+                      pin: Replica | None = None) -> Response:
+        """Send `body` to `pin` (while it is available), else the replica `hashes` pick, and
+        relay its answer; retried elsewhere while nothing has been relayed (see the module
+        docstring)."""
         headers = forward_headers(request)
         tried: list[Replica] = []
         last_busy = last_5xx = None         # the last answers that said "not now" / failed
         while True:
-            pick = self.replicas.pick(hashes, exclude=tried)
+            pinned = pin is not None and not tried and pin in self.replicas.available()
+            pick = Pick(pin, pin.lru.match(hashes)) if pinned else self.replicas.pick(hashes, exclude=tried)
             if pick is None:
                 if last_busy is not None:
                     return last_busy        # none took it, some were busy: retry later
@@ -222,6 +228,7 @@ class Router:
                     raise
                 relaying = True
                 self.replicas.succeeded(r)
+                self.responses.learn(upstream.headers, r)
             except httpx.HTTPError as e:
                 self._fail(r, f"{type(e).__name__}: {e}")
                 continue
@@ -263,16 +270,27 @@ class Router:
         finally:
             await done()
 
-    async def proxy_get(self, path: str, request: Request) -> Response:
+    async def proxy_get(self, path: str, request: Request, method: str = "GET",
+                        first: Replica | None = None, past_404: bool = False) -> Response:
+        """A bodiless request, answered by the first healthy replica (`first` tried first) that
+        answers below 500 -- and, with `past_404`, not 404 (a stored response on another one)."""
         headers = forward_headers(request)
-        for r in self.replicas.healthy():
+        healthy = self.replicas.healthy()
+        order = ([first] if first in healthy else []) + [r for r in healthy if r is not first]
+        not_found = None
+        for r in order:
             try:
-                resp = await self.client.get(r.url + path, headers=headers)
+                resp = await self.client.request(method, r.url + path, headers=headers)
             except httpx.HTTPError as e:
                 self._fail(r, f"{type(e).__name__}: {e}")
                 continue
+            if resp.status_code == 404 and past_404:
+                not_found = resp
+                continue
             if resp.status_code < 500:
                 return Response(resp.content, resp.status_code, _response_headers(resp))
+        if not_found is not None:
+            return Response(not_found.content, 404, _response_headers(not_found))
         return error_response(503, "no healthy replica", "no_healthy_replica", headers={"Retry-After": "1"})
 
 
@@ -319,46 +337,3 @@ def forward_headers(request: Request) -> dict:
 
 def _response_headers(resp: httpx.Response) -> dict:
     return {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_BY_HOP}
-
-
-def build_router_app(router: Router) -> FastAPI:
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        await router.start()
-        try:
-            yield
-        finally:
-            await router.stop()
-
-    app = FastAPI(title="kvserve router", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
-    app.state.router = router
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await router.proxy_post(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await router.proxy_post(request, "/v1/chat/completions")
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        return await router.proxy_get("/v1/models", request)
-
-    @app.get("/health")
-    async def health():
-        states = [r.state() for r in router.replicas.replicas]
-        ok = any(s["healthy"] for s in states)
-        return JSONResponse({"status": "ok" if ok else "error", "replicas": states}, 200 if ok else 503)
-
-    @app.get("/router/replicas")
-    async def replicas():
-        return {"policy": router.replicas.policy, "replicas": [r.state() for r in router.replicas.replicas],
-                "prefix_hit_rate": router.metrics.hit_rate()}
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(router.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    return app

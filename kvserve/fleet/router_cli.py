@@ -121,7 +121,8 @@ def run_router(urls: list[str], hasher, policy: str, balance_threshold: int, hea
     """Serve the router until SIGTERM/SIGINT; False if it could not start (e.g. port taken)."""
     import uvicorn
 
-    from kvserve.fleet.router import Router, build_router_app
+    from kvserve.fleet.router import Router
+    from kvserve.fleet.router_app import build_router_app
 
     replicas = ReplicaSet(urls, policy, balance_threshold, lru_blocks, cb_failure_threshold, cb_timeout_s)
     app = build_router_app(Router(replicas, hasher, health_interval))

@@ -14,7 +14,9 @@ function_call items (server/responses_items.py), whole or streamed (server/respo
 
 Authentication, rate limits and tenancy are the chat route's (server/tenants.py); the answer
 caches are not used. With `store` (the default) the response is kept (server/responses_store.py)
-for its tenant; an unknown `previous_response_id` is a 400 naming it.
+for its tenant; an unknown `previous_response_id` is a 400 naming it. The answer names its id in
+the `kvserve-response-id` header, so a router in front of replicas sends the continuations to
+this one (fleet/response_holders.py).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from kvserve.server.protocol import CONSTRAINTS_CODE, MAX_MESSAGES, APIError, Ch
 from kvserve.server.responses_items import (
     ResponseObject, as_input_items, chat_messages, finish, new_id, output_items, response_shell, status_of, usage)
 from kvserve.server.responses_protocol import FunctionToolChoice, ResponsesRequest
-from kvserve.server.responses_store import ResponseStore
+from kvserve.server.responses_store import RESPONSE_ID_HEADER, ResponseStore
 from kvserve.server.responses_stream import stream_response
 from kvserve.server.streaming import SSE_HEADERS
 from kvserve.server.submission import Submission, collect_or_disconnect
@@ -142,7 +144,7 @@ async def create_response(state, store: ResponseStore, req: ResponsesRequest, re
 
     if req.stream:
         return StreamingResponse(stream_response(sub, shell, output, done), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+                                 headers={**SSE_HEADERS, RESPONSE_ID_HEADER: rid})
     final = await collect_or_disconnect(sub, request)
     if final is None:
         return Response(status_code=499)
@@ -153,4 +155,4 @@ async def create_response(state, store: ResponseStore, req: ResponsesRequest, re
     resp = finish(shell, c.finish_reason, output_items(message.content, message.tool_calls, status),
                   usage(len(out.prompt_token_ids), len(c.token_ids), out.num_cached_tokens or 0))
     done(resp)
-    return JSONResponse(resp.model_dump())
+    return JSONResponse(resp.model_dump(), headers={RESPONSE_ID_HEADER: rid})

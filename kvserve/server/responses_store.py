@@ -9,6 +9,8 @@ import json
 from collections import OrderedDict
 from dataclasses import dataclass
 
+RESPONSE_ID_HEADER = "kvserve-response-id"     # names a new response, for a router (fleet/response_holders.py)
+
 MAX_STORED_RESPONSES = 1024
 MAX_STORED_BYTES = 64 * 1024 * 1024
 

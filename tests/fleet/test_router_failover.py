@@ -12,7 +12,8 @@ import json
 import httpx
 
 from kvserve.fleet.replicas import ReplicaSet
-from kvserve.fleet.router import Router, build_router_app
+from kvserve.fleet.router import Router
+from kvserve.fleet.router_app import build_router_app
 
 BODY = {"model": "m", "prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]}
 

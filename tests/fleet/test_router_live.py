@@ -1,7 +1,8 @@
 """`kvserve serve --data-parallel-size 2` and `kvserve router` on live stories260K replicas
 (127.0.0.1, started and stopped here): greedy answers through the router equal direct ones,
 follow-up chat turns stick to their conversation's replica (measured against round-robin),
-salts never match across, a replica killed mid-run loses no request that had not started
+salts never match across, a Responses API conversation stays on the replica that stores it,
+a replica killed mid-run loses no request that had not started
 streaming, and SIGTERM stops every replica."""
 from __future__ import annotations
 
@@ -110,6 +111,29 @@ def test_router_answers_equal_direct_answers(dp):
     models = httpx.get(router + "/v1/models", trust_env=False).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
     assert post(router, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -1}).status_code == 400
+
+
+def test_responses_conversations_and_the_other_routes_through_the_router(dp):
+    """A Responses API conversation continues on the replica that stores it, turn after turn
+    (the default policy alone would move it); /tokenize and friends are relayed."""
+    router, backends, _ = dp
+    rid, replicas, inputs = None, [], []
+    for turn in ("Tell me about a cat.", "And a dog?", "And a bird?", "And a fish?"):
+        body = {"model": MODEL, "input": turn, "max_output_tokens": 8, "temperature": 0}
+        if rid is not None:
+            body["previous_response_id"] = rid
+        r = post(router, "/v1/responses", body)
+        assert r.status_code == 200, r.text
+        rid = r.json()["id"]
+        replicas.append(r.headers["x-kvserve-replica"])
+        inputs.append(r.json()["usage"]["input_tokens"])
+    assert len(set(replicas)) == 1 and inputs == sorted(inputs) and inputs[0] < inputs[-1]
+    got = httpx.get(f"{router}/v1/responses/{rid}", trust_env=False)
+    assert got.status_code == 200 and got.json()["id"] == rid
+    ids = post(router, "/tokenize", {"prompt": "Once upon a time"}).json()["tokens"]
+    assert post(router, "/detokenize", {"tokens": ids}).json()["prompt"].endswith("Once upon a time")
+    for path in ("/version", "/tokenizer_info", f"/v1/models/{MODEL}"):
+        assert httpx.get(router + path, trust_env=False).status_code == 200, path
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_replica(dp):
