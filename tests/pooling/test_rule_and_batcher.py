@@ -76,15 +76,17 @@ class Recording:
         return torch.tensor([[sum(p), len(p)] for p in prompts], dtype=torch.float32)
 
 
-def test_batches_follow_arrival_order_under_the_padded_token_budget():
+def test_batches_start_at_the_oldest_prompt_and_group_by_length_under_the_padded_token_budget():
     model = Recording()
     b = EmbeddingBatcher(model, max_batch_tokens=8, max_batch_seqs=3)
     jobs = [b.submit([[1] * 2, [2] * 3]), b.submit([[3] * 4]), b.submit([[4], [5], [6], [7]]), b.submit([[9] * 20])]
     b.start()                    # everything is queued before the worker looks: one pass takes it all
     results = [j.future.result(10) for j in jobs]
     b.close()
-    # [2, 3] + [4] would pad to 3 x 4 = 12 > 8; three prompts at most; a 20-token prompt runs alone
-    assert [[len(p) for p in batch] for batch in model.batches] == [[2, 3], [4, 1], [1, 1, 1], [20]]
+    # each batch: the oldest prompt left (2, then 3, then 4 tokens), with the queued prompts
+    # nearest its length, shorter ones first, while the batch x its longest fits 8 tokens and
+    # three prompts at most; a 20-token prompt runs alone
+    assert [[len(p) for p in batch] for batch in model.batches] == [[1, 1, 2], [1, 3], [1, 4], [20]]
     assert [r.tolist() for r in results] == [[[2, 2], [6, 3]], [[12, 4]], [[4, 1], [5, 1], [6, 1], [7, 1]],
                                              [[180, 20]]]
     assert all(r.dtype == np.float32 for r in results)
