@@ -16,6 +16,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.chat_cli import stream_answer
 from kvserve.chat_template import ChatRenderer, ChatTemplateError
 from tests.conftest import STORIES_HF
+from tests.engine.pty_chat import PtyChat
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -142,44 +143,16 @@ def test_cli_chat_reset_and_eof():
 
 
 def test_cli_chat_in_a_terminal_ctrl_c_aborts_the_answer_only():
-    import pty
-    import select
-    import time
-
-    pid, fd = pty.fork()
-    if pid == 0:   # the child: `kvserve chat` on the pseudo-terminal (long greedy answers)
-        os.chdir(ROOT)
-        os.environ.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-        os.execv(sys.executable, [sys.executable, "-m", "kvserve.cli", "chat", "--model", str(STORIES_HF),
-                                  "--chat-template", TEMPLATE, "--temperature", "0", "--max-tokens", "400"])
-    buf, status = bytearray(), None
-
-    def read_until(marker: bytes, start: int, timeout: float = 120.0) -> int:
-        deadline = time.monotonic() + timeout
-        while marker not in buf[start:]:
-            assert time.monotonic() < deadline, f"no {marker!r} in {bytes(buf)!r}"
-            if select.select([fd], [], [], 0.1)[0]:
-                try:
-                    buf.extend(os.read(fd, 4096))
-                except OSError:                               # EIO: the child has exited
-                    raise AssertionError(f"kvserve chat ended early: {bytes(buf)!r}") from None
-        return buf.index(marker, start) + len(marker)
-
-    try:
-        at = read_until(b"> ", 0)                             # the prompt: the model is loaded
+    # long greedy answers
+    with PtyChat("--model", str(STORIES_HF), "--chat-template", TEMPLATE, "--temperature", "0",
+                 "--max-tokens", "400") as chat:
+        at = chat.read_until(b"> ", 0)                        # the prompt: the model is loaded
         for line in (b"Once upon a time\n", b"The cat\n"):
-            os.write(fd, line)
-            at = read_until(line.strip() + b"\r\n", at)       # the terminal's echo
-            read_until(b" ", at + 10)                         # the answer has begun streaming
-            os.write(fd, b"\x03")                             # Ctrl-C
-            at = read_until(b"[answer aborted]", at)
-            at = read_until(b"> ", at)                        # the session goes on
-        os.write(fd, b"/exit\n")
-        _, status = os.waitpid(pid, 0)
-    finally:
-        os.close(fd)
-        if status is None:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, bytes(buf)
-    assert b"tokens, finish=" not in buf                      # neither answer ran to its end
+            chat.write(line)
+            at = chat.read_until(line.strip() + b"\r\n", at)  # the terminal's echo
+            chat.read_until(b" ", at + 10)                    # the answer has begun streaming
+            chat.write(b"\x03")                               # Ctrl-C
+            at = chat.read_until(b"[answer aborted]", at)
+            at = chat.read_until(b"> ", at)                   # the session goes on
+        assert chat.exit_code() == 0, bytes(chat.buf)
+    assert b"tokens, finish=" not in chat.buf                 # neither answer ran to its end

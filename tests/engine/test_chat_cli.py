@@ -8,7 +8,6 @@ import copy
 import io
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -17,6 +16,7 @@ import pytest
 
 from kvserve.chat_cli import COMMANDS, Answer, Conversation, api_base, run_session, sse_data
 from tests.conftest import STORIES_HF
+from tests.engine.pty_chat import PtyChat
 from tests.engine.test_chat import ROOT, TEMPLATE, prompt_counts
 from tests.server.live import LiveServer
 
@@ -190,44 +190,19 @@ def test_url_mode_errors_are_clear(server, tmp_path):
 
 
 def test_url_mode_ctrl_c_aborts_the_request_on_the_server(server):
-    import pty
-    import select
-    import time
-
     def aborted(m):
         return sum(v for k, v in m.items() if 'finished_reason="abort"' in k and "success_total{" in k)
     before = aborted(server.metrics())
-    pid, fd = pty.fork()
-    if pid == 0:   # the child: `kvserve chat --url` on a pseudo-terminal, one long greedy answer
-        os.chdir(ROOT)
-        os.environ.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", NO_PROXY="*")
-        os.execv(sys.executable, [sys.executable, "-m", "kvserve.cli", "chat", "--url", server.base_url,
-                                  "--api-key", KEY, "--temperature", "0", "--max-tokens", "480"])
-    buf, status = bytearray(), None
-
-    def read_until(marker: bytes, start: int, timeout: float = 60.0) -> int:
-        deadline = time.monotonic() + timeout
-        while marker not in buf[start:]:
-            assert time.monotonic() < deadline, f"no {marker!r} in {bytes(buf)!r}"
-            if select.select([fd], [], [], 0.002)[0]:
-                buf.extend(os.read(fd, 4096))
-        return buf.index(marker, start) + len(marker)
-
-    try:
-        at = read_until(b"> ", 0)                                  # the models are listed
-        os.write(fd, b"Once upon a time\n")
-        at = read_until(b"Once upon a time\r\n", at)               # the terminal's echo
-        read_until(b" ", at)                                       # the answer has begun
-        os.write(fd, b"\x03")                                      # Ctrl-C
-        at = read_until(b"[answer aborted]", at)
-        read_until(b"> ", at)                                      # the session goes on
-        os.write(fd, b"/exit\n")
-        _, status = os.waitpid(pid, 0)
-    finally:
-        os.close(fd)
-        if status is None:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, bytes(buf)
+    # one long greedy answer; read every 2 ms, so the Ctrl-C comes within its first tokens
+    with PtyChat("--url", server.base_url, "--api-key", KEY, "--temperature", "0", "--max-tokens", "480",
+                 env={"NO_PROXY": "*"}, poll_s=0.002) as chat:
+        at = chat.read_until(b"> ", 0, 60)                         # the models are listed
+        chat.write(b"Once upon a time\n")
+        at = chat.read_until(b"Once upon a time\r\n", at, 60)     # the terminal's echo
+        chat.read_until(b" ", at, 60)                              # the answer has begun
+        chat.write(b"\x03")                                        # Ctrl-C
+        at = chat.read_until(b"[answer aborted]", at, 60)
+        chat.read_until(b"> ", at, 60)                             # the session goes on
+        assert chat.exit_code() == 0, bytes(chat.buf)
     server.wait_for("the interrupted request counted as aborted", lambda m: aborted(m) == before + 1)
     server.wait_idle()

@@ -13,7 +13,7 @@ import pytest
 from kvserve import SamplingParams
 from kvserve.server.chat import FALLBACK_CHAT_TEMPLATE
 
-from .live import LiveServer, reference_llm, openai_client
+from .live import LiveServer, reference_llm
 
 MODEL = "stories260K-hf"
 PROMPTS = ["Once upon a time", "Lily went to the park", "The cat was", "Tom had a big red ball",
@@ -25,13 +25,6 @@ def server():
     srv = LiveServer("--max-num-seqs", "64")
     yield srv
     assert srv.stop() == 0, srv.log()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    c = openai_client(server)
-    yield c
-    c.close()
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from kvserve.server.responses_protocol import MessageItem
 from kvserve.server.responses_store import ResponseStore
 
-from .live import STORIES_HF, LiveServer, openai_client
+from .live import STORIES_HF, LiveServer
 
 MODEL = "stories260K-hf"
 # A template that reads tools and tool results (as tests/server/test_tool_calls_api.py's).
@@ -55,13 +55,6 @@ def server():
     srv = LiveServer("--max-num-seqs", "8", "--chat-template", TEMPLATE)
     yield srv
     assert srv.stop() == 0, srv.log()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    c = openai_client(server)
-    yield c
-    c.close()
 
 
 def create(client, **kw):

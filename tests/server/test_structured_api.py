@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel
 
-from .live import LiveServer, openai_client
+from .live import LiveServer
 
 MODEL = "stories260K-hf"
 MESSAGES = [{"role": "user", "content": "Tell me about Lily."}]
@@ -34,13 +34,6 @@ def server():
     srv = LiveServer("--max-num-seqs", "16")
     yield srv
     assert srv.stop() == 0, srv.log()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    c = openai_client(server)
-    yield c
-    c.close()
 
 
 def post(server, path: str, body: dict) -> httpx.Response:

@@ -10,13 +10,12 @@ from typing import Literal
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
 from kvserve.model.tokenizer import HFTokenizer
 from kvserve.server.chat import ChatRenderer
 
-from .live import STORIES_HF, LiveServer, openai_client
+from .live import STORIES_HF, LiveServer
 
 MODEL = "stories260K-hf"
 TEMPLATE = (
@@ -45,13 +44,6 @@ def server():
     srv = LiveServer("--max-num-seqs", "16", "--chat-template", TEMPLATE)
     yield srv
     assert srv.stop() == 0, srv.log()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    c = openai_client(server)
-    yield c
-    c.close()
 
 
 def create(client, **kw):
