@@ -48,7 +48,12 @@ FALLBACK_CHAT_TEMPLATE = (
 
 
 class ChatTemplateError(ValueError):
-    """The template refused the conversation; the message says what it objected to."""
+    """The template refused the conversation or an option; the message says what it objected
+    to, `param` which request field it was about."""
+
+    def __init__(self, message: str, param: str = "messages"):
+        super().__init__(message)
+        self.param = param
 
 
 def _raise_exception(message):
@@ -102,9 +107,11 @@ class ChatRenderer:
         if continue_final_message:
             if add_generation_prompt:
                 raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be "
-                                        "true: set add_generation_prompt to false to continue the last message")
+                                        "true: set add_generation_prompt to false to continue the last message",
+                                        "continue_final_message")
             if not messages or not messages[-1].get("content"):
-                raise ChatTemplateError("continue_final_message needs a last message with text to continue")
+                raise ChatTemplateError("continue_final_message needs a last message with text to continue",
+                                        "continue_final_message")
         if self.accepts_tools:
             extra["tools"] = tools or None
         elif tools or any(m.get("tool_calls") for m in messages):
@@ -126,11 +133,13 @@ class ChatRenderer:
         reserved = sorted(k for k in kwargs if k in _RESERVED_VARIABLES)
         if reserved:
             raise ChatTemplateError(f"chat_template_kwargs may not set {reserved}: the request's own fields "
-                                    "(messages, tools, add_generation_prompt) and the tokenizer set them")
+                                    "(messages, tools, add_generation_prompt) and the tokenizer set them",
+                                    "chat_template_kwargs")
         unread = sorted(k for k in kwargs if k not in self.variables)
         if unread:
             raise ChatTemplateError(f"chat_template_kwargs {unread} are not read by this model's chat "
-                                    f"template (it reads {sorted(self.variables - _RESERVED_VARIABLES)})")
+                                    f"template (it reads {sorted(self.variables - _RESERVED_VARIABLES)})",
+                                    "chat_template_kwargs")
         return kwargs
 
     def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
@@ -152,7 +161,7 @@ def _cut_after_last(text: str, final: str) -> str:
         if at >= 0:
             return text[:at + len(needle)]
     raise ChatTemplateError("continue_final_message: the chat template does not write the last message's "
-                            "text as given, so it cannot be continued")
+                            "text as given, so it cannot be continued", "continue_final_message")
 
 
 def _model_template(tokenizer) -> str | None:

@@ -53,9 +53,8 @@ class ChatRenderer(_SharedRenderer):
 
 
 def _refused(e: ChatTemplateError) -> APIError:
-    text = str(e)
-    param = next((p for p in ("chat_template_kwargs", "continue_final_message") if text.startswith(p)), "messages")
-    return APIError(text if param != "messages" else f"messages: {text}", param=param, code="chat_template_error")
+    text = str(e) if e.param != "messages" else f"messages: {e}"
+    return APIError(text, param=e.param, code="chat_template_error")
 
 
 def template_messages(req) -> list[dict]:
