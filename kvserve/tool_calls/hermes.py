@@ -4,8 +4,11 @@
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-the format of kvserve's default tool prompt (tool_calls/prompt.py) too. A block whose JSON is
-not a call of a known function stays content; the last block may lack its closing tag."""
+the format of kvserve's default tool prompt (tool_calls/prompt.py) too. The object is read with
+a JSON decoder from the opening tag on, so a tag inside a string in it is text, and the block
+ends at the first closing tag after it. A block whose JSON is not a call of a known function
+stays content (it ends at the first closing tag); the last block may lack its closing tag. JSON
+that does not decode might be unfinished, so a stream holds the calls after it to the end."""
 from __future__ import annotations
 
 import json
@@ -14,14 +17,27 @@ import re
 from kvserve.tool_calls.base import ToolParser, call_from_object
 
 START, END = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(START) + r"(.*?)" + re.escape(END), re.S)
+_SPACE = re.compile(r"[ \t\n\r]*")          # JSON's whitespace, as json.loads skips it
+_DECODER = json.JSONDecoder()
 
 
-def _call(body: str, names):
+def _block(text: str, pos: int, names, final: bool):
+    """The block whose opening tag ends at `pos`: (its call or None, where it ends), or None
+    while more text could still change it (before `final` only)."""
     try:
-        return call_from_object(json.loads(body), names)
-    except ValueError:
-        return None
+        value, end = _DECODER.raw_decode(text, _SPACE.match(text, pos).end())
+    except ValueError:          # broken, or not all there yet
+        value, end = None, None
+    if end is not None:
+        after = _SPACE.match(text, end).end()
+        if text.startswith(END, after):
+            return call_from_object(value, names), after + len(END)
+        if after == len(text) and final:        # an unclosed last block
+            return call_from_object(value, names), after
+    close = text.find(END, end or pos)
+    if close >= 0 and (final or end is not None):
+        return None, close + len(END)
+    return (None, len(text)) if final else None
 
 
 class HermesParser(ToolParser):
@@ -29,18 +45,15 @@ class HermesParser(ToolParser):
     marker = START
 
     def parse_section(self, section, names, final):
-        calls, content, pos = [], [], 0
-        for m in _BLOCK.finditer(section):
-            content.append(section[pos:m.start()])
-            call = _call(m.group(1), names)
-            calls.append(call) if call else content.append(m.group(0))
-            pos = m.end()
-        rest = section[pos:]
-        i = rest.find(START)
-        if final and i >= 0:                # an unclosed last block
-            call = _call(rest[i + len(START):], names)
+        calls, content, pos, scan = [], [], 0, 0
+        while (start := section.find(START, scan)) >= 0:
+            block = _block(section, start + len(START), names, final)
+            if block is None:
+                break
+            call, scan = block
             if call:
                 calls.append(call)
-                rest = rest[:i]
-        content.append(rest)
+                content.append(section[pos:start])
+                pos = scan
+        content.append(section[pos:])
         return calls, "".join(content)

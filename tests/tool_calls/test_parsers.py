@@ -1,12 +1,13 @@
 """The tool-call readers: each parser on its model family's syntax, a stream (split anywhere)
-saying exactly what the whole text says, and the forced-call reader against json.loads."""
+saying exactly what the whole text says, markers inside arguments read as text, and the
+forced-call reader against json.loads."""
 from __future__ import annotations
 
 import json
 
 import jsonschema
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kvserve.tool_calls import PARSERS, tool_parser
@@ -32,6 +33,7 @@ def hermes(*calls) -> str:
     return "".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>\n" for c in calls)
 
 
+UNKNOWN_WITH_TAG = '<tool_call>{"name": "unknown", "arguments": {"x": "</tool_call>"}} x</tool_call>'
 CASES = [
     ("hermes", "Let me look.\n" + hermes(WEATHER, ADD), "Let me look.", [WEATHER, ADD]),
     ("hermes", hermes(WEATHER), None, [WEATHER]),
@@ -40,6 +42,9 @@ CASES = [
     ("hermes", '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>',
      '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>', []),        # not a known function
     ("hermes", "<tool_call>{broken</tool_call>", "<tool_call>{broken</tool_call>", []),
+    ("hermes", "<tool_call>{broken</tool_call>" + hermes(WEATHER).rstrip(), "<tool_call>{broken</tool_call>",
+     [WEATHER]),                                                                # a broken block, then a call
+    ("hermes", UNKNOWN_WITH_TAG + hermes(ADD).rstrip(), UNKNOWN_WITH_TAG, [ADD]),     # not a call, then one
     ("llama3_json", json.dumps({"name": "get_weather", "parameters": {"city": "Paris"}}), None, [WEATHER]),
     ("llama3_json", "<|python_tag|>" + json.dumps(WEATHER) + "; " + json.dumps(ADD), None, [WEATHER, ADD]),
     ("llama3_json", 'The answer is {"name": "add"}', 'The answer is {"name": "add"}', []),
@@ -159,3 +164,60 @@ def test_forced_calls_close_open_objects_only():
     jsonschema.validate({"a": {"b": None}}, got)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"a": {"x": 1}}, got)
+
+
+# -- markers inside arguments ---------------------------------------------------------------------
+def test_a_closing_tag_inside_an_argument_string_does_not_end_the_hermes_call():
+    text = '<tool_call>{"name": "add", "arguments": {"x": "</tool_call>"}}</tool_call>'
+    for cut in range(len(text) + 1):
+        content, calls, _ = read("hermes", text, [cut])
+        assert (content, calls) == ("", [("add", {"x": "</tool_call>"})]), cut
+
+
+MARKERS = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>",
+           "{", "}", "[", "]", '"', "\\", ";", ",", "é", "\u2028", "\U0001F600", "\n"]
+marked_text = st.lists(st.sampled_from(MARKERS) | st.text(alphabet=st.characters(codec="utf-8"), max_size=3),
+                       max_size=5).map("".join)
+marked_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | marked_text,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(marked_text, inner, max_size=3), max_leaves=6)
+marked_calls = st.lists(st.tuples(st.sampled_from(sorted(NAMES)), st.dictionaries(marked_text, marked_values,
+                                                                                  max_size=3)),
+                        min_size=1, max_size=3)
+
+
+def written(parser: str, calls, before: str, after: str, draw) -> tuple[str, str]:
+    """The text a model of `parser`'s family writes for `calls` between `before` and `after`,
+    and the content the reader gives back (what precedes the calls loses its trailing space)."""
+    dumps = lambda v: json.dumps(v, ensure_ascii=draw(st.booleans()))
+    space = lambda: draw(st.sampled_from(["", " ", "\n"]))
+    if parser == "hermes":
+        blocks = [f"<tool_call>{space()}{dumps({'name': n, 'arguments': dumps(a) if draw(st.booleans()) else a})}"
+                  f"{space()}</tool_call>" for n, a in calls]
+        if not after and draw(st.booleans()):      # an unclosed last block
+            blocks[-1] = blocks[-1][:-len("</tool_call>")]
+        body = "".join(blocks)
+    elif parser == "llama3_json":
+        before = ""                                 # the answer starts with the calls
+        after = after if not after or after[0].isalpha() else ""     # and what follows is no JSON
+        key = draw(st.sampled_from(["parameters", "arguments"]))
+        body = draw(st.sampled_from(["", "<|python_tag|>"])) + draw(st.sampled_from([";", "; ", ";\n"])).join(
+            dumps({"name": n, key: a}) for n, a in calls)
+    else:
+        if draw(st.booleans()):
+            body = "[TOOL_CALLS]" + dumps([{"name": n, "arguments": a} for n, a in calls])
+        else:
+            body = "".join(f"[TOOL_CALLS]{n}[ARGS]{dumps(a)}" for n, a in calls)
+    return before + body + after, before.rstrip() + (after if after.strip() else "")
+
+
+@settings(max_examples=80, deadline=None)
+@given(parser=st.sampled_from(sorted(PARSERS)), calls=marked_calls, before=marked_text, after=marked_text,
+       data=st.data())
+def test_markers_inside_arguments_neither_end_nor_start_a_call(parser, calls, before, after, data):
+    """Arguments whose strings hold every parser's markers come back exactly, read whole and read
+    as a stream split anywhere, and so does the content around the calls."""
+    assume(not any(m in before + after for m in ("<tool_call>", "[TOOL_CALLS]")))
+    text, content = written(parser, calls, before, after, data.draw)
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=12))
+    assert read(parser, text)[:2] == read(parser, text, cuts)[:2] == (content, calls)
