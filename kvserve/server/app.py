@@ -113,10 +113,12 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
               answer_cache: dict | None = None, metrics_public: bool = False,
               metrics_tenant_labels: bool = False, escape_special_tokens: bool = False,
               tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER, log_requests: bool = True,
-              log_stats_interval: float = 10.0, metrics_prefix: str = "kvserve", ui: bool = True) -> FastAPI:
+              log_stats_interval: float = 10.0, metrics_prefix: str = "kvserve", ui: bool = True,
+              responses_store=None) -> FastAPI:
     """The FastAPI app serving `engine`: an `LLMEngine` or `EngineCore` (its core loop runs in
     a thread of this process) or a `CoreClient` (server/core_client.py). The engine loop starts
-    with the app. `api_keys`: a keys file's path or a loaded `TenantRegistry` (server/answers.install)."""
+    with the app. `api_keys`: a keys file's path or a loaded `TenantRegistry` (server/answers.install).
+    `responses_store`: the Responses API's `ResponseStore` (default: its default bounds)."""
     state = ServerState(engine, served_model_name, api_key, max_waiting, chat_template,
                         stream_stall_timeout, max_prompts_per_request, escape_special_tokens,
                         api_keys, answer_cache, tool_call_parser, log_requests, log_stats_interval,
@@ -175,7 +177,7 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
     # Each feature's routes (and background tasks) in its own module.
     install_tokenizer_routes(app, state)    # /tokenize, /detokenize, /tokenizer_info, /version, /v1/models/{id}
     install_embeddings(app, state)          # /v1/embeddings
-    install_responses(app, state)           # /v1/responses
+    install_responses(app, state, responses_store)     # /v1/responses
     install_request_log(app, state)         # a line per request, a stats line every few seconds
     install_page(app, state)                # the chat page at /
     return app

@@ -6,6 +6,7 @@
                   [--api-keys FILE] [--salt-secret-file PATH]
                   [--answer-cache none|exact|semantic] [--semantic-threshold 0.875]
                   [--scheduling-policy fcfs|priority|vtc] [--tool-call-parser hermes|llama3_json|mistral]
+                  [--max-stored-responses[-per-tenant] N] [--max-stored-response-bytes[-per-tenant] N]
                   [engine flags: --max-num-seqs, --block-size, ...]
 
 The `kvserve serve` subcommand is registered by fleet/router_cli.py, which adds
@@ -93,6 +94,16 @@ class ServerArgs:
         "the prefix of /metrics names: kvserve (kvserve:...) or vllm (vLLM's names, for existing "
         "dashboards)", choices=("kvserve", "vllm")))
     no_ui: bool = field(default=False, metadata=flag("serve no chat page at /"))
+    max_stored_responses: int = field(default=1024, metadata=flag(
+        "most responses the Responses API keeps for previous_response_id and GET /v1/responses/{id}, "
+        "every tenant's together (server/responses_store.py)"))
+    max_stored_response_bytes: int = field(default=64 * 1024 * 1024, metadata=flag(
+        "most bytes (JSON) of stored responses, every tenant's together (default 64 MiB)"))
+    max_stored_responses_per_tenant: int | None = field(default=None, metadata=flag(
+        "most stored responses of one tenant (default: --max-stored-responses); over the global "
+        "bound the tenant holding the most loses its oldest, so one tenant's burst evicts its own"))
+    max_stored_response_bytes_per_tenant: int | None = field(default=None, metadata=flag(
+        "most bytes of one tenant's stored responses (default: --max-stored-response-bytes)"))
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -174,6 +185,14 @@ def generation_engine(args):
     return EngineCore(config)
 
 
+def response_store(args):
+    """The Responses API's store of `args`' bounds (ValueError if a tenant's quota is not within them)."""
+    from kvserve.server.responses_store import ResponseStore
+
+    return ResponseStore(args.max_stored_responses, args.max_stored_response_bytes,
+                         args.max_stored_responses_per_tenant, args.max_stored_response_bytes_per_tenant)
+
+
 def cmd_serve(args) -> int:
     import uvicorn
 
@@ -184,6 +203,7 @@ def cmd_serve(args) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tenants = tenant_registry(args)
+    responses = response_store(args)            # bad bounds: ValueError before the model loads
     log = logging.getLogger("kvserve.server")
     task = serve_task(args)
     try:
@@ -202,7 +222,8 @@ def cmd_serve(args) -> int:
                     api_keys=tenants, answer_cache=answer_cache_options(args),
                     tool_call_parser=args.tool_call_parser,
                     log_requests=not args.disable_log_requests, log_stats_interval=args.log_stats_interval,
-                    metrics_prefix=args.metrics_prefix, ui=not args.no_ui and task == "generate")
+                    metrics_prefix=args.metrics_prefix, ui=not args.no_ui and task == "generate",
+                    responses_store=responses)
     log.info("serving %s as %r on http://%s:%d (max_model_len %d)", engine.config.model, name, args.host,
              args.port, engine.config.max_model_len)
     # uvicorn's own deadline comes a little after ours: by then every handler has answered.

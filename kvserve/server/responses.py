@@ -14,7 +14,8 @@ function_call items (server/responses_items.py), whole or streamed (server/respo
 
 Authentication, rate limits and tenancy are the chat route's (server/tenants.py); the answer
 caches are not used. With `store` (the default) the response is kept (server/responses_store.py)
-for its tenant; an unknown `previous_response_id` is a 400 naming it. The answer names its id in
+for its tenant, within the tenant's quota, where another tenant's burst evicts only that tenant's
+own; an unknown `previous_response_id` is a 400 naming it. The answer names its id in
 the `kvserve-response-id` header, so a router in front of replicas sends the continuations to
 this one (fleet/response_holders.py).
 """
@@ -46,8 +47,8 @@ ROUTES = {      # for server/openapi.py
 }
 
 
-def install(app, state) -> None:
-    store = state.responses = ResponseStore()
+def install(app, state, store: ResponseStore | None = None) -> None:
+    store = state.responses = store if store is not None else ResponseStore()
 
     @app.post("/v1/responses")
     async def create(request: Request):

@@ -4,7 +4,8 @@ messages, max_output_tokens making a response incomplete, the stream's events in
 SDK's stream helper giving the unstreamed response, previous_response_id continuing a stored
 conversation (and GET / DELETE of stored responses), text.format json_schema, function tools
 forced and a function_call_output round trip, and unsupported fields refused; the store's
-bounds in process."""
+bounds in process; with tenants, one's stored responses beyond another's reach and surviving its
+burst (the store per tenant: test_responses_store.py)."""
 from __future__ import annotations
 
 import json
@@ -276,3 +277,43 @@ def test_stored_responses_are_their_tenants_own():
         assert c.delete(f"/v1/responses/{rid}", headers=bob).status_code == 404
         assert c.post("/v1/responses", json={**body, "previous_response_id": rid}, headers=alice).status_code == 200
         assert c.get(f"/v1/responses/{rid}", headers=alice).json()["id"] == rid
+
+
+def test_one_tenants_burst_evicts_only_its_own_stored_responses():
+    """The review's case, with `kvserve serve`'s store flags at small bounds: alice's burst past
+    her quota and the global bound leaves bob's responses readable and continuable."""
+    import argparse
+
+    from fastapi.testclient import TestClient
+
+    from kvserve.config import EngineConfig
+    from kvserve.frontend.llm_engine import LLMEngine
+    from kvserve.server.app import build_app
+    from kvserve.server.cli import add_cli_args, response_store
+    from kvserve.server.tenants import TenantRegistry
+
+    p = argparse.ArgumentParser()
+    add_cli_args(p)
+    args = p.parse_args(["--max-stored-responses", "12", "--max-stored-responses-per-tenant", "8"])
+    app = build_app(LLMEngine(EngineConfig(model=str(STORIES_HF))), MODEL, responses_store=response_store(args),
+                    api_keys=TenantRegistry.from_dict({"key-a": "alice", "key-b": "bob"}))
+    alice, bob = ({"Authorization": f"Bearer {k}"} for k in ("key-a", "key-b"))
+    body = {"input": PROMPT, "max_output_tokens": 1, "temperature": 0}
+    with TestClient(app) as c:
+        def make(headers, n):
+            return [c.post("/v1/responses", json=body, headers=headers).json()["id"] for _ in range(n)]
+
+        def readable(headers, rids):
+            return [r for r in rids if c.get(f"/v1/responses/{r}", headers=headers).status_code == 200]
+
+        bobs = make(bob, 4)
+        alices = make(alice, 14)            # past her quota of 8: her own oldest go
+        assert readable(bob, bobs) == bobs and readable(alice, alices) == alices[-8:]
+        # the store is full (8 + 4): bob's next evicts from alice, who holds the most
+        bobs += make(bob, 1)
+        assert readable(bob, bobs) == bobs and readable(alice, alices) == alices[-7:]
+        assert len(app.state.kvserve.responses) == 12
+        r = c.post("/v1/responses", json={**body, "previous_response_id": bobs[0]}, headers=bob)
+        assert r.status_code == 200, r.text
+        r = c.post("/v1/responses", json={**body, "previous_response_id": alices[0]}, headers=alice)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
