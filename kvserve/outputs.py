@@ -23,6 +23,8 @@ class CompletionOutput:
     finish_reason: str | None = None      # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None              # why, when finish_reason is "error"
+    error_code: str | None = None         # "grammar_error" when its own grammar failed it (the
+                                          # user's error: the server answers 400), else None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -37,6 +37,7 @@ class SequenceDelta:
     finish_reason: str | None = None               # "stop" | "length" | "abort" | "error"
     stop_reason: int | None = None                 # the stop token id that ended it
     error: str | None = None
+    error_code: str | None = None                  # "grammar_error": the request's own grammar failed it
 
 
 @dataclass(slots=True)
@@ -76,3 +77,4 @@ class CoreLimits:
     block_size: int
     watermark_blocks: int
     eos_token_id: int | None
+    max_grammar_compile_s: float = 10.0           # a structured-outputs check's deadline

@@ -44,7 +44,7 @@ from kvserve.engine.core_io import (BeamResult, CoreLimits, EngineCoreOutput, En
                                     SequenceDelta)
 from kvserve.engine.fairness import make_policy
 from kvserve.engine.kv_sizing import num_kv_blocks
-from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.request import GRAMMAR_ERROR, Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.stats import EngineStats, collect_stats
 from kvserve.kv.connector import TieredConnector
@@ -144,7 +144,7 @@ class EngineCore:
         r = self.resolved
         return CoreLimits(self.model_config.vocab_size, r.model.max_model_len, r.scheduler.max_num_seqs,
                           self.kv.pool.num_blocks, r.cache.block_size, self.scheduler.watermark_blocks,
-                          self.eos_token_id)
+                          self.eos_token_id, r.structured_outputs.max_grammar_compile_s)
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -259,7 +259,7 @@ class EngineCore:
             live = [r for r in g.seqs if not r.is_finished]
             if g.error is not None:
                 for r in live:
-                    self.scheduler.finish(r, RequestStatus.FINISHED_ERROR, g.error)
+                    self.scheduler.finish(r, RequestStatus.FINISHED_ERROR, g.error, GRAMMAR_ERROR)
                 ended.append(g.request_id)
             elif live:
                 for r in live:
@@ -289,7 +289,7 @@ class EngineCore:
             if r.is_finished and r.index not in sent:
                 sent.add(r.index)
                 d = d or SequenceDelta(r.index)
-                d.finish_reason, d.error = r.status.value, r.error
+                d.finish_reason, d.error, d.error_code = r.status.value, r.error, r.error_code
                 d.stop_reason = r.stop_reason if isinstance(r.stop_reason, int) else None
             if d is not None:
                 out.seqs.append(d)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from kvserve.engine.beam_search import BeamGroup
 from kvserve.engine.fairness import FCFSPolicy
-from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.request import GRAMMAR_ERROR, Request, RequestStatus
 from kvserve.kv.manager import KVCacheManager
 
 logger = logging.getLogger(__name__)
@@ -31,7 +31,8 @@ class SchedulerCounters:
     max_preemptions_per_request: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    num_failed: int = 0                      # sequences finished with an error
+    num_failed: int = 0                      # sequences finished with an error (not their grammar's)
+    num_grammar_errors: int = 0              # sequences their own grammar failed (GRAMMAR_ERROR)
 
 
 class RequestQueues:
@@ -86,8 +87,10 @@ class RequestQueues:
     def num_seats_taken(self) -> int:
         return sum(self.seats(r) for r in self.running)
 
-    def finish(self, req: Request, status: RequestStatus, error: str | None = None) -> None:
-        """Retire a sequence (stopped, out of length, aborted, pruned, failed); free its KV."""
+    def finish(self, req: Request, status: RequestStatus, error: str | None = None,
+               error_code: str | None = None) -> None:
+        """Retire a sequence (stopped, out of length, aborted, pruned, failed: `error` says why,
+        `error_code` GRAMMAR_ERROR when its grammar failed it); free its KV."""
         s = req.status
         if s.holds_blocks:
             self.running.remove(req)
@@ -105,8 +108,9 @@ class RequestQueues:
                     if not kids:
                         del self.fork_waiters[head]
         req.transition(status)
-        req.error = error
-        self.counters.num_failed += status == S.FINISHED_ERROR
+        req.error, req.error_code = error, error_code
+        self.counters.num_failed += status == S.FINISHED_ERROR and error_code is None
+        self.counters.num_grammar_errors += error_code == GRAMMAR_ERROR
         req.metrics.finished_time = time.monotonic()
         self.kv.free(req.request_id, req)
         group = self.beam_groups.get(req.parent_id)
@@ -114,7 +118,7 @@ class RequestQueues:
             group.live.remove(req)
         for kid in self.fork_waiters.pop(req.request_id, ()):   # sample 0 ended before forking
             kid.transition(status)
-            kid.error = error
+            kid.error, kid.error_code = error, error_code
             kid.metrics.finished_time = req.metrics.finished_time
 
     def fork(self, parent: Request, child: Request) -> None:

@@ -20,6 +20,11 @@ import torch
 from kvserve.sample.params import SamplingParams
 
 
+# Request.error_code of a sequence its own grammar failed (a structured-outputs matcher error:
+# the user's input, a 400-class error, not a server fault).
+GRAMMAR_ERROR = "grammar_error"
+
+
 class RequestStatus(enum.Enum):
     WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # structured outputs: its grammar is compiling
     WAITING = "waiting"                      # in the waiting queue, no blocks, never ran
@@ -31,7 +36,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
-    FINISHED_ERROR = "error"                 # failed alone (a bug or a stall); see Request.error
+    FINISHED_ERROR = "error"                 # failed alone (a bug, a stall, its grammar); see Request.error
 
     @property
     def finished(self) -> bool:
@@ -121,6 +126,7 @@ class Request:
         self.eos_token_id = eos_token_id
         self.stop_reason: int | str | None = None
         self.error: str | None = None
+        self.error_code: str | None = None   # GRAMMAR_ERROR: the request's own grammar failed it
         self.num_preemptions = 0
         self.metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
         self.arrival_seq = arrival_seq             # breaks arrival-time ties: later = larger

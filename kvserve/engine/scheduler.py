@@ -34,7 +34,7 @@ from kvserve.engine.beam_search import advance_beams
 from kvserve.engine.draft_scheduling import DraftScheduling
 from kvserve.engine.queues import RequestQueues
 from kvserve.engine.core_io import SequenceDelta
-from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.request import GRAMMAR_ERROR, Request, RequestStatus
 from kvserve.kv.manager import KVCacheManager
 from kvserve.sample.sampler import Sampled
 from kvserve.worker.output import ModelRunnerOutput
@@ -270,16 +270,17 @@ class Scheduler(DraftScheduling, RequestQueues):
             req = by_id[rid]
             req.beam_candidates = cands
             req.transition(S.WAITING_FOR_BEAMS)
-        for rid in list(result.sampled) + list(result.failed):
+        for rid in list(result.sampled) + list(result.failed) + list(result.grammar_errors):
             parent = by_id.get(rid)
             for kid in self.fork_waiters.pop(rid, ()) if parent is not None else ():
                 self.fork(parent, kid)
                 by_id[kid.request_id] = kid
-        for rid, why in result.failed.items():
-            req = by_id[rid]
-            if not req.is_finished:
-                self.finish(req, S.FINISHED_ERROR, why)
-                touched[req.parent_id] = None
+        for failures, code in ((result.failed, None), (result.grammar_errors, GRAMMAR_ERROR)):
+            for rid, why in failures.items():
+                req = by_id[rid]
+                if not req.is_finished:
+                    self.finish(req, S.FINISHED_ERROR, why, code)
+                    touched[req.parent_id] = None
         for rid, run in result.sampled.items():
             req = by_id[rid]
             if not req.is_finished:
@@ -326,8 +327,8 @@ class Scheduler(DraftScheduling, RequestQueues):
             d.new_token_ids.append(s.token_id)
             if logprobs:
                 d.new_logprobs.append(s)
-            if req.grammar is not None and not req.grammar.accept(s.token_id):   # masked: a bug
-                self.finish(req, S.FINISHED_ERROR, req.grammar.error)
+            if req.grammar is not None and not req.grammar.accept(s.token_id):   # a matcher limit
+                self.finish(req, S.FINISHED_ERROR, req.grammar.error, GRAMMAR_ERROR)
                 return
             status = self.stop_status(req, s.token_id)
             if status is not None:

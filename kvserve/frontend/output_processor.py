@@ -142,6 +142,7 @@ class OutputProcessor:
             else:
                 if d.finish_reason is not None:      # ended in the core: nothing is held back
                     c.finish_reason, c.stop_reason, c.error = d.finish_reason, d.stop_reason, d.error
+                    c.error_code = d.error_code
                     seq.visible = len(seq.detok.text)
             changed = True
         return changed
@@ -215,7 +216,7 @@ class OutputProcessor:
             comps.append(CompletionOutput(index=c.index, text=new_text, token_ids=new_ids,
                                           cumulative_logprob=c.cumulative_logprob, logprobs=lps,
                                           finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                          error=c.error))
+                                          error=c.error, error_code=c.error_code))
             seq.sent_text, seq.sent_tokens = seq.visible, len(c.token_ids)
             seq.sent_logprobs = len(c.logprobs) if c.logprobs is not None else 0
             seq.ended = c.finish_reason is not None

@@ -76,7 +76,7 @@ class Processor:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab}).")
         params.verify_for_model(vocab)
         if params.structured_outputs is not None:     # the compiler's message, before anything queues
-            check_structured_outputs(params.structured_outputs, self.tokenizer, vocab)
+            check_structured_outputs(params.structured_outputs, self.tokenizer, vocab, lim)
         seats = params.beam_width if params.use_beam_search else params.n
         if seats > lim.max_num_seqs:
             what = "beam_width" if params.use_beam_search else "n"

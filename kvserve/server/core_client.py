@@ -27,7 +27,10 @@ from kvserve.engine.core_loop import ThreadPipe, run_core_loop, run_engine_core
 from kvserve.frontend.output_processor import OutputProcessor
 from kvserve.frontend.processor import Processor
 from kvserve.server.collector import RequestFailed, RequestOutputCollector
+from kvserve.server.grammar_checks import INVALID_STRUCTURED_OUTPUT, GrammarChecks
+from kvserve.structured import GrammarRejected
 from kvserve.server.protocol import ENGINE_REJECTED, APIError
+from kvserve.server.tenants import current_tenant
 
 logger = logging.getLogger("kvserve.server")
 
@@ -46,6 +49,7 @@ class CoreClient:
         self.proc, self._core_thread = proc, thread
         self.config, self.tokenizer, self.last_stats = config, tokenizer, stats
         self.processor = Processor(tokenizer, limits)
+        self.grammar_checks = GrammarChecks(tokenizer, limits)
         self.output = OutputProcessor(tokenizer, logprob_text=False)
         self.metrics = None
         self.request_log = None      # server/request_log.py: a line per finished/aborted/failed request
@@ -115,6 +119,7 @@ class CoreClient:
         if self._receiver is not None:
             return
         self._loop = asyncio.get_running_loop()
+        self.grammar_checks.start()
         with self._ops_lock:
             self._running = True
             self._accepting = self.dead is None and (self.proc is None or self.proc.is_alive())
@@ -131,6 +136,7 @@ class CoreClient:
             return
         with self._ops_lock:
             self._running = self._accepting = False
+        self.grammar_checks.close()
         self._fail_everything(APIError("the server is shutting down", status_code=503,
                                        type="server_error", code="shutting_down"))
         try:
@@ -167,8 +173,12 @@ class CoreClient:
         APIError otherwise. Outputs go to `collector`: deltas when `stream`, else the final one."""
         if request_id in self._streams or request_id in self._pending:
             raise APIError(f"request id {request_id!r} is already in the engine.")
+        if params is not None and params.structured_outputs is not None:     # off the loop, first
+            await self.grammar_checks.check(params.structured_outputs, current_tenant.get())
         try:
             req, text = self.processor.process(request_id, prompt, params, time.monotonic(), prompt_text)
+        except GrammarRejected as e:
+            raise APIError(str(e), code=INVALID_STRUCTURED_OUTPUT) from None
         except ValueError as e:
             raise APIError(str(e), code=ENGINE_REJECTED) from None
         with self._ops_lock:

@@ -15,7 +15,8 @@ Per-request histograms, observed once when a request finishes, from the engine's
     kvserve:request_decode_time_seconds      first token -> last token
     kvserve:request_prompt_tokens            prompt length
     kvserve:request_generation_tokens        generated tokens
-    kvserve:request_success_total{finished_reason=stop|length|abort}
+    kvserve:request_success_total{finished_reason=stop|length|abort|error|grammar_error}
+                                             (grammar_error: the request's own grammar failed it)
 
 Engine state, read from the latest `engine.stats()` snapshot (taken by the engine loop thread
 after every step, because the engine is not thread-safe) at scrape time:
@@ -255,7 +256,8 @@ class ServerMetrics:
         self.prompt_tokens.labels(name).observe(len(output.prompt_token_ids or ()))
         for c in output.outputs:
             self.generation_tokens.labels(name).observe(len(c.token_ids))
-            self.success.labels(name, c.finish_reason or "abort").inc()
+            reason = "grammar_error" if c.error_code == "grammar_error" else c.finish_reason or "abort"
+            self.success.labels(name, reason).inc()
 
     def observe_abort(self, num_sequences: int = 1) -> None:
         self.success.labels(self.model_name, "abort").inc(num_sequences)

@@ -1,7 +1,7 @@
 """The engine requests behind one HTTP request: one output collector for all of them
 (server/collector.py), their outputs as they come (a stream's deltas, or each final output),
-failures as APIErrors (a request that failed alone in the engine is a 500 naming it), and
-aborts when the client leaves."""
+failures as APIErrors (a request that failed alone in the engine is a 500 naming it; one its own
+grammar failed, a 400 `grammar_error`), and aborts when the client leaves."""
 from __future__ import annotations
 
 import asyncio
@@ -10,6 +10,7 @@ from typing import AsyncIterator
 
 from fastapi import Request
 
+from kvserve.engine.request import GRAMMAR_ERROR
 from kvserve.server.collector import RequestFailed, RequestOutputCollector
 from kvserve.server.errors import internal_error
 from kvserve.server.limits import ADD_CHUNK
@@ -42,6 +43,9 @@ class Submission:
             if item.finished:
                 self.unfinished.discard(item.request_id)
                 failed = next((c for c in item.outputs if c.finish_reason == "error"), None)
+                if failed is not None and failed.error_code == GRAMMAR_ERROR:     # the user's grammar
+                    raise APIError(f"the output's grammar failed: {failed.error}", 400,
+                                   param="structured_outputs", code=GRAMMAR_ERROR)
                 if failed is not None:       # this request alone failed in the engine
                     logger.error("request %s failed in the engine: %s", item.request_id, failed.error)
                     raise APIError(f"request {item.request_id} failed in the engine; the server "

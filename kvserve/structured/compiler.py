@@ -5,17 +5,17 @@
 SentencePiece, from tokenizer.json or GGUF metadata); built once per tokenizer (about 0.3 s for
 a 49k vocabulary) and kept while the tokenizer lives. Its size is the model's vocabulary (the
 logits' width), so a mask covers every logit; ids past the tokenizer's are never allowed.
-`compile_matcher(params, ll_tok)`: an LLMatcher at the grammar's start, or ValueError with
-llguidance's message. `GrammarCompiler`: one per engine; compiles in worker threads
-(llguidance releases the GIL while it builds) and keeps the compiled matchers by spec key
-(LRU); every sequence takes its own deep copy (about 10 us).
+`check_grammar(params, tokenizer, ...)`: the spec checked in full in a worker process
+(sandbox.py), so what would crash or hang the compiler is refused there. `compile_matcher`: an
+LLMatcher at the grammar's start. `GrammarCompiler`: one per engine; compiles specs that passed
+the check in worker threads whose stacks are ENGINE_STACK_BYTES (llguidance releases the GIL
+while it builds), and keeps the compiled matchers by spec key (LRU); every sequence takes its
+own deep copy (about 10 us).
 """
 from __future__ import annotations
 
-import functools
 import os
 import threading
-import typing
 import time
 import weakref
 from collections import OrderedDict
@@ -30,13 +30,17 @@ MAX_CACHED_GRAMMARS = 256
 # Compile threads: a slow grammar holds back at most one of them (llguidance's own fuel limits
 # bound every compile).
 NUM_COMPILE_THREADS = max(2, min(4, os.cpu_count() or 1))
+# Their stacks: eight times the sandbox's check (sandbox_worker.STACK_BYTES), so a spec that
+# passed the check compiles here whatever its recursion depth (virtual memory: pages are touched
+# only as deep as a compile goes).
+ENGINE_STACK_BYTES = 64 * 1024 * 1024
 
 _ll_tokenizers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _ll_lock = threading.Lock()
 
 
-def ll_tokenizer(tokenizer, vocab_size: int | None = None, eos_token_id: int | None = None) -> llg.LLTokenizer:
-    """The llguidance tokenizer of a kvserve tokenizer (cached per tokenizer object, size and
+def llg_vocab(tokenizer, vocab_size: int | None = None, eos_token_id: int | None = None):
+    """(the tokenizers.Tokenizer behind a kvserve tokenizer, the grammar's vocabulary size, its
     EOS: the engine's, which a complete grammar allows; default the tokenizer's). ValueError
     when the model has no tokenizer kvserve can hand to llguidance."""
     backend = getattr(tokenizer, "_tok", None)      # TokenizersBacked: a tokenizers.Tokenizer
@@ -45,7 +49,13 @@ def ll_tokenizer(tokenizer, vocab_size: int | None = None, eos_token_id: int | N
         raise ValueError(f"structured outputs need the model's tokenizer as tokenizer.json or GGUF "
                          f"metadata; this model has {what}.")
     size = max(vocab_size or 0, backend.get_vocab_size(with_added_tokens=True))
-    eos = eos_token_id if eos_token_id is not None else tokenizer.eos_token_id
+    return backend, size, eos_token_id if eos_token_id is not None else tokenizer.eos_token_id
+
+
+def ll_tokenizer(tokenizer, vocab_size: int | None = None, eos_token_id: int | None = None) -> llg.LLTokenizer:
+    """The llguidance tokenizer of a kvserve tokenizer (cached per tokenizer object, size and
+    EOS; see llg_vocab)."""
+    backend, size, eos = llg_vocab(tokenizer, vocab_size, eos_token_id)
     with _ll_lock:
         built = _ll_tokenizers.setdefault(tokenizer, {})
         if (size, eos) not in built:
@@ -69,30 +79,28 @@ def grammar_text(params) -> str:
         raise ValueError(f"structured_outputs.{params.kind}: {e}") from None
 
 
-def check_grammar(params, ll_tok: llg.LLTokenizer) -> None:
-    """ValueError with the compiler's message unless `params` compiles. Specs that passed are
-    remembered (LRU), so the same schema on every request (a server's tools) is checked once."""
-    _check_key(ll_tok, params.key, params.kind)
+# A grammar forcing this many tokens before any choice has no finite output (llguidance stops
+# following a forced path after some 10,000 tokens): the bound when no max_model_len is known.
+DEFAULT_MAX_FORCED_TOKENS = 8192
 
 
-@functools.lru_cache(maxsize=1024)        # errors raise, so only specs that pass are cached
-def _check_key(ll_tok: llg.LLTokenizer, key: tuple[str, str], kind: str) -> None:
-    params = _Spec(key, kind)
-    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar_text(params), ll_tok)
-    if is_error:
-        raise ValueError(f"structured_outputs.{kind} does not compile: {messages[0].strip()}")
+def check_grammar(params, tokenizer, vocab_size: int | None = None, max_compile_s: float = 10.0,
+                  max_forced_tokens: int = DEFAULT_MAX_FORCED_TOKENS, owner: str | None = None) -> None:
+    """GrammarRejected (a ValueError with the compiler's message) unless `params` compiles to a
+    grammar with a finite output, checked in a worker process (sandbox.py); GrammarBusy when
+    too many checks are in flight. Specs that passed are remembered, so the same schema on every
+    request (a server's tools) is checked once."""
+    from kvserve.structured.sandbox import sandbox_for
 
-
-class _Spec(typing.NamedTuple):
-    key: tuple[str, str]
-    kind: str
+    sandbox_for(tokenizer, vocab_size).check(params, max_compile_s, max_forced_tokens, owner)
 
 
 def compile_matcher(params, ll_tok: llg.LLTokenizer) -> llg.LLMatcher:
     """A matcher at the start of `params`' grammar; ValueError with llguidance's message."""
     m = llg.LLMatcher(ll_tok, grammar_text(params), log_level=0)
     if m.is_error():
-        raise ValueError(f"structured_outputs.{params.kind} does not compile: {m.get_error().strip()}")
+        why = m.get_error().split("<state>", 1)[0].strip()
+        raise ValueError(f"structured_outputs.{params.kind} does not compile: {why}")
     return m
 
 
@@ -131,10 +139,19 @@ class GrammarCompiler:
                 return self._inflight[key]
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(NUM_COMPILE_THREADS, thread_name_prefix="kvserve-grammar")
-            fut = self._inflight[key] = self._pool.submit(self._compile, params)
+            fut = self._inflight[key] = Future()
+            fut.started_at = None            # time.monotonic() once a thread takes it (its deadline's start)
+            _with_stack(ENGINE_STACK_BYTES, lambda: self._pool.submit(self._compile, params, fut))
             return fut
 
-    def _compile(self, params) -> tuple[llg.LLMatcher, int]:
+    def _compile(self, params, fut: Future) -> None:
+        fut.started_at = time.monotonic()
+        try:
+            fut.set_result(self._compiled(params))
+        except BaseException as e:  # noqa: BLE001 -- the request's error, through its future
+            fut.set_exception(e)
+
+    def _compiled(self, params) -> tuple[llg.LLMatcher, int]:
         t0 = time.perf_counter()
         try:
             ll_tok = ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_id)
@@ -171,3 +188,17 @@ class GrammarCompiler:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+_stack_lock = threading.Lock()
+
+
+def _with_stack(nbytes: int, fn):
+    """fn(), with threads it starts given `nbytes` of stack (ThreadPoolExecutor starts its
+    threads inside submit)."""
+    with _stack_lock:
+        old = threading.stack_size(nbytes)
+        try:
+            return fn()
+        finally:
+            threading.stack_size(old)

@@ -49,7 +49,8 @@ class SequenceGrammar:
 
     @property
     def error(self) -> str:
-        return "the output left its grammar: " + (self.matcher.get_error().strip() or "no reason given")
+        why = self.matcher.get_error().split("<state>", 1)[0].strip()      # not the parser's state dump
+        return "the output left its grammar: " + (why or "no reason given")
 
 
 def mask_logits(x: torch.Tensor, rows: list[int], grammars: list[SequenceGrammar]) -> dict[int, str]:

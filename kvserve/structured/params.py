@@ -1,7 +1,8 @@
 """StructuredOutputsParams: what a request's output must match, as vLLM names it.
 
 Exactly one field is set. The request is checked here for what needs no tokenizer (types, a JSON
-text that parses, the size bound); the grammar itself is checked by compiling it against the
+text that parses, the size bound, and the rule, reference and depth bounds of bounds.py); the
+grammar itself is checked by compiling it against the
 model's tokenizer (`kvserve.structured.check_structured_outputs`, called by the frontend's
 Processor). `key` is the canonical (format, text) pair grammars are compiled and cached by.
 """
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import json as _json
 from dataclasses import dataclass, field
+
+from kvserve.structured.bounds import check_bounds
 
 # The largest spec a request may give, in bytes of its canonical text (a JSON schema, a regex,
 # a grammar, the JSON list of choices): compile time and matcher memory grow with it.
@@ -41,6 +44,7 @@ class StructuredOutputsParams:
         if size > MAX_STRUCTURED_SPEC_BYTES:
             raise ValueError(f"structured_outputs.{given[0]} is {size} bytes; the limit is "
                              f"{MAX_STRUCTURED_SPEC_BYTES}: give a smaller schema or grammar.")
+        check_bounds(given[0], *self.key)
 
     @property
     def kind(self) -> str:

@@ -19,8 +19,12 @@ from kvserve.structured.params import StructuredOutputsParams
 @dataclass
 class _Pending:
     seqs: list                    # the request's sequences, all WAITING_FOR_GRAMMAR
-    future: cf.Future             # -> (compiled matcher, its vocabulary size)
-    deadline: float               # time.monotonic()
+    future: cf.Future             # -> (compiled matcher, its vocabulary size); .started_at
+
+    def deadline(self, max_compile_s: float) -> float:
+        """time.monotonic() past which the request fails (inf while its compile is queued)."""
+        started = getattr(self.future, "started_at", None)
+        return float("inf") if started is None else started + max_compile_s
 
 
 @dataclass
@@ -41,8 +45,7 @@ class GrammarWaitList:
         self.num_timeouts = 0
 
     def add(self, request_id: str, seqs: list, params: StructuredOutputsParams) -> None:
-        self._pending[request_id] = _Pending(list(seqs), self.compiler.submit(params),
-                                             time.monotonic() + self.max_compile_s)
+        self._pending[request_id] = _Pending(list(seqs), self.compiler.submit(params))
 
     def discard(self, request_id: str) -> None:
         """The request ended while waiting (aborted): forget it (its compile still fills the cache)."""
@@ -62,7 +65,7 @@ class GrammarWaitList:
                 e = p.future.exception()
                 out.append(GrammarReady(rid, p.seqs, None if e else p.future.result(),
                                         None if e is None else _message(e)))
-            elif now >= p.deadline:
+            elif now >= p.deadline(self.max_compile_s):
                 self.num_timeouts += 1
                 out.append(GrammarReady(rid, p.seqs, error=(
                     f"the grammar did not compile within max_grammar_compile_s={self.max_compile_s:g} s: "
@@ -77,7 +80,7 @@ class GrammarWaitList:
         engine has nothing else to do: better than spinning on empty steps)."""
         if not self._pending:
             return
-        first_deadline = min(p.deadline for p in self._pending.values())
+        first_deadline = min(p.deadline(self.max_compile_s) for p in self._pending.values())
         timeout = max(0.0, min(timeout, first_deadline - time.monotonic()))
         cf.wait([p.future for p in self._pending.values()], timeout, return_when=cf.FIRST_COMPLETED)
 

@@ -64,7 +64,7 @@ class StepSampler:
         if constrained:     # the grammar's mask first: every later stage sees only allowed tokens
             bad = mask_logits(x, constrained, [reqs[j].grammar for j in constrained])
             for j, why in bad.items():
-                out.failed[reqs[j].request_id] = why
+                out.grammar_errors[reqs[j].request_id] = why
             if bad:
                 keep = [j for j in range(len(reqs)) if j not in bad]
                 x, reqs = x[keep], [reqs[j] for j in keep]

@@ -101,10 +101,10 @@ BAD = [
      "give at most one output constraint: got response_format and guided_regex", "conflicting_output_constraints"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one of", None),
     ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag: not supported", None),
-    ({"guided_regex": "(unclosed"}, "regex", "engine_rejected"),
-    ({"grammar": "root ::= undefined_rule"}, "undefined_rule", "engine_rejected"),
+    ({"guided_regex": "(unclosed"}, "regex", "invalid_structured_output"),
+    ({"grammar": "root ::= undefined_rule"}, "undefined_rule", "invalid_structured_output"),
     ({"json_schema": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}}, "no-such-type",
-     "engine_rejected"),
+     "invalid_structured_output"),
 ]
 
 
