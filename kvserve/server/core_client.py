@@ -27,9 +27,9 @@ from kvserve.engine.core_loop import ThreadPipe, run_core_loop, run_engine_core
 from kvserve.frontend.output_processor import OutputProcessor
 from kvserve.frontend.processor import Processor
 from kvserve.server.collector import RequestFailed, RequestOutputCollector
-from kvserve.server.grammar_checks import INVALID_STRUCTURED_OUTPUT, GrammarChecks
+from kvserve.server.grammar_checks import GrammarChecks
 from kvserve.structured import GrammarRejected
-from kvserve.server.protocol import ENGINE_REJECTED, APIError
+from kvserve.server.protocol import ENGINE_REJECTED, INVALID_STRUCTURED_OUTPUT, APIError
 from kvserve.server.tenants import current_tenant
 
 logger = logging.getLogger("kvserve.server")

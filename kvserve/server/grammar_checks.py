@@ -16,13 +16,11 @@ import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
-from kvserve.server.protocol import APIError
+from kvserve.server.protocol import INVALID_STRUCTURED_OUTPUT, APIError
 from kvserve.structured import GrammarBusy, GrammarRejected
 from kvserve.structured.sandbox import sandbox_for
 
 logger = logging.getLogger("kvserve.server")
-
-INVALID_STRUCTURED_OUTPUT = "invalid_structured_output"
 
 
 class GrammarChecks:

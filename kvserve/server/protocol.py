@@ -74,7 +74,8 @@ PRIORITY_CODE = "priority_not_supported"  # priority on a server whose schedulin
 ENGINE_REJECTED = "engine_rejected"     # add_request refused it: a token id outside the vocabulary,
                                         # n over max_num_seqs, a prompt the KV pool cannot hold
 INVALID_TOOLS = "invalid_tools"         # tools and tool_choice disagree (server/tool_choice.py)
-SEMANTIC_ERROR_CODES = ("context_length_exceeded", ENGINE_REJECTED, "model_not_found", "chat_template_error",
+INVALID_STRUCTURED_OUTPUT, GRAMMAR_ERROR = "invalid_structured_output", "grammar_error"   # spec refused; failed decoding
+SEMANTIC_ERROR_CODES = ("context_length_exceeded", ENGINE_REJECTED, INVALID_STRUCTURED_OUTPUT, GRAMMAR_ERROR, "model_not_found", "chat_template_error",
                         MIN_TOKENS_CODE, "too_many_prompts", INVALID_TOOLS, CONSTRAINTS_CODE, PRIORITY_CODE,
                         "invalid_token_id", "previous_response_not_found", "response_not_found",
                         "unsupported_task")

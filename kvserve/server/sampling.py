@@ -4,7 +4,7 @@ or a forced tool call's schema, server/tool_choice.py). A value the params refus
 from __future__ import annotations
 
 from kvserve.sample.params import SamplingParams
-from kvserve.server.protocol import PRIORITY_CODE, APIError
+from kvserve.server.protocol import INVALID_STRUCTURED_OUTPUT, PRIORITY_CODE, APIError
 
 
 def check_priority(state, req) -> None:
@@ -26,7 +26,7 @@ def structured_outputs(constraint: dict | None):
     try:
         return StructuredOutputsParams(**constraint)
     except (ValueError, TypeError) as e:
-        raise APIError(str(e), code="invalid_structured_output") from None
+        raise APIError(str(e), code=INVALID_STRUCTURED_OUTPUT) from None
 
 
 def sampling_params(req, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,

@@ -23,7 +23,7 @@ matcher with the accepted token and stops the sequence when the grammar is compl
 from __future__ import annotations
 
 from kvserve.structured.params import MAX_STRUCTURED_SPEC_BYTES, StructuredOutputsParams
-from kvserve.structured.sandbox import GrammarBusy, GrammarRejected
+from kvserve.structured.sandbox import DEFAULT_MAX_FORCED_TOKENS, GrammarBusy, GrammarRejected, sandbox_for
 
 __all__ = ["MAX_STRUCTURED_SPEC_BYTES", "GrammarBusy", "GrammarRejected", "StructuredOutputsParams",
            "check_structured_outputs"]
@@ -34,8 +34,6 @@ def check_structured_outputs(params, tokenizer_or_engine, vocab_size: int | None
     """Raise GrammarRejected / GrammarBusy unless `params` compiles (see the module doc);
     `limits`: the engine's CoreLimits (its deadline and max_model_len), read from the engine
     when one is given."""
-    from kvserve.structured.compiler import check_grammar
-
     params = getattr(params, "structured_outputs", params)
     if params is None:
         return
@@ -44,10 +42,10 @@ def check_structured_outputs(params, tokenizer_or_engine, vocab_size: int | None
     tokenizer = getattr(tokenizer_or_engine, "tokenizer", tokenizer_or_engine)
     limits = limits if limits is not None else _engine_limits(tokenizer_or_engine)
     if limits is None:
-        check_grammar(params, tokenizer, vocab_size, owner=owner)
+        sandbox_for(tokenizer, vocab_size).check(params, 10.0, DEFAULT_MAX_FORCED_TOKENS, owner)
     else:
-        check_grammar(params, tokenizer, vocab_size or limits.vocab_size, limits.max_grammar_compile_s,
-                      limits.max_model_len, owner)
+        sandbox_for(tokenizer, vocab_size or limits.vocab_size).check(
+            params, limits.max_grammar_compile_s, limits.max_model_len, owner)
 
 
 def _engine_limits(engine):

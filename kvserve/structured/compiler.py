@@ -5,9 +5,8 @@
 SentencePiece, from tokenizer.json or GGUF metadata); built once per tokenizer (about 0.3 s for
 a 49k vocabulary) and kept while the tokenizer lives. Its size is the model's vocabulary (the
 logits' width), so a mask covers every logit; ids past the tokenizer's are never allowed.
-`check_grammar(params, tokenizer, ...)`: the spec checked in full in a worker process
-(sandbox.py), so what would crash or hang the compiler is refused there. `compile_matcher`: an
-LLMatcher at the grammar's start. `GrammarCompiler`: one per engine; compiles specs that passed
+Specs reach it only after the check in a worker process (sandbox.py), so what would crash or
+hang the compiler is refused there. `compile_matcher`: an LLMatcher at the grammar's start. `GrammarCompiler`: one per engine; compiles specs that passed
 the check in worker threads whose stacks are ENGINE_STACK_BYTES (llguidance releases the GIL
 while it builds), and keeps the compiled matchers by spec key (LRU); every sequence takes its
 own deep copy (about 10 us).
@@ -77,22 +76,6 @@ def grammar_text(params) -> str:
         return llg.grammar_from(fmt, text)
     except ValueError as e:            # a GBNF grammar that does not convert, a bad JSON text
         raise ValueError(f"structured_outputs.{params.kind}: {e}") from None
-
-
-# A grammar forcing this many tokens before any choice has no finite output (llguidance stops
-# following a forced path after some 10,000 tokens): the bound when no max_model_len is known.
-DEFAULT_MAX_FORCED_TOKENS = 8192
-
-
-def check_grammar(params, tokenizer, vocab_size: int | None = None, max_compile_s: float = 10.0,
-                  max_forced_tokens: int = DEFAULT_MAX_FORCED_TOKENS, owner: str | None = None) -> None:
-    """GrammarRejected (a ValueError with the compiler's message) unless `params` compiles to a
-    grammar with a finite output, checked in a worker process (sandbox.py); GrammarBusy when
-    too many checks are in flight. Specs that passed are remembered, so the same schema on every
-    request (a server's tools) is checked once."""
-    from kvserve.structured.sandbox import sandbox_for
-
-    sandbox_for(tokenizer, vocab_size).check(params, max_compile_s, max_forced_tokens, owner)
 
 
 def compile_matcher(params, ll_tok: llg.LLTokenizer) -> llg.LLMatcher:

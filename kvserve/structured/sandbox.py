@@ -43,6 +43,9 @@ PER_OWNER = 4               # one owner's checks waiting or running
 WORKER_MEMORY_BYTES = 4 * 1024 ** 3
 STARTUP_TIMEOUT_S = 60.0    # a worker's start (it builds llguidance's tokenizer: ~0.3 s for 49k)
 MAX_CACHED = 1024
+# A grammar forcing this many tokens before any choice has no finite output (llguidance stops
+# following a forced path after some 10,000 tokens): the bound when no max_model_len is known.
+DEFAULT_MAX_FORCED_TOKENS = 8192
 _WORKER = str(Path(__file__).with_name("sandbox_worker.py"))
 
 
