@@ -144,6 +144,8 @@ def run_engine_core(config, num_threads: int | None, log_level: str, inbox, outb
         outbox.send(("failed", traceback.format_exc()))
         return
     outbox.send(("ready", engine.config, engine.tokenizer, engine.limits, engine.stats()))
+    from kvserve import memory_probe
+    memory_probe.start("engine", {"engine": engine})     # only with KVSERVE_MEMORY_PROBE set
     gc.freeze()             # the model and the engine live as long as the process: never scan them
     try:
         run_core_loop(engine, inbox, outbox)

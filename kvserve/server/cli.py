@@ -224,6 +224,8 @@ def cmd_serve(args) -> int:
                     log_requests=not args.disable_log_requests, log_stats_interval=args.log_stats_interval,
                     metrics_prefix=args.metrics_prefix, ui=not args.no_ui and task == "generate",
                     responses_store=responses)
+    from kvserve import memory_probe
+    memory_probe.start("api", {"state": app.state.kvserve})     # only with KVSERVE_MEMORY_PROBE set
     log.info("serving %s as %r on http://%s:%d (max_model_len %d)", engine.config.model, name, args.host,
              args.port, engine.config.max_model_len)
     # uvicorn's own deadline comes a little after ours: by then every handler has answered.
