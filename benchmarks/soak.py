@@ -82,15 +82,9 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 
 # stories260K has no chat template and 512 positions: kvserve's default tool prompt (the tools as
-# JSON) would not fit, so it gets one that names the tools and writes the history's calls.
-STORIES_TEMPLATE = (
-    "{% if tools %}Tools:{% for t in tools %} {{ t.function.name }}{% endfor %}.\n{% endif %}"
-    "{% for m in messages %}"
-    "{% if m.role == 'assistant' and m.tool_calls %}Assistant:{% for c in m.tool_calls %} <tool_call>"
-    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>{% endfor %}\n"
-    "{% elif m.role == 'tool' %}Result: {{ m.content }}\n"
-    "{% else %}{{ m.role | capitalize }}: {{ m.content }}\n{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
+# JSON) would not fit, so it gets the tool tests' template, which names the tools and writes the
+# history's calls.
+from tests.server.test_tool_calls_api import TEMPLATE as STORIES_TEMPLATE  # noqa: E402
 
 
 class Unexpected(Exception):

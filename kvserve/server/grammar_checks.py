@@ -13,19 +13,15 @@ outcome cached.
 from __future__ import annotations
 
 import asyncio
-import logging
 from concurrent.futures import ThreadPoolExecutor
 
 from kvserve.server.protocol import INVALID_STRUCTURED_OUTPUT, APIError
 from kvserve.structured import GrammarBusy, GrammarRejected
 from kvserve.structured.sandbox import sandbox_for
 
-logger = logging.getLogger("kvserve.server")
-
-
 class GrammarChecks:
     def __init__(self, tokenizer, limits):
-        self.tokenizer, self.limits = tokenizer, limits
+        self.limits = limits
         self._box = None
         self._pool: ThreadPoolExecutor | None = None
         try:
@@ -58,9 +54,6 @@ class GrammarChecks:
                                code="too_many_grammar_compiles", headers={"Retry-After": "1"}) from None
             raise APIError(f"the server is overloaded: {e}", 503, type="server_error",
                            code="server_overloaded", headers={"Retry-After": "1"}) from None
-
-    def stats(self) -> dict | None:
-        return self._box.stats() if self._box is not None else None
 
     def close(self) -> None:
         if self._pool is not None:

@@ -6,10 +6,10 @@ SentencePiece, from tokenizer.json or GGUF metadata); built once per tokenizer (
 a 49k vocabulary) and kept while the tokenizer lives. Its size is the model's vocabulary (the
 logits' width), so a mask covers every logit; ids past the tokenizer's are never allowed.
 Specs reach it only after the check in a worker process (sandbox.py), so what would crash or
-hang the compiler is refused there. `compile_matcher`: an LLMatcher at the grammar's start. `GrammarCompiler`: one per engine; compiles specs that passed
-the check in worker threads whose stacks are ENGINE_STACK_BYTES (llguidance releases the GIL
-while it builds), and keeps the compiled matchers by spec key (LRU); every sequence takes its
-own deep copy (about 10 us).
+hang the compiler is refused there. `compile_matcher`: an LLMatcher at the grammar's start.
+`GrammarCompiler`: one per engine; compiles specs that passed the check in worker threads whose
+stacks are ENGINE_STACK_BYTES (llguidance releases the GIL while it builds), and keeps the
+compiled matchers by spec key (LRU); every sequence takes its own deep copy (about 10 us).
 """
 from __future__ import annotations
 
@@ -82,9 +82,13 @@ def compile_matcher(params, ll_tok: llg.LLTokenizer) -> llg.LLMatcher:
     """A matcher at the start of `params`' grammar; ValueError with llguidance's message."""
     m = llg.LLMatcher(ll_tok, grammar_text(params), log_level=0)
     if m.is_error():
-        why = m.get_error().split("<state>", 1)[0].strip()
-        raise ValueError(f"structured_outputs.{params.kind} does not compile: {why}")
+        raise ValueError(f"structured_outputs.{params.kind} does not compile: {matcher_error(m)}")
     return m
+
+
+def matcher_error(m: llg.LLMatcher) -> str:
+    """A matcher's error without the parser-state dump llguidance appends to it."""
+    return m.get_error().split("<state>", 1)[0].strip()
 
 
 class GrammarCompiler:

@@ -16,6 +16,8 @@ import llguidance as llg
 import numpy as np
 import torch
 
+from kvserve.structured.compiler import matcher_error
+
 _live: "weakref.WeakSet[SequenceGrammar]" = weakref.WeakSet()
 _executor: llg.LLExecutor | None = None
 
@@ -49,8 +51,7 @@ class SequenceGrammar:
 
     @property
     def error(self) -> str:
-        why = self.matcher.get_error().split("<state>", 1)[0].strip()      # not the parser's state dump
-        return "the output left its grammar: " + (why or "no reason given")
+        return "the output left its grammar: " + (matcher_error(self.matcher) or "no reason given")
 
 
 def mask_logits(x: torch.Tensor, rows: list[int], grammars: list[SequenceGrammar]) -> dict[int, str]:

@@ -137,12 +137,13 @@ class GrammarSandbox:
         self.num_workers, self.max_queued, self.per_owner = num_workers, max_queued, per_owner
         self._lock = threading.Lock()
         self._idle_cv = threading.Condition(self._lock)
+        self._done_cv = threading.Condition(self._lock)    # a check ended: `_inflight` shrank
         self._idle: list[_Worker] = []
         self._all: list[_Worker] = []
         self._closed = False
         self._queued = 0                                   # waiting for a worker
         self._owners: dict[str, int] = {}                  # owner -> checks waiting or running
-        self._inflight: dict[tuple, threading.Event] = {}  # spec key -> done (one check per spec)
+        self._inflight: set[tuple] = set()                 # spec keys checked now (one check per spec)
         self._cache: OrderedDict[tuple, str | None] = OrderedDict()   # key -> None (passed) or why
         self.num_checks = self.num_crashes = self.num_timeouts = 0
 
@@ -150,15 +151,16 @@ class GrammarSandbox:
         """Start the workers now (else the first check starts them)."""
         with self._lock:
             while len(self._all) < self.num_workers and not self._closed:
-                w = _Worker(self._init)
-                self._all.append(w)
-                self._idle.append(w)
+                self._spawn()
+
+    def _spawn(self) -> None:
+        """Under the lock: one more idle worker (it starts at once, its tokenizer builds there)."""
+        w = _Worker(self._init)
+        self._all.append(w)
+        self._idle.append(w)
+        self._idle_cv.notify()
 
     # -- checks ----------------------------------------------------------------------------------
-    def cached(self, params) -> bool:
-        with self._lock:
-            return params.key in self._cache
-
     def check(self, params, max_compile_s: float, max_forced_tokens: int, owner: str | None = None) -> None:
         """Raise GrammarRejected unless `params` (StructuredOutputsParams) compiles to a grammar
         with a finite output; GrammarBusy when its check cannot be queued now."""
@@ -189,7 +191,7 @@ class GrammarSandbox:
         """The second half of `check` (it blocks): the admitted spec checked; GrammarRejected."""
         key, params, owner = ticket
         try:
-            self._raise(self._check(key, params, max_compile_s, key[1]))
+            self._raise(self._check(key, params, max_compile_s))
         finally:
             with self._lock:
                 if owner is not None:
@@ -202,25 +204,21 @@ class GrammarSandbox:
         if error is not None:
             raise GrammarRejected(error)
 
-    def _check(self, key, params, max_compile_s: float, max_forced: int) -> str | None:
-        """The check's outcome (None or why), from the cache, another caller's check of the
-        same spec, or a worker. Called with one `_queued` taken; gives it back."""
+    def _check(self, key, params, max_compile_s: float) -> str | None:
+        """The check's outcome (None or why) for `key` (the spec's, and max_forced_tokens), from
+        another caller's check of the same spec or a worker. Called with one `_queued` taken;
+        gives it back."""
         with self._lock:
             while key in self._inflight:                   # the same spec, checked now by another
-                event = self._inflight[key]
-                self._lock.release()
-                try:
-                    event.wait()
-                finally:
-                    self._lock.acquire()
+                self._done_cv.wait()
                 if key in self._cache:
                     self._queued -= 1
                     return self._cache[key]
-            self._inflight[key] = threading.Event()
+            self._inflight.add(key)
         worker = None
         try:
             worker = self._take_worker()                   # the queue's wait: not on the clock
-            error, keep = self._run(worker, params, max_compile_s, max_forced)
+            error, keep = self._run(worker, params, max_compile_s, key[1])
             with self._lock:
                 self.num_checks += 1
                 if keep:
@@ -230,7 +228,8 @@ class GrammarSandbox:
             return error
         finally:
             with self._lock:
-                self._inflight.pop(key).set()
+                self._inflight.discard(key)
+                self._done_cv.notify_all()
                 if worker is not None:
                     self._give_back(worker)
 
@@ -238,9 +237,7 @@ class GrammarSandbox:
         with self._lock:
             try:
                 if len(self._all) < self.num_workers and not self._idle:
-                    w = _Worker(self._init)
-                    self._all.append(w)
-                    self._idle.append(w)
+                    self._spawn()
                 while not self._idle:
                     if self._closed:
                         raise GrammarBusy("the grammar checker is shutting down", "queue")
@@ -251,14 +248,13 @@ class GrammarSandbox:
 
     def _give_back(self, w: _Worker) -> None:
         """Under the lock: `w` is idle again, or replaced if it died (its replacement starts now)."""
-        if w.proc.poll() is not None:
-            self._all.remove(w)
-            if self._closed:
-                return
-            w = _Worker(self._init)
-            self._all.append(w)
-        self._idle.append(w)
-        self._idle_cv.notify()
+        if w.proc.poll() is None:
+            self._idle.append(w)
+            self._idle_cv.notify()
+            return
+        self._all.remove(w)
+        if not self._closed:
+            self._spawn()
 
     def _run(self, w: _Worker, params, max_compile_s: float, max_forced: int) -> tuple[str | None, bool]:
         """(None or why, whether to cache it) for one check on worker `w`."""
@@ -296,6 +292,7 @@ class GrammarSandbox:
             self._closed = True
             workers, self._all, self._idle = list(self._all), [], []
             self._idle_cv.notify_all()
+            self._done_cv.notify_all()
         for w in workers:
             w.close()
 
