@@ -45,11 +45,12 @@ CHILD = r"""
 import json, statistics, time, torch
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_model_dir
-from kvserve.worker.model_runner import ModelRunner, make_attention_backend
+from kvserve.model.attention import TorchPagedAttention
+from kvserve.worker.model_runner import ModelRunner
 torch.set_num_threads({threads})
 dtype = getattr(torch, {dtype!r})
 cfg, weights, _ = load_model_dir({model!r})
-model = LlamaModel(cfg, weights, make_attention_backend(cfg, {bs}), torch.device("cpu"), dtype)
+model = LlamaModel(cfg, weights, TorchPagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, {bs}, cfg.sliding_window), torch.device("cpu"), dtype)
 
 class Seq:
     def __init__(self, rid, tokens, computed):

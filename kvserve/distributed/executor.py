@@ -27,9 +27,9 @@ import socket
 import torch
 import torch.distributed as dist
 
-from kvserve.distributed.tensor_parallel import (TPGroup, bind_rank_device, map_tensors, rank_device,
-                                               shard_config, shard_weights, to_device, to_host)
-from kvserve.worker.model_runner import ModelRunner, make_attention_backend
+from kvserve.distributed.tensor_parallel import bind_rank_device, map_tensors, rank_device, to_device, to_host
+from kvserve.worker.build import build_model
+from kvserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -59,32 +59,17 @@ def _recv(group, device: torch.device):
     return to_device(box[0], device)
 
 
-def build_rank_model(config, model_cfg, weights, rank: int, size: int, device: torch.device):
-    """This rank's slice of the model (weights sliced as tensor_parallel.py says)."""
-    from kvserve.model.llama import LlamaModel
-
-    run_cfg = shard_config(model_cfg, size)
-    weights = shard_weights(weights, model_cfg, rank, size)
-    attn = make_attention_backend(run_cfg, config.block_size, config.kv_cache_dtype)
-    return LlamaModel(run_cfg, weights, attn, device, config.torch_dtype, config.quantization,
-                      config.quantization_group_size, tp=TPGroup(rank, size, model_cfg.vocab_size),
-                      quantize_activations=config.quantize_activations)
-
-
 def run_worker(config, rank: int, size: int, init_method: str) -> None:
-    """A worker's life: load and slice the model, join the group, then run what rank 0 sends."""
-    from kvserve.model.loader import load_model_dir
-
+    """A worker's life: build its slice of the model (`config`: the engine's resolved Config),
+    join the group, then run what rank 0 sends."""
     torch.set_num_threads(threads_per_rank(size))
-    device = bind_rank_device(config.device, rank)
-    model_cfg, weights, _ = load_model_dir(config.model, native=config.quantization != "dequant",
-                                           dtype=config.torch_dtype, device=device)
-    model = build_rank_model(config, model_cfg, weights, rank, size, device)
-    del weights
+    device = bind_rank_device(config.model.device, rank)
+    model = build_model(config.model, config.cache.block_size, config.cache.kv_cache_dtype, device,
+                        rank=rank, tp_size=size).model
     group = _init_group(rank, size, init_method, device)
     try:
         _, num_blocks, num_cpu_blocks = _recv(group, device)
-        runner = ModelRunner(model, num_blocks, config.block_size)
+        runner = ModelRunner(model, num_blocks, config.cache.block_size)
         runner.init_swap_space(num_cpu_blocks)
         while True:
             msg = _recv(group, device)
@@ -102,8 +87,9 @@ class TPWorkers:
     """Ranks 1..N-1, started on `backend` ("mp" or "ray"); rank 0 joins the group here."""
 
     def __init__(self, config, size: int, backend: str = "mp"):
+        """`config`: the engine's resolved Config (config/resolved.py), sent to every worker."""
         self.size, self.backend = size, backend
-        rank_device(config.device, size - 1)        # one CUDA device per rank, checked before any start
+        rank_device(config.model.device, size - 1)        # one CUDA device per rank, checked before any start
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.procs, self.actors = [], []
         if backend == "mp":
@@ -118,7 +104,7 @@ class TPWorkers:
         else:
             raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', got {backend!r}.")
         torch.set_num_threads(threads_per_rank(size))
-        self.group = _init_group(0, size, init_method, bind_rank_device(config.device, 0))
+        self.group = _init_group(0, size, init_method, bind_rank_device(config.model.device, 0))
         self.closed = False
         atexit.register(self.close)
 

@@ -1,60 +1,19 @@
-"""Tensor parallelism (seed 004's table: "splits a large model across several GPUs"), Megatron-style.
+"""Tensor parallelism's process plumbing (seed 004's table: "splits a large model across
+several GPUs"): which device each rank runs on, and the host copies of what the driver sends.
+How the model itself splits across ranks (Megatron-style heads, MLP and vocabulary slices, the
+collectives) is kvserve/model/sharding.py; the executors that run the ranks are executor.py.
 
-Each of N ranks holds a slice of every weight and runs its slice of the same forward pass:
-- attention heads split: rank r owns query heads [r H/N, (r+1) H/N) and the KV heads they use
-  (KV/N of them; where N exceeds KV, each rank keeps a copy of its one KV head, as vLLM does),
-  so its KV pool holds only its own heads and KV memory per rank divides by N;
-- q/k/v and gate/up are column-parallel (rows of the weight split), o and down row-parallel
-  (columns split): each rank's o and down give partial sums, added by one all-reduce each;
-- the embedding and the LM head are vocabulary-parallel: rank r owns rows [r V', (r+1) V') with
-  V' = ceil(V / N) (the last shard padded with zero rows); an embedding lookup is a masked local
-  lookup plus an all-reduce, and the logits are all-gathered along the vocabulary.
-Collectives go through `torch.distributed` (gloo on CPU, NCCL on CUDA); `TPGroup` is the only
-place that calls them. On CUDA rank r runs on device r (`bind_rank_device`: every rank is a
-process on this host, so the global rank is the local one). What a step needs besides the
-weights (token ids, positions, attention metadata, block moves) travels from the host: the
-driver sends CPU copies as pickled objects over a gloo group (`to_host`), each rank moves them
-to its device (`to_device`), so no rank deserializes another rank's CUDA tensors. Norm weights, RoPE and Qwen3's q/k norms (per head dimension) are
-replicated. Weights a GGUF file stores quantized are dequantized before slicing (and quantized
-again per shard when `quantization` asks for int8 / int4).
+On CUDA rank r runs on device r (`bind_rank_device`: every rank is a process on this host, so
+the global rank is the local one). What a step needs besides the weights (token ids, positions,
+attention metadata, block moves) travels from the host: the driver sends CPU copies as pickled
+objects over a gloo group (`to_host`), each rank moves them to its device (`to_device`), so no
+rank deserializes another rank's CUDA tensors.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
-import torch.distributed as dist
-
-from kvserve.model.config import ModelConfig
-from kvserve.model.fusion import _float
-
-
-class TPGroup:
-    """Rank `rank` of `size` in the default process group: the model's collectives."""
-
-    def __init__(self, rank: int, size: int, vocab_size: int):
-        self.rank, self.size, self.vocab_size = rank, size, vocab_size
-        self.vocab_shard = math.ceil(vocab_size / size)
-        self.vocab_start = rank * self.vocab_shard
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(x)
-        return x
-
-    def embed(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` [T] of the vocabulary-parallel table [V', hidden] -> [T, hidden]."""
-        local = ids - self.vocab_start
-        mine = (local >= 0) & (local < table.shape[0])
-        rows = table[local.clamp(0, table.shape[0] - 1)]
-        rows.masked_fill_(~mine.unsqueeze(1), 0)
-        return self.all_reduce(rows)
-
-    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """[S, V'] of this rank's vocabulary -> [S, V] on every rank."""
-        parts = [torch.empty_like(logits) for _ in range(self.size)]
-        dist.all_gather(parts, logits.contiguous())
-        return torch.cat(parts, dim=-1)[:, :self.vocab_size]
 
 
 def rank_device(device: torch.device | str, rank: int, device_count: int | None = None) -> torch.device:
@@ -101,59 +60,3 @@ def to_host(msg):
 def to_device(msg, device: torch.device):
     """A received message with its tensors on this rank's `device`."""
     return map_tensors(msg, lambda t: t.to(device, non_blocking=True))
-
-
-def check_tp_size(cfg: ModelConfig, size: int) -> None:
-    if size < 1:
-        raise ValueError(f"tensor_parallel_size must be >= 1, got {size}.")
-    if cfg.num_heads % size:
-        raise ValueError(f"tensor_parallel_size={size} does not divide the model's {cfg.num_heads} "
-                         "attention heads: choose a divisor.")
-    kv = cfg.num_kv_heads
-    if kv % size and size % kv:
-        raise ValueError(f"tensor_parallel_size={size} and the model's {kv} KV heads: one must divide "
-                         "the other (KV heads are split, or replicated when there are fewer than ranks).")
-    if cfg.intermediate_size % size:
-        raise ValueError(f"tensor_parallel_size={size} does not divide intermediate_size "
-                         f"{cfg.intermediate_size}.")
-
-
-def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
-    """What one rank's slice of the model looks like (heads and MLP width divided)."""
-    check_tp_size(cfg, size)
-    return dataclasses.replace(cfg, num_heads=cfg.num_heads // size,
-                               num_kv_heads=max(cfg.num_kv_heads // size, 1),
-                               intermediate_size=cfg.intermediate_size // size)
-
-
-def _rows(w: torch.Tensor, start: int, n: int) -> torch.Tensor:
-    return w[start:start + n].clone()
-
-
-def shard_weights(weights: dict, cfg: ModelConfig, rank: int, size: int) -> dict:
-    """Rank `rank`'s slice of a checkpoint's weights (HF names), as float tensors."""
-    D, H, KV = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-    h_per, kv_per = H // size, max(KV // size, 1)
-    kv_first = rank * h_per // (H // KV)          # the first KV head this rank's queries use
-    inter = cfg.intermediate_size // size
-    vshard = math.ceil(cfg.vocab_size / size)
-    out = {}
-    for name, w in weights.items():
-        if name.endswith(("q_proj.weight", "q_proj.bias")):
-            out[name] = _rows(_float(w), rank * h_per * D, h_per * D)
-        elif name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")):
-            out[name] = _rows(_float(w), kv_first * D, kv_per * D)
-        elif name.endswith(("gate_proj.weight", "up_proj.weight")):
-            out[name] = _rows(_float(w), rank * inter, inter)
-        elif name.endswith("o_proj.weight"):
-            out[name] = _float(w)[:, rank * h_per * D:(rank + 1) * h_per * D].contiguous()
-        elif name.endswith("down_proj.weight"):
-            out[name] = _float(w)[:, rank * inter:(rank + 1) * inter].contiguous()
-        elif name in ("lm_head.weight", "model.embed_tokens.weight"):
-            table = _rows(_float(w), rank * vshard, vshard)
-            if table.shape[0] < vshard:                               # the last shard: pad
-                table = torch.cat([table, table.new_zeros(vshard - table.shape[0], table.shape[1])])
-            out[name] = table
-        else:
-            out[name] = w                                             # norms: replicated
-    return out

@@ -37,7 +37,7 @@ import time
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.distributed.executor import TPDriverRunner, TPWorkers, build_rank_model
+from kvserve.distributed.executor import TPDriverRunner, TPWorkers
 from kvserve.engine import prompt_logprobs
 from kvserve.engine.beam_search import BeamGroup
 from kvserve.engine.core_io import (BeamResult, CoreLimits, EngineCoreOutput, EngineCoreRequest,
@@ -49,14 +49,13 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.stats import EngineStats, collect_stats
 from kvserve.kv.connector import TieredConnector
 from kvserve.kv.manager import KVCacheManager
-from kvserve.model.llama import LlamaModel
-from kvserve.model.loader import checkpoint_dtype, load_model_dir, resolve_dtype
 from kvserve.sample.sampler import Sampler
 from kvserve.spec_decode.decoder import SpecDecoder
 from kvserve.structured.compiler import GrammarCompiler
 from kvserve.structured.matcher import SequenceGrammar
 from kvserve.structured.waiting import GrammarWaitList
-from kvserve.worker.model_runner import ModelRunner, make_attention_backend
+from kvserve.worker.build import build_model, resolve_for_checkpoint
+from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.output import ModelRunnerOutput
 from kvserve.worker.sampling import StepSampler
 
@@ -68,32 +67,18 @@ GRAMMAR_IDLE_WAIT_S = 0.01   # an engine with only grammars to wait for sleeps t
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.device = torch.device(config.device)
-        if config.dtype == "auto":      # the checkpoint's dtype, or this CPU's fastest for it
-            dtype = resolve_dtype("auto", checkpoint_dtype(config.model), self.device)
-            config = dataclasses.replace(config, dtype=str(dtype).removeprefix("torch."))
-        # A GGUF file's tensors load in their own types unless quantization="dequant" asks for
-        # the model dtype (int8 / int4 then requantize, matrix by matrix: fusion.linear_weight).
-        model_cfg, weights, self.tokenizer = load_model_dir(
-            config.model, native=config.quantization != "dequant", dtype=config.torch_dtype,
-            device=self.device)
-        self.model_config = model_cfg
-        # Resolved once against the model (config/resolved.py); the caller's config is never
-        # written: the engine keeps a copy with dtype and max_model_len decided.
-        self.resolved = config.resolve(model_cfg)
-        max_len = self.resolved.model.max_model_len
-        self.config = config = dataclasses.replace(config, dtype=self.resolved.model.dtype,
-                                                   max_model_len=max_len)
-        r = self.resolved
+        # Resolved once against the checkpoint (worker/build.py, config/resolved.py); the caller's
+        # config is never written: the engine keeps a copy with dtype and max_model_len decided.
+        self.resolved = r = resolve_for_checkpoint(config)
+        self.config = config = dataclasses.replace(config, dtype=r.model.dtype,
+                                                   max_model_len=r.model.max_model_len)
         tp = r.parallel.tensor_parallel_size
-        if tp > 1:      # this process is rank 0 of tp (kvserve/distributed/): its slice, then the workers
-            self.model = build_rank_model(config, model_cfg, weights, 0, tp, self.device)
-            self.tp_workers = TPWorkers(config, tp, r.parallel.distributed_executor_backend)
-        else:
-            attn = make_attention_backend(model_cfg, r.cache.block_size, r.cache.kv_cache_dtype)
-            self.model = LlamaModel(model_cfg, weights, attn, self.device, r.model.torch_dtype,
-                                    r.model.quantization, r.model.quantization_group_size,
-                                    quantize_activations=r.model.quantize_activations)
-        del weights
+        # this process is rank 0 of tp (kvserve/distributed/): its slice, then the workers
+        built = build_model(r.model, r.cache.block_size, r.cache.kv_cache_dtype, self.device, tp_size=tp)
+        self.model, self.model_config, self.tokenizer = built.model, built.config, built.tokenizer
+        model_cfg = built.config
+        if tp > 1:
+            self.tp_workers = TPWorkers(r, tp, r.parallel.distributed_executor_backend)
         num_blocks = num_kv_blocks(config, self.model.cfg, model_cfg, self.device)
         per_block = ModelRunner.kv_bytes_per_block(self.model.cfg, r.cache.block_size, r.model.torch_dtype,
                                                    r.cache.kv_cache_dtype)     # this rank's KV heads
@@ -121,7 +106,7 @@ class EngineCore:
                                    cache_aware=r.scheduler.cache_aware_scheduling,
                                    max_wait_steps=r.scheduler.max_wait_steps,
                                    preemption_warn_threshold=r.scheduler.preemption_warn_threshold,
-                                   eos_token_id=eos, max_model_len=max_len,
+                                   eos_token_id=eos, max_model_len=r.model.max_model_len,
                                    **SpecDecoder.scheduler_kwargs(r.speculative))
         self.scheduler.policy = make_policy(r.scheduler.scheduling_policy)     # engine/fairness.py
         self.spec = SpecDecoder(r.speculative, self) if r.speculative is not None else None

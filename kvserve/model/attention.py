@@ -119,6 +119,12 @@ class AttentionBackend:
         self.kv_cache_dtype = kv_quant.check_kv_cache_dtype(kv_cache_dtype)
         self.fused_decode: bool | None = None     # kvserve's decode kernel runs (decided at first use)
 
+    @classmethod
+    def for_model(cls, cfg, block_size: int, kv_cache_dtype: str = "auto") -> "AttentionBackend":
+        """The backend for `cfg`'s heads (a ModelConfig, or one rank's slice of it)."""
+        return cls(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size, cfg.sliding_window,
+                   kv_cache_dtype)
+
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         raise NotImplementedError
 

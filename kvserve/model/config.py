@@ -3,17 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.model.registry import ARCHITECTURES, architecture, find_architecture
+
 # EngineConfig.dtype spellings -> the torch dtype name
 DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
                "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-
 
 @dataclass
 class ModelConfig:
@@ -39,12 +33,12 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
         archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = find_architecture(archs)
         if arch is None:
             raise ValueError(
                 f"unsupported model architecture {archs or cfg.get('model_type')!r}; kvserve runs "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}.")
-        kind = SUPPORTED_ARCHITECTURES[arch]
+                f"{', '.join(ARCHITECTURES)}.")
+        family = architecture(arch)
         heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_parameters") or {}
         scaling = cfg.get("rope_scaling") or None
@@ -53,10 +47,9 @@ class ModelConfig:
         if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
             scaling = None
         sliding = cfg.get("sliding_window")
-        if kind == "qwen2" and not cfg.get("use_sliding_window", False):
+        if family.sliding_window_opt_in and not cfg.get("use_sliding_window", False):
             sliding = None
-        if kind in ("qwen3",) and not cfg.get("use_sliding_window", False):
-            sliding = None
+        defaults = family.defaults
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -71,8 +64,8 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", kind == "qwen2"),
-            qk_norm=kind == "qwen3",
+            attention_bias=cfg.get("attention_bias", defaults.get("attention_bias", False)),
+            qk_norm=defaults.get("qk_norm", False),
             sliding_window=sliding,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),

@@ -18,15 +18,13 @@ import numpy as np
 import torch
 
 from kvserve.model.config import ModelConfig
+from kvserve.model.registry import ARCHITECTURES, gguf_architecture
 from kvserve.model.gguf_quant import native_weight, unpermute_rope_rows
 from kvserve.model.gguf_tokenizer import GGUFTokenizer, build_gguf_tokenizer
 
-# general.architecture -> (kvserve architecture, q/k rows permuted by llama.cpp's converter)
-GGUF_ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", True),     # also Mistral, SmolLM, TinyLlama ...
-    "qwen2": ("Qwen2ForCausalLM", False),
-    "qwen3": ("Qwen3ForCausalLM", False),
-}
+# general.architecture values whose q/k rows llama.cpp's converter permuted (the registry,
+# kvserve/model/registry.py, maps each GGUF name to its architecture)
+ROPE_PERMUTED = {"llama"}     # also Mistral, SmolLM, TinyLlama ...
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -116,10 +114,12 @@ def read_metadata(reader) -> dict:
 def config_from_metadata(meta: dict, path) -> tuple[ModelConfig, bool]:
     """ModelConfig from `{arch}.*` keys, and whether q/k rows need un-permuting."""
     arch = meta.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
+    hf_arch = gguf_architecture(arch)
+    if hf_arch is None:
+        known = [a.gguf for a in ARCHITECTURES.values() if a.gguf]
         raise ValueError(f"{str(path)!r} holds a GGUF model of architecture {arch!r}; kvserve loads "
-                         f"GGUF architectures {', '.join(GGUF_ARCHITECTURES)}.")
-    hf_arch, permuted = GGUF_ARCHITECTURES[arch]
+                         f"GGUF architectures {', '.join(known)}.")
+    defaults = ARCHITECTURES[hf_arch].defaults
 
     def key(name, default=None, required=False):
         value = meta.get(f"{arch}.{name}", default)
@@ -154,10 +154,10 @@ def config_from_metadata(meta: dict, path) -> tuple[ModelConfig, bool]:
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(key("rope.freq_base", 10000.0)),
         rope_scaling=_rope_scaling(key), max_position_embeddings=key("context_length", 2048),
-        attention_bias=arch == "qwen2", qk_norm=arch == "qwen3",
+        attention_bias=defaults.get("attention_bias", False), qk_norm=defaults.get("qk_norm", False),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"))
-    return cfg, permuted
+    return cfg, arch in ROPE_PERMUTED
 
 
 def _rope_scaling(key) -> dict | None:

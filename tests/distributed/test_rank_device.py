@@ -33,7 +33,7 @@ def test_too_few_cuda_devices_is_refused_before_any_worker_starts():
         rank_device("cuda", 1, device_count=1)
     if torch.cuda.device_count() < 2:
         with pytest.raises(ValueError, match="tensor_parallel_size"):
-            TPWorkers(SimpleNamespace(device="cuda"), size=2)
+            TPWorkers(SimpleNamespace(model=SimpleNamespace(device="cuda")), size=2)
 
 
 def test_step_messages_carry_host_tensors_and_land_on_the_rank_device():

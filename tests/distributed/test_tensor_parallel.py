@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.distributed.tensor_parallel import check_tp_size, shard_config
+from kvserve.model.sharding import check_tp_size, shard_config
 from kvserve.model.config import ModelConfig
 
 from tests.conftest import STORIES_HF

@@ -11,10 +11,11 @@ from kvserve.kv.block_pool import NULL_BLOCK
 from kvserve.kv.connector import KVConnector, TieredConnector
 from kvserve.kv.manager import KVCacheManager, PendingKVOps
 from kvserve.kv.tiers import CpuStore
+from kvserve.model.attention import TorchPagedAttention
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_model_dir
 from kvserve.worker.sequence import RunnerSequence as Seq
-from kvserve.worker.model_runner import ModelRunner, make_attention_backend
+from kvserve.worker.model_runner import ModelRunner
 from tests.conftest import STORIES_HF
 
 BS = 4
@@ -23,7 +24,7 @@ BS = 4
 @pytest.fixture(scope="module")
 def model():
     cfg, weights, _ = load_model_dir(str(STORIES_HF))
-    return LlamaModel(cfg, weights, make_attention_backend(cfg, BS), torch.device("cpu"), torch.float32)
+    return LlamaModel(cfg, weights, TorchPagedAttention.for_model(cfg, BS), torch.device("cpu"), torch.float32)
 
 
 def run(runner, kv, seqs, drafts=None):
