@@ -687,6 +687,10 @@ def read_probe(probe_dir: Path, samples: list[dict], warmup_frac: float) -> dict
             d = {k: (a.get(k, 0), v) for k, v in b.items() if v - a.get(k, 0) > 0}
             grew[section] = dict(sorted(d.items(), key=lambda kv: kv[1][0] - kv[1][1])[:25])
         grew["largest_sizes"] = dict(sorted(last.get("sizes", {}).items(), key=lambda kv: -kv[1])[:25])
+        # glibc's heap at the cut and at the end, MiB: live bytes (`used`) against freed-but-kept
+        # (`free`), so allocator fragmentation is told apart from objects that are still alive
+        grew["malloc_mib"] = {k: [round(r.get("malloc", {}).get(k + "_kib", 0) / 1024, 2) for r in (cut, last)]
+                              for k in ("used", "free", "mmapped", "arena")}
         if "tracemalloc" in last:
             grew["tracemalloc"] = last["tracemalloc"]
         out[f.stem] = grew
@@ -718,6 +722,7 @@ def report(args, summary: dict, stats: Stats, samples: list[dict], wall: float, 
             print(f"\nprobe {proc}: containers that grew after the cut (before -> after): "
                   f"{json.dumps(dict(list(grew['sizes'].items())[:12]))}")
             print(f"  object types that grew: {json.dumps(dict(list(grew['types'].items())[:12]))}")
+            print(f"  malloc MiB (cut -> end): {json.dumps(grew['malloc_mib'])}")
 
 
 def main() -> int:
