@@ -45,7 +45,10 @@ CHILD = r"""
 import json, statistics, time, torch
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_model_dir
-from kvserve.model.attention import TorchPagedAttention
+try:
+    from kvserve.attention.torch_paged import TorchPagedAttention
+except ImportError:   # a tree from before kvserve/attention/
+    from kvserve.model.attention import TorchPagedAttention
 from kvserve.worker.model_runner import ModelRunner
 torch.set_num_threads({threads})
 dtype = getattr(torch, {dtype!r})

@@ -78,7 +78,7 @@ def score_chunks(engine, chunks: list[list[int]],
     for i, c in enumerate(chunks):
         index[f"ppl-{i}"] = i
         engine.add_request(f"ppl-{i}", {"prompt_token_ids": c}, params)
-    sampling = engine.core.sampling
+    sampling = engine.core.runner.sampling
     saved = sampling.prompt_logprobs_hook
     if on_rows is not None:
         sampling.prompt_logprobs_hook = lambda req, pos, logits: on_rows(index[req.parent_id], pos, logits)

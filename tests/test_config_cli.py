@@ -42,6 +42,7 @@ NON_DEFAULTS = {
     "quantization_group_size": (None, []),
     "quantize_activations": (True, ["--quantize-activations"]),
     "kv_cache_dtype": ("int8", ["--kv-cache-dtype", "int8"]),
+    "attention_backend": ("torch", ["--attention-backend", "torch"]),
     "speculative_config": ('{"method": "ngram", "num_speculative_tokens": 3}',
                            ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']),
     "tensor_parallel_size": (1, []),                # kv_tiers needs 1

@@ -21,7 +21,7 @@ ORDER = ["DEFAULT", "AVX2", "AVX512"]
 MODULES = ["tests/kernels", "tests/model/test_quant.py", "tests/model/test_gguf_quant.py", "tests/model/test_gguf.py",
            "tests/model/test_cpu_kernels.py", "tests/test_default_model.py",
            "tests/engine/test_kv_quant.py", "tests/engine/test_sharing.py",
-           "tests/model/test_attention.py",     # the one-call prefill SDPA: torch's fused kernel per ISA
+           "tests/attention",    # the one-call prefill SDPA (torch's fused kernel per ISA), each backend end to end
            "tests/pooling/test_exactness.py"]   # embeddings: the same prefill path, and BERT's kernels
 SELF_INT4 = "tests/reference/test_spec_exactness.py::test_constrained_speculative_engine_equals_unconstrained"
 # greedy equals transformers and the differential fuzzer: with the fused decode step (on for float32

@@ -12,7 +12,7 @@ import math
 from .specs import ModelSpec, dtype_bytes
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
-KV_SCALE_BYTES = 4     # one float32 scale per token and KV head of a quantized cache (kvserve/model/kv_quant.py)
+KV_SCALE_BYTES = 4     # one float32 scale per token and KV head of a quantized cache (kvserve/attention/kv_quant.py)
 
 
 def kv_scale_bytes(kv_dtype: str | float) -> float:

@@ -12,7 +12,7 @@ import torch
 from kvserve.config.cli_args import add_dataclass_args, dataclass_kwargs, flag
 from kvserve.config.resolved import DTYPE_NAMES, Config, resolve_config
 from kvserve.config.speculative import SpeculativeConfig
-from kvserve.model.kv_quant import KV_CACHE_DTYPES, check_kv_cache_dtype
+from kvserve.attention.kv_quant import KV_CACHE_DTYPES, check_kv_cache_dtype
 from kvserve.model.quant import parse_quantization
 
 if TYPE_CHECKING:
@@ -80,10 +80,16 @@ class EngineConfig:
         "int8 weights (--quantization int8, a GGUF file's Q8_0/Q5/Q6 tensors): steps of more than 8 "
         "rows quantize the activations per row and run an int8 GEMM (W8A8): faster prefill and big "
         "batches, a little less exact"))
-    # KV-cache quantization (kvserve/model/kv_quant.py): one byte per element + a scale per token-head
+    # KV-cache quantization (kvserve/attention/kv_quant.py): one byte per element + a scale per token-head
     kv_cache_dtype: str = field(default="auto", metadata=flag(
         "KV cache storage: auto (the model dtype) or one byte per element with a scale per token and "
         "KV head (about 2x the tokens of bf16)", choices=tuple(KV_CACHE_DTYPES)))
+    # Attention (kvserve/attention/selector.py): "auto" decided once per model, logged at start
+    attention_backend: str = field(default="auto", metadata=flag(
+        "attention over the paged KV cache: torch (portable, CPU and CUDA), cpu_fused (kvserve's C++ "
+        "decode kernels; also lets a float32 model's decode steps run every layer in one call), or "
+        "auto (cpu_fused where it runs, else torch); any name in kvserve/attention/selector.py's "
+        "BACKENDS, checked when the model is built"))
     # Speculative decoding (kvserve/spec_decode/, config/speculative.py): a dict or its JSON
     speculative_config: dict | str | None = field(default=None, metadata=flag(
         'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '

@@ -1,7 +1,7 @@
 """EngineCore: the step loop of DESIGN.md's picture, on token ids only.
 
-    add_request -> Scheduler.schedule -> (block copies, swaps) -> ModelRunner.execute
-    -> StepSampler -> Scheduler.update_from_output -> EngineCoreOutputs (token deltas)
+    add_request -> Scheduler.schedule -> (block copies, swaps) -> ModelRunner.execute_model
+    (forward, then its StepSampler) -> Scheduler.update_from_output -> EngineCoreOutputs (token deltas)
 
 One `step()` is the same pipeline on every path, the empty step included: schedule under the
 token budget -> run the block moves the KV cache manager queued (swap out, swap in, copy on
@@ -49,7 +49,6 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.stats import EngineStats, collect_stats
 from kvserve.kv.connector import TieredConnector
 from kvserve.kv.manager import KVCacheManager
-from kvserve.sample.sampler import Sampler
 from kvserve.spec_decode.decoder import SpecDecoder
 from kvserve.structured.compiler import GrammarCompiler
 from kvserve.structured.matcher import SequenceGrammar
@@ -57,7 +56,6 @@ from kvserve.structured.waiting import GrammarWaitList
 from kvserve.worker.build import build_model, resolve_for_checkpoint
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.output import ModelRunnerOutput
-from kvserve.worker.sampling import StepSampler
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +108,8 @@ class EngineCore:
                                    **SpecDecoder.scheduler_kwargs(r.speculative))
         self.scheduler.policy = make_policy(r.scheduler.scheduling_policy)     # engine/fairness.py
         self.spec = SpecDecoder(r.speculative, self) if r.speculative is not None else None
-        self.sampling = StepSampler(Sampler(model_cfg.vocab_size, self.device, r.model.seed), self.spec)
+        # the worker's sampling stage: logits never leave the runner (execute_model)
+        self.runner.init_sampling(model_cfg.vocab_size, r.model.seed, self.spec)
         # Structured outputs: constrained requests wait here (WAITING_FOR_GRAMMAR) while a worker
         # thread compiles their grammar (kvserve/structured/)
         self.grammars = GrammarWaitList(GrammarCompiler(self.tokenizer, model_cfg.vocab_size, eos),
@@ -218,9 +217,7 @@ class EngineCore:
             for req, n, ids in batch:      # the hand-off's invariant: every token has a slot
                 assert len(ids) * bs >= req.num_computed_tokens + n, f"{req} scheduled without slots"
             wanted = prompt_logprobs.wanted_rows(sched.scheduled)
-            logits, samplers, prompt_rows = self.runner.execute(batch, wanted, sched.draft_tokens)
-            result = self.sampling(logits, samplers, prompt_rows, sched.draft_tokens,
-                                   self.scheduler.fork_waiters)
+            result = self.runner.execute_model(batch, wanted, sched.draft_tokens, self.scheduler.fork_waiters)
         touched, deltas, prompt_entries = self.scheduler.update_from_output(sched, result)
         if self.resolved.tiers.kv_role == "prefill":     # the prompt's KV is in the shared store before its answer
             self.kv.connector.flush(self.runner)

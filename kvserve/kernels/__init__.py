@@ -100,20 +100,3 @@ def int4_block_scales(scales_and_zeros: torch.Tensor, K: int) -> torch.Tensor:
     groups = scales_and_zeros.shape[0]
     per_block = scales_and_zeros.repeat_interleave(K // 32 // groups, dim=0)      # [K/32, N, 2]
     return per_block.permute(1, 2, 0).contiguous()
-
-
-def decode_attention_runs(attn, device, dtype: torch.dtype) -> bool:
-    """kvserve's decode attention takes this backend's shapes (logged once with the reason if
-    not): a CPU, a float32 / bfloat16 / int8 cache, <= 16 query heads per KV head, head dim <= 256."""
-    why = None
-    if not available(device):
-        why = "no kvserve kernels here"
-    elif dtype not in (torch.float32, torch.bfloat16) and attn.kv_cache_dtype == "auto":
-        why = f"a {str(dtype).removeprefix('torch.')} cache"
-    elif attn.kv_cache_dtype.startswith("fp8"):
-        why = f"kv_cache_dtype {attn.kv_cache_dtype}"
-    elif attn.num_heads % attn.num_kv_heads or attn.num_heads // attn.num_kv_heads > 16 or attn.head_dim > 256:
-        why = f"{attn.num_heads} query heads on {attn.num_kv_heads} KV heads of dim {attn.head_dim}"
-    if why is not None:
-        logger.info("decode attention runs in torch (%s)", why)
-    return why is None

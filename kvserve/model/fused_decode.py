@@ -81,8 +81,8 @@ class FusedDecode:
             return "tensor parallelism"
         if attn.kv_cache_dtype != "auto":
             return f"kv_cache_dtype {attn.kv_cache_dtype}"
-        if type(attn).__name__ != "TorchPagedAttention":
-            return f"attention backend {type(attn).__name__}"
+        if attn.name != "cpu_fused":
+            return f"attention backend {attn.name or type(attn).__name__} (the fused step is cpu_fused's)"
         if cfg.num_heads % cfg.num_kv_heads or cfg.num_heads // cfg.num_kv_heads > 16 or cfg.head_dim > 256:
             return f"{cfg.num_heads} query heads on {cfg.num_kv_heads} KV heads of dim {cfg.head_dim}"
         if cfg.head_dim % 2:

@@ -10,7 +10,8 @@ import logging
 
 import torch
 
-from kvserve.model.attention import AttentionBackend, AttentionMetadata
+from kvserve.attention.backend import AttentionBackend
+from kvserve.attention.metadata import AttentionMetadata
 from kvserve.model.config import ModelConfig
 from kvserve.model.cpu_kernels import kernel_plan
 from kvserve.model.fused_decode import FusedDecode

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.model.attention import AttentionMetadata, PrefillChunk, TorchPagedAttention
+from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
+from kvserve.attention.torch_paged import TorchPagedAttention
 from kvserve.pooling.rule import read_rule
 from kvserve.worker.build import build_model, resolve_for_checkpoint
 

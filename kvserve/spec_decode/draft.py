@@ -61,8 +61,9 @@ class DraftModelProposer(Proposer):
         if path in SELF_DRAFTS:
             path, quant = ec.model, quant or SELF_DRAFTS[path]
         # the target's dtype; a GGUF draft runs in its own types unless a quantization asks otherwise
-        load = dataclasses.replace(
+        load = dataclasses.replace(         # the backend as asked: "auto" decides for the draft's heads
             engine.resolved.model, model=path, quantization=quant, quantize_activations=False,
+            attention_backend=ec.attention_backend,
             quantization_group_size=ec.quantization_group_size if quant == ec.quantization else None)
         bs = ec.block_size
         built = build_model(load, bs, "auto", engine.device)

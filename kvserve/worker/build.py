@@ -2,13 +2,15 @@
 worker, the draft proposer and the embedder all call `build_model`.
 
     resolve_for_checkpoint(engine_config) -> Config      every "auto" decided against the checkpoint's
-                                                         headers (no tensor is read)
+                                                         headers (no tensor is read): dtype,
+                                                         max_model_len, the attention backend
     build_model(config.model, block_size, kv_cache_dtype, device, rank=, tp_size=, attention=)
         -> BuiltModel(model: this rank's slice, config: the whole model's ModelConfig, tokenizer)
 
-The architecture registry (kvserve/model/registry.py) names the model class; `attention` is the
-backend class (kvserve/model/attention.py) every layer of it attends through. With tp_size > 1
-the weights are sliced for `rank` (kvserve/model/sharding.py) before the class sees them.
+The architecture registry (kvserve/model/registry.py) names the model class; every layer attends
+through `load.attention_backend` (kvserve/attention/selector.py; `attention`, a backend class,
+overrides it: the embedder's prompt-only attention). With tp_size > 1 the weights are sliced for
+`rank` (kvserve/model/sharding.py) before the class sees them.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvserve.model.attention import AttentionBackend, TorchPagedAttention
+from kvserve.attention.backend import AttentionBackend
+from kvserve.attention.selector import select_attention_backend
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import checkpoint_dtype, load_model_dir, read_model_config, resolve_dtype
 from kvserve.model.registry import architecture
@@ -44,12 +47,17 @@ def resolve_for_checkpoint(config: "EngineConfig") -> "Config":
     if config.dtype == "auto":
         dtype = resolve_dtype("auto", checkpoint_dtype(config.model), torch.device(config.device))
         config = dataclasses.replace(config, dtype=str(dtype).removeprefix("torch."))
-    return config.resolve(read_model_config(config.model))
+    model_cfg = read_model_config(config.model)
+    r = config.resolve(model_cfg)
+    tp = r.parallel.tensor_parallel_size
+    heads = shard_config(model_cfg, tp) if tp > 1 else model_cfg         # what one rank attends over
+    backend = select_attention_backend(r.model.attention_backend, heads, torch.device(r.model.device),
+                                       r.model.torch_dtype, r.cache.kv_cache_dtype)
+    return dataclasses.replace(r, model=dataclasses.replace(r.model, attention_backend=backend.name))
 
 
 def build_model(load: "ModelLoadConfig", block_size: int, kv_cache_dtype: str, device: torch.device, *,
-                rank: int = 0, tp_size: int = 1,
-                attention: type[AttentionBackend] = TorchPagedAttention) -> BuiltModel:
+                rank: int = 0, tp_size: int = 1, attention: type[AttentionBackend] | None = None) -> BuiltModel:
     """Load `load.model` and build rank `rank` of `tp_size` of it on `device`. A GGUF file's
     tensors load in their own types unless quantization "dequant" asks for `load.dtype`."""
     cfg, weights, tokenizer = load_model_dir(load.model, native=load.quantization != "dequant",
@@ -59,6 +67,10 @@ def build_model(load: "ModelLoadConfig", block_size: int, kv_cache_dtype: str, d
         run_cfg = shard_config(cfg, tp_size)
         weights = shard_weights(weights, cfg, rank, tp_size)
         tp = TPGroup(rank, tp_size, cfg.vocab_size)
+    if attention is None:
+        attention = select_attention_backend(load.attention_backend, run_cfg, device, load.torch_dtype,
+                                             kv_cache_dtype,
+                                             log=rank == 0 and load.attention_backend == "auto")
     model_class = architecture(cfg.architecture).model_class()
     model = model_class(run_cfg, weights, attention.for_model(run_cfg, block_size, kv_cache_dtype), device,
                         load.torch_dtype, load.quantization, load.quantization_group_size, tp=tp,

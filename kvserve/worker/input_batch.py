@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from kvserve.kv.block_pool import NULL_BLOCK
-from kvserve.model.attention import AttentionMetadata, PrefillChunk, build_decode_key_mask
+from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
 
 
 class HostDeviceBuffer:
@@ -152,8 +152,8 @@ class StepInputs:
 class InputBatch:
     """Writes each step's scheduled tokens into the persistent buffers and block-table rows."""
 
-    def __init__(self, device: torch.device, block_size: int, sliding_window: int | None = None):
-        self.device, self.block_size, self.sliding_window = device, block_size, sliding_window
+    def __init__(self, device: torch.device, block_size: int):
+        self.device, self.block_size = device, block_size
         self.rows = BlockTableRows(device)
         self.bufs = StepBuffers(device)
 
@@ -225,7 +225,5 @@ class InputBatch:
             decode_rows = self.bufs.to_device("token_rows", num_decode_tokens)
             meta.decode_block_tables = tables[:, :width].index_select(0, decode_rows)   # [D, width]
             meta.decode_context_lens = positions[:num_decode_tokens] + 1
-            meta.decode_key_mask = build_decode_key_mask(meta.decode_context_lens, width * bs,
-                                                         self.sliding_window)
         return StepInputs(input_ids, positions, meta, self.bufs.to_device("logits_indices", len(wanted)),
                           samplers, extras, len(logits_idx))

@@ -1,7 +1,9 @@
 """The model runner: packs one step's scheduled tokens into one flat (ragged) batch, runs one
-forward pass over the paged KV cache and returns logits for the sequences that sample
+forward pass over the paged KV cache and computes logits for the sequences that sample
 (seed 000, "Chunked prefill": `pack(sequences)`; seed 003, block tables and slot mapping),
-plus the rows of any other positions the caller names (prompt logprobs). A sequence given
+plus the rows of any other positions the caller names (prompt logprobs); `execute_model` then
+runs the sampling stage on them (worker/sampling.py) and returns a ModelRunnerOutput, so the
+logits never leave the worker (`execute` returns them, for the draft model's argmax). A sequence given
 drafts (speculative decoding: the scheduler's `draft_tokens`) runs its last token and the k
 drafts after it and returns logits at all k + 1 positions.
 Its inputs are written into buffers and block-table rows kept across steps (worker/input_batch.py).
@@ -14,10 +16,12 @@ import time
 
 import torch
 
-from kvserve.model import kv_quant
-from kvserve.model.attention import TorchPagedAttention
+from kvserve.attention import kv_quant
 from kvserve.model.llama import LlamaModel
+from kvserve.sample.sampler import Sampler
 from kvserve.worker.input_batch import InputBatch
+from kvserve.worker.output import ModelRunnerOutput
+from kvserve.worker.sampling import StepSampler
 
 if TYPE_CHECKING:
     from kvserve.engine.request import Request
@@ -41,9 +45,10 @@ class ModelRunner:
         # last in it (both before the forward pass), after_forward(scheduled, seconds) at the
         # end of execute. It reads and writes blocks through kv_cache_tensors().
         self.kv_connector = None
+        self.sampling: StepSampler | None = None     # the sampling stage (init_sampling)
         self.kv_caches = [tuple(kv_quant.allocate(shape, self.kv_cache_dtype, model.dtype, self.device)
                                 for _ in range(2)) for _ in range(cfg.num_layers)]
-        self.input_batch = InputBatch(self.device, block_size, model.attn.sliding_window)
+        self.input_batch = InputBatch(self.device, block_size)
 
     # -- block moves for sharing and swapping (kv/manager.py queues them; run before execute) --
     def init_swap_space(self, num_cpu_blocks: int) -> None:
@@ -136,7 +141,20 @@ class ModelRunner:
             at += r
         return logits[:step.num_sample_rows], step.samplers, rows
 
+    def init_sampling(self, vocab_size: int, seed: int | None, spec=None) -> None:
+        """The sampling stage execute_model runs (worker/sampling.py): a seeded sampler over the
+        vocabulary, and `spec`, the SpecDecoder whose drafts it verifies (None: no speculation)."""
+        self.sampling = StepSampler(Sampler(vocab_size, self.device, seed), spec)
+
+    def execute_model(self, scheduled: list[tuple[Request, int, list[int]]], extra_rows: dict[str, range],
+                      draft_tokens: dict[str, list[int]], fork_waiters: dict[str, list]) -> ModelRunnerOutput:
+        """One step: the forward pass (`execute`), then the sampling stage on its logits
+        (speculative verification, beam candidates, prompt logprobs): what the scheduler needs."""
+        logits, samplers, prompt_rows = self.execute(scheduled, extra_rows, draft_tokens)
+        return self.sampling(logits, samplers, prompt_rows, draft_tokens, fork_waiters)
+
     def forward(self, input_ids, positions, meta, logits_indices) -> torch.Tensor:
         """One forward pass of the model over this runner's KV pools (the hook a tensor-parallel
         driver wraps to send the same pass to its workers: kvserve/distributed/executor.py)."""
+        meta = self.model.attn.prepare(meta)     # the backend's per-step derivations, once
         return self.model.forward(input_ids, positions, meta, self.kv_caches, logits_indices)

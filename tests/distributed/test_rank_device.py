@@ -11,7 +11,7 @@ import torch
 
 from kvserve.distributed.executor import TPWorkers
 from kvserve.distributed.tensor_parallel import bind_rank_device, rank_device, to_device, to_host
-from kvserve.model.attention import AttentionMetadata, PrefillChunk
+from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
 
 
 def test_rank_device_is_the_local_cuda_device_of_the_rank():

@@ -1,4 +1,4 @@
-"""KV-cache quantization (kvserve/model/kv_quant.py): capacity against bf16 / float32 and the
+"""KV-cache quantization (kvserve/attention/kv_quant.py): capacity against bf16 / float32 and the
 planner, the per token-head round-trip bound, chunking-independent outputs under the
 differential harness (prefix caching hash / radix, swap, recompute), and perplexity."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from kvserve import LLM
 from kvserve.analysis import kvmath
 from kvserve.config import EngineConfig
 from kvserve.worker.model_runner import ModelRunner
-from kvserve.model import kv_quant
+from kvserve.attention import kv_quant
 from kvserve.perplexity import make_chunks, perplexity, tokenize
 from tests.conftest import STORIES_HF
 from tests.reference.test_differential import (CONSTRAINED, check_against, check_pressure, make_workload,

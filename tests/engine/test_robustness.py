@@ -163,7 +163,7 @@ def test_one_failing_request_does_not_stop_the_others(monkeypatch):
             raise RuntimeError("detokenizer exploded")
         return orig_check(params, seq, token_id)
 
-    orig_sampler = eng.core.sampling.sampler
+    orig_sampler = eng.core.runner.sampling.sampler
 
     def bad_sampler(logits, reqs):
         if any(r.request_id == "bad-sample" for r in reqs):
@@ -171,7 +171,7 @@ def test_one_failing_request_does_not_stop_the_others(monkeypatch):
         return orig_sampler(logits, reqs)
 
     monkeypatch.setattr(eng.output, "_stop_string", bad_check)
-    monkeypatch.setattr(eng.core.sampling, "sampler", bad_sampler)
+    monkeypatch.setattr(eng.core.runner.sampling, "sampler", bad_sampler)
     got = drive(llm, [("good", [1, 403, 261], SamplingParams(max_tokens=10, **GREEDY), 0),
                       ("bad-stop", [1, 5, 6], SamplingParams(max_tokens=10), 0),
                       ("bad-sample", [1, 7, 8], SamplingParams(max_tokens=10), 0)])

@@ -19,8 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.kv.block_pool import NULL_BLOCK
-from kvserve.model import kv_quant
-from kvserve.model.attention import AttentionMetadata, TorchPagedAttention, build_decode_key_mask
+from kvserve.attention import kv_quant
+from kvserve.attention.metadata import AttentionMetadata, build_decode_key_mask
+from kvserve.attention.torch_paged import TorchPagedAttention
 from tests.kernels.isa import ISA_BITS, needs_kernels, on_isa
 from tests.kernels.test_linear_ops import threads
 

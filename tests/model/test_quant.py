@@ -11,7 +11,7 @@ import torch
 
 from kvserve import LLM, kernels, SamplingParams
 from kvserve.config import EngineConfig
-from kvserve.model.attention import AttentionMetadata, PrefillChunk
+from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
 from kvserve.model.fusion import linear_weight
 from kvserve.model.cpu_kernels import kernel_plan
 from kvserve.model.quant import (Int4Weight, Int8Weight, QuantizedWeight, keeps_quantized, quantize,

@@ -11,7 +11,7 @@ from kvserve.kv.block_pool import NULL_BLOCK
 from kvserve.kv.connector import KVConnector, TieredConnector
 from kvserve.kv.manager import KVCacheManager, PendingKVOps
 from kvserve.kv.tiers import CpuStore
-from kvserve.model.attention import TorchPagedAttention
+from kvserve.attention.torch_paged import TorchPagedAttention
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_model_dir
 from kvserve.worker.sequence import RunnerSequence as Seq

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from kvserve.kv.block_pool import NULL_BLOCK
-from kvserve.model import attention
-from kvserve.model.attention import AttentionMetadata, PrefillChunk, TorchPagedAttention, build_decode_key_mask
+from kvserve.attention import metadata, torch_paged
+from kvserve.attention.metadata import AttentionMetadata, PrefillChunk, build_decode_key_mask
+from kvserve.attention.torch_paged import TorchPagedAttention
 
 H, KV, D, BS = 4, 2, 8, 4
 
@@ -85,7 +86,7 @@ def test_all_prefill_chunks_run_in_one_4d_sdpa_call(monkeypatch):
     def counting(q, k, v, **kw):
         calls.append((q.dim(), k.dim()))
         return sdpa(q, k, v, **kw)
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counting)
+    monkeypatch.setattr(torch_paged.F, "scaled_dot_product_attention", counting)
     for name in ("fresh, ragged", "cached context", "decodes and chunks"):
         calls.clear()
         attn, kc, vc, q, k, v, meta, ref = make_step(STEPS[name], None)
@@ -95,8 +96,8 @@ def test_all_prefill_chunks_run_in_one_4d_sdpa_call(monkeypatch):
 
 def test_the_prefill_layout_is_built_once_per_step(monkeypatch):
     built = []
-    real = attention.build_prefill_layout
-    monkeypatch.setattr(attention, "build_prefill_layout", lambda *a: built.append(1) or real(*a))
+    real = metadata.build_prefill_layout
+    monkeypatch.setattr(metadata, "build_prefill_layout", lambda *a: built.append(1) or real(*a))
     attn, kc, vc, q, k, v, meta, ref = make_step(STEPS["cached context"], 6)
     kc2, vc2 = kc.clone(), vc.clone()
     first = attn.forward(q, k, v, kc, vc, meta)                        # layer 0

@@ -1,0 +1,117 @@
+"""The portable backend: PyTorch over the paged cache, on any device torch runs (CPU, CUDA).
+Decode rows as batched matmuls over the gathered blocks; prefill chunks in one padded 4-D
+scaled_dot_product_attention call per layer."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.attention import kv_quant
+from kvserve.attention.backend import AttentionBackend
+from kvserve.attention.metadata import AttentionMetadata, PrefillLayout, build_decode_key_mask
+
+
+class TorchPagedAttention(AttentionBackend):
+    """Portable backend. Cache layout [num_blocks, KV, block_size, D]: a gathered block is
+    `KV` contiguous [block_size, D] matrices, so decode attention runs as batched matmuls
+    block by block, straight on the gathered blocks, with no transposed copy of the context.
+    Prefill: every chunk of the step in one padded 4-D scaled_dot_product_attention call (a
+    PrefillLayout, built once per step), with no loop over chunks.
+    A quantized cache is quantized per token and KV head on write and dequantized (in the model
+    dtype) right after the gather; new tokens attend to their own quantized K/V too, so the
+    result does not depend on how a prompt was chunked."""
+
+    name = "torch"
+
+    def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """Decode rows: the key mask [B, 1, 1, nb * block_size] of their block tables."""
+        if meta.num_decode_tokens and meta.decode_key_mask is None:
+            meta.decode_key_mask = build_decode_key_mask(
+                meta.decode_context_lens, meta.decode_block_tables.shape[1] * self.block_size,
+                self.sliding_window)
+        return meta
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        k, v = self._write(k, v, k_cache, v_cache, meta)
+        nd = meta.num_decode_tokens
+        if nd == q.shape[0]:                      # a pure decode step: no copy into `out`
+            return self._decode(q, k_cache, v_cache, meta)
+        if nd == 0:
+            return self._prefill(q, k, v, k_cache, v_cache, meta)
+        out = torch.empty_like(q)
+        out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
+        out[nd:] = self._prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta)
+        return out
+
+    def _write(self, k, v, k_cache, v_cache, meta):
+        """k, v [T, KV, D] -> their slots; returns what the cache now holds for them."""
+        block, offset = meta.block_and_offset(self.block_size)
+        if not kv_quant.is_quantized(self.kv_cache_dtype):
+            k_cache[block, :, offset] = k
+            v_cache[block, :, offset] = v
+            return k, v
+        out = []
+        for x, (values, scales) in ((k, k_cache), (v, v_cache)):
+            qx, sx = kv_quant.quantize(x, self.kv_cache_dtype)              # [T, KV, D], [T, KV]
+            values[block, :, offset] = qx
+            scales[block, :, offset] = sx
+            out.append(kv_quant.dequantize(qx, sx, x.dtype))
+        return out[0], out[1]
+
+    @staticmethod
+    def _gather(cache, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Blocks `index` of a pool as [n, KV, bs, D] in `dtype` (dequantized if need be)."""
+        if isinstance(cache, tuple):
+            return kv_quant.dequantize(cache[0].index_select(0, index),
+                                       cache[1].index_select(0, index), dtype)
+        return cache.index_select(0, index)
+
+    def _decode(self, q, k_cache, v_cache, meta):
+        """q [B, H, D]; G = H / KV query heads per KV head. Scores and outputs are computed per
+        gathered block with two batched matmuls."""
+        B, H, D = q.shape
+        KV, bs = self.num_kv_heads, self.block_size
+        tables = meta.decode_block_tables                                   # [B, nb]
+        nb = tables.shape[1]
+        G = H // KV
+        kb = self._gather(k_cache, tables.reshape(-1), q.dtype)             # [B*nb, KV, bs, D]
+        vb = self._gather(v_cache, tables.reshape(-1), q.dtype)
+        qb = q.view(B, 1, KV, G, D).expand(B, nb, KV, G, D).reshape(B * nb * KV, G, D)
+        scores = torch.bmm(qb, kb.view(-1, bs, D).transpose(1, 2))          # [B*nb*KV, G, bs]
+        scores = scores.view(B, nb, KV, G, bs).permute(0, 2, 3, 1, 4).reshape(B, KV, G, nb * bs)
+        scores = scores.float() * self.scale
+        scores.masked_fill_(~meta.decode_key_mask, float("-inf"))           # mask [B, 1, 1, L]
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)                   # [B, KV, G, L]
+        probs = probs.view(B, KV, G, nb, bs).permute(0, 3, 1, 2, 4).reshape(B * nb * KV, G, bs)
+        partial = torch.bmm(probs, vb.view(-1, bs, D))                      # [B*nb*KV, G, D]
+        out = partial.view(B, nb, KV, G, D).sum(dim=1, dtype=torch.float32)  # [B, KV, G, D]
+        return out.to(q.dtype).view(B, H, D)
+
+    def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata):
+        """Every prefill chunk in one 4-D scaled_dot_product_attention call (torch's fused CPU
+        flash kernel takes 4-D inputs): q, k, v [T_prefill, *, D] -> [T_prefill, H, D]."""
+        lay = meta.prefill_layout(self.block_size, self.sliding_window, q.dtype)
+        C, Q, D = lay.num_chunks, lay.max_q, self.head_dim
+
+        def padded(x):                                           # [T_prefill, h, D] -> [C, h, Q, D]
+            x = x if lay.q_index is None else x.index_select(0, lay.q_index)
+            return x.view(C, Q, x.shape[1], D).transpose(1, 2)
+        if lay.block_tables is None:
+            keys, values = padded(k), padded(v)
+        else:
+            keys = self._context(k_cache, lay, q.dtype)
+            values = self._context(v_cache, lay, q.dtype)
+        o = F.scaled_dot_product_attention(padded(q), keys, values, attn_mask=lay.mask,
+                                           is_causal=lay.mask is None, scale=self.scale, enable_gqa=True)
+        o = o.transpose(1, 2).reshape(C * Q, self.num_heads, D)  # [C * Q, H, D]
+        return o if lay.out_index is None else o.index_select(0, lay.out_index)
+
+    def _context(self, cache, lay: PrefillLayout, dtype: torch.dtype) -> torch.Tensor:
+        """Each chunk's first L cached tokens: [C, KV, L, D] (one gather for all chunks)."""
+        C, nb = lay.block_tables.shape
+        blocks = self._gather(cache, lay.block_tables.reshape(-1), dtype)   # [C * nb, KV, bs, D]
+        blocks = blocks.view(C, nb, self.num_kv_heads, self.block_size, self.head_dim)
+        return blocks.transpose(1, 2).reshape(C, self.num_kv_heads, -1, self.head_dim)[:, :, :lay.num_keys]
