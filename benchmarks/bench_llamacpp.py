@@ -75,7 +75,7 @@ print(json.dumps(res))
 KVSERVE_TOKENS = r"""
 import json
 from kvserve import LLM
-from kvserve.perplexity import tokenize
+from kvserve.quality.perplexity import tokenize
 llm = LLM({path!r}, enable_prefix_caching=False, max_model_len=512, kv_cache_memory=64 << 20)
 with open({story!r}, encoding="utf-8") as f:
     tokens, bos = tokenize(llm.get_tokenizer(), f.read())
@@ -194,7 +194,7 @@ def measure_perplexity(bindir: Path, model: str, ctx: int, quantize_activations:
           f"{res['kvserve_chunks']} chunks, {res['kvserve_wall_s']:.1f} s", flush=True)
 
     # Tokenization: llama-perplexity writes the tokens of its chunks at the head of a
-    # --kl-divergence-base file; kvserve's come from its own tokenizer (kvserve.perplexity.tokenize).
+    # --kl-divergence-base file; kvserve's come from its own tokenizer (kvserve.quality.perplexity.tokenize).
     with tempfile.TemporaryDirectory() as tmp:
         base = os.path.join(tmp, "llama.kld")
         run([str(bindir / "llama-perplexity"), "-m", model, "-f", str(STORY), "-c", str(ctx),

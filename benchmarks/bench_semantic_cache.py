@@ -1,5 +1,5 @@
 """The semantic answer cache (issue 15): a threshold sweep on the labelled pairs of
-tests/cache/pairs.py (hit rate against wrong-answer rate, plotted), the embedding cost per
+tests/answer_cache/pairs.py (hit rate against wrong-answer rate, plotted), the embedding cost per
 query, and the latency of a miss, an exact hit and a semantic hit on a live server of
 stories260K with `--answer-cache semantic`.
 
@@ -25,8 +25,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvserve.cache.semantic import Embedder, SemanticCache  # noqa: E402
-from tests.cache.pairs import PAIRS  # noqa: E402
+from kvserve.answer_cache.semantic import Embedder, SemanticCache  # noqa: E402
+from tests.answer_cache.pairs import PAIRS  # noqa: E402
 from tests.server.live import LiveServer  # noqa: E402
 
 THRESHOLDS = [round(x, 3) for x in np.arange(0.60, 1.0001, 0.025)]

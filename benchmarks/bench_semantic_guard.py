@@ -1,5 +1,5 @@
 """The semantic cache's near-miss guard (issue 26): precision and recall of "serve from cache"
-on the labelled pairs of tests/cache/pairs_hard.py, with the guard and without it, at several
+on the labelled pairs of tests/answer_cache/pairs_hard.py, with the guard and without it, at several
 thresholds, through `SemanticCache` itself with the real all-MiniLM-L6-v2.
 
     python benchmarks/bench_semantic_guard.py [--out benchmarks/results/semantic_guard.md]
@@ -21,9 +21,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvserve.cache.near_miss import near_miss  # noqa: E402
-from kvserve.cache.semantic import DEFAULT_THRESHOLD, Embedder, SemanticCache  # noqa: E402
-from tests.cache.pairs_hard import HELD_OUT, LABELLED  # noqa: E402
+from kvserve.answer_cache.near_miss import near_miss  # noqa: E402
+from kvserve.answer_cache.semantic import DEFAULT_THRESHOLD, Embedder, SemanticCache  # noqa: E402
+from tests.answer_cache.pairs_hard import HELD_OUT, LABELLED  # noqa: E402
 
 THRESHOLDS = (0.75, 0.8, 0.825, 0.85, 0.875, 0.9, 0.925, 0.95)
 

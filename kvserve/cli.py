@@ -11,11 +11,12 @@ import sys
 
 # Modules that define `register(subparsers)`; each adds one or more subcommands.
 COMMAND_MODULES = [
-    "kvserve.entrypoints",      # generate, bench throughput
-    "kvserve.chat_cli",         # chat
-    "kvserve.analysis.cli",     # plan, simulate
-    "kvserve.perplexity",       # perplexity
-    "kvserve.fleet.router_cli",  # serve (one server: server/cli.py; --data-parallel-size N), router, proxy
+    "kvserve.entrypoints.generate",     # generate, bench throughput
+    "kvserve.entrypoints.chat",         # chat
+    "kvserve.entrypoints.serve",        # serve (one server, or N replicas with --data-parallel-size N)
+    "kvserve.analysis.cli",             # plan, simulate
+    "kvserve.quality.perplexity",       # perplexity
+    "kvserve.fleet.router_cli",         # router, proxy
 ]
 
 

@@ -1,7 +1,7 @@
 """LLM: offline batched generation, vLLM's entry point (`LLM(model=...).generate(prompts, params)`)."""
 from __future__ import annotations
 
-from kvserve.chat_template import ChatRenderer
+from kvserve.frontend.chat_template import ChatRenderer
 from kvserve.config import EngineConfig
 from kvserve.frontend.llm_engine import LLMEngine
 from kvserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
@@ -61,7 +61,7 @@ class LLM:
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} dicts) or a list of
         them, each rendered with the model's chat template (or `chat_template`, a file or the
-        template text; kvserve/chat_template.py: `continue_final_message` and the template's
+        template text; kvserve/frontend/chat_template.py: `continue_final_message` and the template's
         extra variables `chat_template_kwargs` too) and generated like `generate`. One
         RequestOutput per conversation, in input order."""
         if not isinstance(messages, (list, tuple)) or not messages:

@@ -12,7 +12,7 @@ import pytest
 from kvserve.config import EngineConfig
 from kvserve.config.cli_args import cli_default, flag_fields, option_name
 from kvserve.fleet.launcher import replica_argv
-from kvserve.fleet.router_cli import add_serve_args
+from kvserve.entrypoints.serve import add_serve_args
 from kvserve.server.cli import ServerArgs, add_cli_args
 
 # A value other than the default for every EngineConfig field, and how the command line spells it.
@@ -140,7 +140,7 @@ def test_speculative_flag_is_the_json_the_field_takes():
 
 
 def test_the_server_never_imports_the_fleet():
-    """`kvserve serve --data-parallel-size` lives in fleet/router_cli.py (it registers `serve`):
+    """`kvserve serve` lives in entrypoints/serve.py (--data-parallel-size's replicas in fleet/):
     server/ imports nothing of fleet/, so the server <-> router import cycle cannot come back."""
     import ast
     from pathlib import Path

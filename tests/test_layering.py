@@ -1,15 +1,15 @@
 """The layering table (DESIGN.md, "A test holds the layering table"): which kvserve folder may import
 which, and which may import torch. Lower floors never import upper ones:
 
-    leaves       kv, kernels, structured, tool_calls, cache, memory_probe, kl_divergence (no kvserve import)
+    leaves       kv, kernels, structured, tool_calls, answer_cache, memory_probe (no kvserve import)
     config       -> kv
     model floor  attention -> kernels, config, kv;  model -> kernels, config, attention;  sample -> structured, ...
     runner       worker -> the model floor;  spec_decode, distributed -> worker and below
     core         engine -> kv, worker, sample.params, spec_decode, distributed, structured, config (no torch);
                  pooling -> engine and below
-    text         chat_template, outputs, frontend, llm, the package's __init__
+    text         outputs, frontend (chat templates too), llm, the package's __init__
     serving      server -> frontend, engine, pooling, ...;  fleet -> server, ...
-    commands     bench, analysis, perplexity, chat_cli, entrypoints, cli
+    commands     bench, analysis, quality, entrypoints (generate, chat, serve), cli
 
 The graph is test_layout's (every import statement, lazy ones too, none under `if TYPE_CHECKING:`,
 which is where "types only" imports go). A node is a folder (kvserve/engine) or a top-level module
@@ -34,9 +34,8 @@ ALLOWED: dict[str, set[str]] = {
     "kernels": set(),               # kvserve's C++ ops
     "structured": set(),            # grammar compilation and matchers
     "tool_calls": set(),            # tool prompts and readers
-    "cache": set(),                 # answer caches (exact, semantic)
+    "answer_cache": set(),          # answer caches (exact, semantic)
     "memory_probe": set(),          # KVSERVE_MEMORY_PROBE sampling
-    "kl_divergence": set(),         # KL between two logit sets
     # config: sections and flags, resolved once
     "config": {"kv"},               # kv.tiers parses --kv-tiers
     # the model floor
@@ -51,32 +50,29 @@ ALLOWED: dict[str, set[str]] = {
     "engine": {"kv", "worker", "sample.params", "spec_decode", "distributed", "structured", "config",
                "memory_probe"},
     "pooling": {"engine", "worker", "model", "attention", "kernels", "kv", "sample", "config"},
-    # text: tokenize, detokenize, the offline API
-    "chat_template": {"tool_calls"},
-    "chat_escape": {"chat_template"},
+    # text: chat rendering, tokenize, detokenize, the offline API
     "outputs": {"engine", "sample"},                 # RequestOutput carries the request's metrics
-    "frontend": {"engine", "kv", "model", "sample", "structured", "config", "outputs", "chat_template",
+    "frontend": {"engine", "kv", "model", "sample", "structured", "config", "outputs",
                  "tool_calls"},                      # model: its tokenizers
-    "llm": {"frontend", "outputs", "sample", "config", "chat_template"},
+    "llm": {"frontend", "outputs", "sample", "config"},
     "kvserve": {"llm", "outputs", "frontend", "sample", "config"},      # the public API
     # serving
-    "server": {"frontend", "engine", "pooling", "sample", "structured", "config", "outputs", "cache",
-               "tool_calls", "chat_template", "chat_escape", "memory_probe"},
-    "fleet": {"server", "kv", "model", "config", "chat_template", "tool_calls"},   # model: tokenizers
+    "server": {"frontend", "engine", "pooling", "sample", "structured", "config", "outputs", "answer_cache",
+               "tool_calls", "memory_probe"},
+    "fleet": {"server", "kv", "model", "config", "frontend", "tool_calls"},   # tokenizers, chat templates
     # tools and commands
     "bench": {"kvserve", "llm", "outputs", "model", "sample", "config"},         # model: tokenizers
-    "analysis": {"kvserve", "llm", "outputs", "sample", "config", "kl_divergence"},
-    "perplexity": {"kvserve", "llm", "outputs", "sample", "config", "kl_divergence"},
-    "chat_cli": {"kvserve", "llm", "outputs", "chat_template", "config", "sample"},
-    "entrypoints": {"kvserve", "llm", "outputs", "bench", "chat_template", "config", "sample", "server",
-                    "fleet"},
-    "cli": {"entrypoints", "chat_cli", "analysis", "perplexity", "fleet", "server"},
+    "analysis": {"kvserve", "llm", "outputs", "sample", "config", "quality"},
+    "quality": {"kvserve", "llm", "outputs", "sample", "config"},       # perplexity, KL divergence
+    "entrypoints": {"kvserve", "llm", "outputs", "bench", "frontend", "config", "sample", "server",
+                    "fleet"},                        # generate, chat, serve
+    "cli": {"entrypoints", "analysis", "quality", "fleet", "server"},
 }
 
 # The nodes that may import torch (lazily too): where tensors are computed. Not engine, config, kv,
 # frontend, server, fleet, tool_calls, bench nor the top-level API and command modules.
 TORCH_ALLOWED = {"kernels", "attention", "model", "sample", "worker", "spec_decode", "distributed", "pooling",
-                 "structured", "cache", "analysis", "kl_divergence"}
+                 "structured", "answer_cache", "analysis", "quality"}
 
 # -- the debts ---------------------------------------------------------------------------------------
 # (from module, to module or "torch"): edges the table refuses that exist today. Pay one, delete its line.

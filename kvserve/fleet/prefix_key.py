@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvserve.chat_template import ChatRenderer, ChatTemplateError
+from kvserve.frontend.chat_template import ChatRenderer, ChatTemplateError
 from kvserve.kv.prefix_cache import first_block_extra, hash_block
 
 DEFAULT_MAX_BLOCKS = 256

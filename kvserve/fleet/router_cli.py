@@ -1,6 +1,6 @@
-"""`kvserve router`, `kvserve proxy` and `kvserve serve`: one server (server/cli.py) or, with
-`--data-parallel-size N`, N replicas behind a prefix-aware router (seed 003, "Radix trees";
-Mooncake's cache-centric scheduling).
+"""`kvserve router`, `kvserve proxy`, and `kvserve serve --data-parallel-size N`'s N replicas behind
+a prefix-aware router (seed 003, "Radix trees"; Mooncake's cache-centric scheduling); the
+`serve` command itself is kvserve/entrypoints/serve.py.
 
     kvserve router --backends URL1,URL2,... [--model PATH] [--chat-template FILE] [--block-size 16]
                    [--policy cache-aware|round-robin|least-loaded] [--balance-threshold 4]
@@ -31,7 +31,6 @@ import sys
 from kvserve.fleet.breaker import DEFAULT_COOLDOWN_S, DEFAULT_FAILURE_THRESHOLD
 from kvserve.fleet.replicas import DEFAULT_BALANCE_THRESHOLD, DEFAULT_LRU_BLOCKS, POLICIES, ReplicaSet
 from kvserve.server.cli import add_cli_args
-from kvserve.server.cli import cmd_serve as serve_one
 
 log = logging.getLogger("kvserve.router")
 
@@ -45,10 +44,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    _add_policy_args(p, "")
+    add_policy_args(p, "")
 
 
-def _add_policy_args(p, prefix: str) -> None:
+def add_policy_args(p, prefix: str) -> None:
     p.add_argument(f"--{prefix}policy", default="cache-aware", choices=POLICIES,
                    help="cache-aware: longest matching prefix among replicas not overloaded; "
                         "round-robin; least-loaded (fewest requests in flight)")
@@ -69,42 +68,6 @@ def _add_breaker_args(p, prefix: str) -> None:
                         "503 with Retry-After) that take a replica out")
     p.add_argument(f"--{prefix}cb-timeout-duration-secs", type=float, default=DEFAULT_COOLDOWN_S,
                    help="seconds a replica stays out before one probe request may bring it back")
-
-
-def add_serve_args(p: argparse.ArgumentParser) -> None:
-    """`kvserve serve`: one server's flags (server/cli.py) and those of data parallelism. Replicas
-    get the former only (a parser of server/cli.py's flags alone picks them out); the MODEL
-    positional (vLLM's `vllm serve MODEL`) reaches them as --model (`model_from_positional`)."""
-    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="the model to serve, as --model takes it (give one of the two)")
-    add_cli_args(p)
-    g = p.add_argument_group("data parallel (kvserve/fleet/router_cli.py)")
-    g.add_argument("--data-parallel-size", type=int, default=1,
-                   help="serve N replicas of the engine behind a cache-aware router "
-                        "(--distributed-executor-backend ray: as Ray actors)")
-    g.add_argument("--ray-replica-num-cpus", type=float, default=1.0,
-                   help="Ray: CPUs each replica actor reserves")
-    _add_policy_args(g, "router-")
-
-
-def model_from_positional(args) -> None:
-    """`kvserve serve MODEL`: MODEL becomes args.model (so replicas get it as --model);
-    ValueError when --model names another one."""
-    tag = getattr(args, "model_tag", None)
-    if tag is None:
-        return
-    if args.model is not None and os.path.normpath(args.model) != os.path.normpath(tag):
-        raise ValueError(f"the model is given twice, as MODEL ({tag!r}) and as --model ({args.model!r}): "
-                         "give one of them")
-    args.model = tag
-
-
-def cmd_serve(args) -> int:
-    """One server (server/cli.py), or N replicas behind the router with --data-parallel-size N."""
-    model_from_positional(args)
-    if args.data_parallel_size > 1:
-        return serve_data_parallel(args)
-    return serve_one(args)
 
 
 def build_hasher(model: str | None, block_size: int, chat_template: str | None):
@@ -222,11 +185,6 @@ def cmd_proxy(args) -> int:
 
 
 def register(subparsers) -> None:
-    s = subparsers.add_parser("serve", help="serve a model over the OpenAI API",
-                              description="load a model and serve it over the OpenAI API "
-                                          "(N replicas behind a router with --data-parallel-size N)")
-    add_serve_args(s)
-    s.set_defaults(func=cmd_serve)
     p = subparsers.add_parser("router", help="route OpenAI requests over kvserve replicas, cache-aware",
                               description=__doc__.splitlines()[0])
     add_router_args(p)

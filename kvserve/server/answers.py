@@ -1,4 +1,4 @@
-"""The server's front for the answer caches (kvserve/cache/) and tenants (server/tenants.py):
+"""The server's front for the answer caches (kvserve/answer_cache/) and tenants (server/tenants.py):
 every /v1 completion request goes through `Front.handle`.
 
     authenticate (401) -> rate limit (429) -> parse the body -> scope to the tenant
@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import Counter, Histogram
 
-from kvserve.cache.exact import ExactCache, cacheable, request_key
-from kvserve.cache.semantic import DEFAULT_THRESHOLD
+from kvserve.answer_cache.exact import ExactCache, cacheable, request_key
+from kvserve.answer_cache.semantic import DEFAULT_THRESHOLD
 from kvserve.server.body import parse_body
 from kvserve.server.chat import template_messages
 from kvserve.server.sampling import check_priority
@@ -82,7 +82,7 @@ class Front:
         self.lookups = Counter("kvserve:answer_cache_lookups", "Answer-cache lookups by cache and result.",
                                ["model_name", "tenant", "cache", "result"], registry=r)
         if mode == "semantic":
-            from kvserve.cache.semantic import SemanticCache
+            from kvserve.answer_cache.semantic import SemanticCache
 
             self.semantic = SemanticCache(threshold, max_entries, ttl)
             self.similarity = Histogram("kvserve:semantic_cache_similarity",
@@ -224,7 +224,7 @@ class Front:
 def _load_embedder(embedder):
     if embedder is not None:
         return embedder
-    from kvserve.cache.semantic import Embedder
+    from kvserve.answer_cache.semantic import Embedder
 
     return Embedder()
 

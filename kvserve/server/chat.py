@@ -1,17 +1,17 @@
-"""The server's chat renderer: kvserve/chat_template.py's, with a refused conversation as HTTP 400
+"""The server's chat renderer: kvserve/frontend/chat_template.py's, with a refused conversation as HTTP 400
 and, with `--escape-special-tokens-in-content`, the messages' special-token text tokenized as
-plain text (kvserve/chat_escape.py); and a request's messages as the dicts templates read.
+plain text (kvserve/frontend/chat_escape.py); and a request's messages as the dicts templates read.
 
 Rendering itself (template lookup, sandbox, fallback, tools) is shared with `LLM.chat` and
-`kvserve chat` and lives in kvserve/chat_template.py.
+`kvserve chat` and lives in kvserve/frontend/chat_template.py.
 """
 from __future__ import annotations
 
 import json
 
-from kvserve.chat_escape import encode_escaped, special_token_pattern
-from kvserve.chat_template import FALLBACK_CHAT_TEMPLATE, ChatTemplateError
-from kvserve.chat_template import ChatRenderer as _SharedRenderer
+from kvserve.frontend.chat_escape import encode_escaped, special_token_pattern
+from kvserve.frontend.chat_template import FALLBACK_CHAT_TEMPLATE, ChatTemplateError
+from kvserve.frontend.chat_template import ChatRenderer as _SharedRenderer
 from kvserve.server.protocol import APIError
 
 __all__ = ["ChatRenderer", "FALLBACK_CHAT_TEMPLATE", "template_messages"]
@@ -25,7 +25,7 @@ class ChatRenderer(_SharedRenderer):
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
                tools: list[dict] | None = None, **options) -> str:
-        """`options`: continue_final_message, template_kwargs (kvserve/chat_template.py)."""
+        """`options`: continue_final_message, template_kwargs (kvserve/frontend/chat_template.py)."""
         try:
             return super().render(messages, add_generation_prompt, tools, **options)
         except ChatTemplateError as e:
@@ -35,7 +35,7 @@ class ChatRenderer(_SharedRenderer):
                     tools: list[dict] | None = None, add_special_tokens: bool | None = None,
                     **options) -> list[int]:
         """Token ids of `text`, the render of `messages` with `options`: escaped when the server
-        escapes; `add_special_tokens` None: the renderer's default (kvserve/chat_template.py)."""
+        escapes; `add_special_tokens` None: the renderer's default (kvserve/frontend/chat_template.py)."""
         if not self.escape_special_tokens:
             return self.encode(text, add_special_tokens)
         calls = [m["tool_calls"] for m in messages if m.get("tool_calls")]

@@ -5,7 +5,7 @@ way) and OpenAI's chat fields kvserve cannot honour, each refused with a 400 rat
     continue_final_message   the last message stays open: the model goes on writing it (needs
                              add_generation_prompt false, vLLM's rule)
     chat_template_kwargs     more variables for the chat template (Qwen3's `enable_thinking`);
-                             a key the template never reads is refused (kvserve/chat_template.py)
+                             a key the template never reads is refused (kvserve/frontend/chat_template.py)
     add_special_tokens       None: BOS only where the template writes none; true / false: as said
 
     functions, function_call, audio, modalities (other than ["text"]), prediction,

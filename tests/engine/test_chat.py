@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.chat_cli import stream_answer
-from kvserve.chat_template import ChatRenderer, ChatTemplateError
+from kvserve.entrypoints.chat import stream_answer
+from kvserve.frontend.chat_template import ChatRenderer, ChatTemplateError
 from tests.conftest import STORIES_HF
 from tests.engine.pty_chat import PtyChat
 

@@ -14,7 +14,7 @@ import sys
 import httpx
 import pytest
 
-from kvserve.chat_cli import COMMANDS, Answer, Conversation, api_base, run_session, sse_data
+from kvserve.entrypoints.chat import COMMANDS, Answer, Conversation, api_base, run_session, sse_data
 from tests.conftest import STORIES_HF
 from tests.engine.pty_chat import PtyChat
 from tests.engine.test_chat import ROOT, TEMPLATE, prompt_counts

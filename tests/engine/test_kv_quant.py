@@ -15,7 +15,7 @@ from kvserve.analysis import kvmath
 from kvserve.config import EngineConfig
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.attention import kv_quant
-from kvserve.perplexity import make_chunks, perplexity, tokenize
+from kvserve.quality.perplexity import make_chunks, perplexity, tokenize
 from tests.conftest import STORIES_HF
 from tests.reference.test_differential import (CONSTRAINED, check_against, check_pressure, make_workload,
                                                unconstrained)

@@ -144,7 +144,7 @@ def test_bad_router_configuration_is_a_value_error():
 
 
 def test_replicas_get_the_engine_flags_and_not_the_launchers():
-    from kvserve.fleet.router_cli import add_serve_args
+    from kvserve.entrypoints.serve import add_serve_args
     from kvserve.server.cli import add_cli_args
 
     serve = argparse.ArgumentParser()

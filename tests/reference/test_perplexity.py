@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvserve import kl_divergence as kl
+from kvserve.quality import kl_divergence as kl
 from kvserve.cli import main as cli_main
 from tests.conftest import STORIES_HF
 from tests.reference.hf_reference import load_hf

@@ -10,7 +10,7 @@ import re
 import pytest
 from fastapi.testclient import TestClient
 
-from kvserve.chat_escape import encode_escaped
+from kvserve.frontend.chat_escape import encode_escaped
 from kvserve.config import EngineConfig
 from kvserve.frontend.llm_engine import LLMEngine
 from kvserve.model.tokenizer import HFTokenizer

@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from kvserve.chat_template import FALLBACK_CHAT_TEMPLATE, ChatRenderer
+from kvserve.frontend.chat_template import FALLBACK_CHAT_TEMPLATE, ChatRenderer
 from kvserve.model.tokenizer import HFTokenizer
 
 from .live import ROOT, STORIES_HF, LiveServer, free_port, openai_client
@@ -267,7 +267,7 @@ def test_serve_model_positional_and_flag_must_agree(capsys):
 
 def test_replicas_get_the_positional_model():
     from kvserve.fleet.launcher import replica_argv
-    from kvserve.fleet.router_cli import add_serve_args, model_from_positional
+    from kvserve.entrypoints.serve import add_serve_args, model_from_positional
     from kvserve.server.cli import add_cli_args
 
     serve = argparse.ArgumentParser()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from kvserve.chat_template import ChatRenderer
+from kvserve.frontend.chat_template import ChatRenderer
 from kvserve.tool_calls.prompt import TOOL_PROMPT_HEAD, tool_prompt, with_tool_prompt
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {

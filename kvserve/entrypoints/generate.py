@@ -45,7 +45,7 @@ def generate(args: argparse.Namespace) -> int:
                             top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed, stop=args.stop)
     prompt = args.prompt
     if args.chat:
-        from kvserve.chat_template import ChatRenderer
+        from kvserve.frontend.chat_template import ChatRenderer
 
         if engine.tokenizer is None:
             raise ValueError("--chat needs a model with a tokenizer: drop --chat or pass another --model.")

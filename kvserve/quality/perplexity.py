@@ -11,7 +11,7 @@ it batches them under its token budget.
     PPL = exp(mean NLL)    +/- PPL * stderr(NLL)    (first order in the NLL's standard error)
 
 `--kl-divergence-base FILE` also saves the run's distributions; a second run with
-`--kl-divergence` compares its own to them (kvserve/kl_divergence.py).
+`--kl-divergence` compares its own to them (kvserve/quality/kl_divergence.py).
 """
 from __future__ import annotations
 
@@ -151,7 +151,7 @@ def register(sub) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from kvserve import LLMEngine
-    from kvserve import kl_divergence as kl
+    from kvserve.quality import kl_divergence as kl
 
     if args.kl_divergence and not args.kl_divergence_base:
         raise ValueError("--kl-divergence needs --kl-divergence-base FILE (from an earlier run).")

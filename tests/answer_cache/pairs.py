@@ -1,6 +1,6 @@
 """Labelled query pairs for the semantic cache (seed 000's risk: near-duplicates with different
 answers). `True`: a paraphrase, the cached answer is right; `False`: a near-duplicate whose
-answer differs, a hit would be a wrong answer. Used by tests/cache/test_semantic.py and
+answer differs, a hit would be a wrong answer. Used by tests/answer_cache/test_semantic.py and
 benchmarks/bench_semantic_cache.py."""
 
 PAIRS: list[tuple[str, str, bool]] = [

@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 import secrets
 
-from kvserve.chat_template import ChatTemplateError
+from kvserve.frontend.chat_template import ChatTemplateError
 
 ESCAPED_FIELDS = ("content", "name")
 

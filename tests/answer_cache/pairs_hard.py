@@ -3,13 +3,13 @@ beside hard negatives that embed close to them, `(cached query, new query, same 
 A negative's kind names what differs: "number" (a number or an arithmetic operator), "negation"
 (a negator, a negating or contrary prefix), "order" (the same words, roles swapped), "entity" (a
 named entity), "unit", "topic" (a sibling word the guard does not look at, "file" / "folder":
-only the threshold catches those) or "seed" (the negatives of tests/cache/pairs.py).
+only the threshold catches those) or "seed" (the negatives of tests/answer_cache/pairs.py).
 Paraphrases that a literal check gets wrong are in on purpose ("an hour" / "one hour", "US" /
 "United States"): they are what the guard costs in recall.
 
-`LABELLED` is these, tests/cache/pairs.py and `HELD_OUT` (written once the guard was done). Used by tests/cache/test_semantic_guard.py and
+`LABELLED` is these, tests/answer_cache/pairs.py and `HELD_OUT` (written once the guard was done). Used by tests/answer_cache/test_semantic_guard.py and
 benchmarks/bench_semantic_guard.py."""
-from tests.cache.pairs import PAIRS
+from tests.answer_cache.pairs import PAIRS
 
 PARAPHRASES: list[tuple[str, str]] = [
     ("Is it safe to mix bleach and ammonia?", "Can I safely mix bleach and ammonia?"),
@@ -281,7 +281,7 @@ NEGATIVES: list[tuple[str, str, str]] = [
     ("How do I get the first element of a list?", "How do I get the last element of a list?", "topic"),
 ]
 
-# Written after the guard (kvserve/cache/near_miss.py) was frozen, and not used to change it:
+# Written after the guard (kvserve/answer_cache/near_miss.py) was frozen, and not used to change it:
 # how it does on questions it was not tuned on.
 HELD_OUT_PARAPHRASES: list[tuple[str, str]] = [
     ("How do I check which ports are open on Linux?", "How can I see the open ports on a Linux machine?"),

@@ -1,7 +1,7 @@
 """The exact answer cache: keys cover every output-changing field and the tenant; TTL; LRU."""
 from __future__ import annotations
 
-from kvserve.cache.exact import ExactCache, cacheable, request_key
+from kvserve.answer_cache.exact import ExactCache, cacheable, request_key
 from kvserve.server.protocol import CompletionRequest
 
 

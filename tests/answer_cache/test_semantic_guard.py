@@ -1,15 +1,15 @@
-"""The semantic cache's near-miss guard (kvserve/cache/near_miss.py, issue 26): the three
+"""The semantic cache's near-miss guard (kvserve/answer_cache/near_miss.py, issue 26): the three
 findings are misses at the default operating point (and hits without the guard, as they were),
 paraphrases still hit, and "serve from cache" keeps precision >= 0.99 on the 375 labelled pairs
-of tests/cache/pairs_hard.py, with the real all-MiniLM-L6-v2."""
+of tests/answer_cache/pairs_hard.py, with the real all-MiniLM-L6-v2."""
 from __future__ import annotations
 
 import pytest
 
-from kvserve.cache.near_miss import near_miss
-from kvserve.cache.semantic import DEFAULT_THRESHOLD, SemanticCache
-from tests.cache.conftest import unit
-from tests.cache.pairs_hard import HELD_OUT, LABELLED
+from kvserve.answer_cache.near_miss import near_miss
+from kvserve.answer_cache.semantic import DEFAULT_THRESHOLD, SemanticCache
+from tests.answer_cache.conftest import unit
+from tests.answer_cache.pairs_hard import HELD_OUT, LABELLED
 
 FINDINGS = [    # (cached, asked): the answers differ, the embeddings barely
     ("Is it safe to mix bleach and ammonia?", "Is it unsafe to mix bleach and ammonia?"),      # 0.991

@@ -8,7 +8,7 @@ The seed's risks, and what this module does about them:
   (cache/near_miss.py) the pairs no threshold separates, that differ in a number, a negation, an
   entity, a unit or the order of two words ("string to integer" / "integer to string": 0.993).
   A lookup serves the most similar of the `SEARCH_K` nearest live entries that reaches the
-  threshold and passes the guard. On the 375 labelled pairs of tests/cache/pairs_hard.py this
+  threshold and passes the guard. On the 375 labelled pairs of tests/answer_cache/pairs_hard.py this
   serves with 0.99 precision at 0.74 recall (0.61 / 0.77 without the guard;
   benchmarks/bench_semantic_guard.py); a request can opt out (`"semantic_cache": false`);
 - per-user scope: a scope is the tenant plus an exact hash of everything but the query text
@@ -36,10 +36,10 @@ from typing import Any, Hashable
 
 import numpy as np
 
-from kvserve.cache.near_miss import near_miss
+from kvserve.answer_cache.near_miss import near_miss
 
 EMBEDDING_DIM = 384
-DEFAULT_THRESHOLD = 0.875   # with the guard: precision >= 0.99 on tests/cache/pairs_hard.py
+DEFAULT_THRESHOLD = 0.875   # with the guard: precision >= 0.99 on tests/answer_cache/pairs_hard.py
 SEARCH_K = 4            # neighbours looked at, so that an expired nearest one does not hide the next
 
 

@@ -1,4 +1,4 @@
-"""What the answer caches key on (kvserve/cache/exact.py, server/answers.py): only deterministic
+"""What the answer caches key on (kvserve/answer_cache/exact.py, server/answers.py): only deterministic
 requests (temperature 0 or a seed >= 0; `seed: -1` is unseeded sampling and is never cached, in
 the exact or the semantic layer), and a request's `cache_salt` scopes both layers as the tenant
 does (a request salted "bob" never gets the answer stored for "alice": no oracle for "someone
@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from kvserve.cache.exact import cacheable
+from kvserve.answer_cache.exact import cacheable
 from tests.server.live import LiveServer
 
 PARAPHRASES = ("How do I delete a file?", "How can I remove a file?")    # ~0.9 cosine: a semantic hit

@@ -21,7 +21,7 @@ All literal, English, no model: ~0.1 ms a question pair, linear in length (~40 m
 1500-word prompts). What it cannot see are sibling words with no mark of contrast ("file" /
 "folder", "boiling" / "freezing": left to the threshold), roots under 4 letters ("zip" /
 "unzip") and role swaps without a relation word ("Who beat Brazil?" / "Who did Brazil beat?").
-benchmarks/bench_semantic_guard.py measures both on tests/cache/pairs_hard.py.
+benchmarks/bench_semantic_guard.py measures both on tests/answer_cache/pairs_hard.py.
 """
 from __future__ import annotations
 

@@ -1,14 +1,14 @@
 """The semantic answer cache: precision and recall of all-MiniLM-L6-v2 alone (no guard) on
-labelled pairs at several thresholds (tests/cache/pairs.py), tenant/scope isolation, TTL and
-eviction. The near-miss guard: tests/cache/test_semantic_guard.py."""
+labelled pairs at several thresholds (tests/answer_cache/pairs.py), tenant/scope isolation, TTL and
+eviction. The near-miss guard: tests/answer_cache/test_semantic_guard.py."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kvserve.cache.semantic import SemanticCache
-from tests.cache.conftest import unit
-from tests.cache.pairs import PAIRS
+from kvserve.answer_cache.semantic import SemanticCache
+from tests.answer_cache.conftest import unit
+from tests.answer_cache.pairs import PAIRS
 
 THRESHOLDS = (0.7, 0.8, 0.85, 0.9, 0.95)
 
