@@ -51,7 +51,6 @@ from kvserve.kv.connector import TieredConnector
 from kvserve.kv.manager import KVCacheManager
 from kvserve.spec_decode.decoder import SpecDecoder
 from kvserve.structured.compiler import GrammarCompiler
-from kvserve.structured.matcher import SequenceGrammar
 from kvserve.structured.waiting import GrammarWaitList
 from kvserve.worker.build import build_model, resolve_for_checkpoint
 from kvserve.worker.model_runner import ModelRunner
@@ -142,11 +141,11 @@ class EngineCore:
             return Request(seq_id, request.prompt_token_ids, params, request.arrival_time,
                            eos_token_id=self.eos_token_id, parent_id=rid, index=index, seed=seed,
                            cache_salt=request.cache_salt, arrival_seq=seq, priority=request.priority,
-                           tenant=request.tenant, tenant_weight=request.tenant_weight)
+                           tenant=request.tenant, tenant_weight=request.tenant_weight,
+                           group_head=index == 0)
 
         if params.use_beam_search:
             head = new_seq(f"{rid}#beam0")
-            prompt_logprobs.start(head)
             group = BeamGroup(rid, params.beam_width, params.n, params.length_penalty, head, [head])
             self.groups[rid] = group.live
             self.scheduler.add_beam_group(group)
@@ -154,7 +153,6 @@ class EngineCore:
         seqs = [new_seq(rid if params.n == 1 else f"{rid}#{i}", i,
                         None if params.seed is None else params.seed + i) for i in range(params.n)]
         self.groups[rid] = seqs
-        prompt_logprobs.start(seqs[0])
         if params.structured_outputs is not None:      # queued once its grammar is compiled
             self.grammars.add(rid, seqs, params.structured_outputs)
             return
@@ -244,9 +242,7 @@ class EngineCore:
                     self.scheduler.finish(r, RequestStatus.FINISHED_ERROR, g.error, GRAMMAR_ERROR)
                 ended.append(g.request_id)
             elif live:
-                for r in live:
-                    r.grammar = SequenceGrammar(*g.compiled)
-                self.scheduler.grammar_ready(live)
+                self.scheduler.grammar_ready(live, g.compiled)
                 self._enqueue(live)
         return ended
 

@@ -4,8 +4,8 @@ prompt token given the tokens before it, with the top-k alternatives.
 Token j's entry comes from the logits at position j - 1, so a prefill chunk over positions
 [start, start + n) can give the entries of tokens start + 1 .. start + n. The engine asks the
 runner for the rows of `positions(req, n)`; the step sampler turns them (worker/sampling.py) into `Sampled` values, which
-the scheduler counts on the group's head (`Request.num_prompt_logprobs`, 1 at the start for the
-first token, which nothing predicts) and sends out as deltas.
+the scheduler counts on the group's head (`Request.num_prompt_logprobs`, 1 from its construction
+for the first token, which nothing predicts) and sends out as deltas.
 
 Each entry is made once: the positions asked for start where the recorded entries end, so a
 prompt recomputed after preemption (or one that arrives over several chunks) asks only for
@@ -15,12 +15,6 @@ what is missing; and a request whose entries are incomplete takes no prefix-cach
 from __future__ import annotations
 
 from kvserve.engine.request import Request
-
-
-def start(req: Request) -> None:
-    """At add_request, on the group's head only (the samples and beams it forks share its
-    prompt): the first token has no entry."""
-    req.num_prompt_logprobs = 1 if req.params.prompt_logprobs is not None else None
 
 
 def positions(req: Request, num_new_tokens: int) -> range:

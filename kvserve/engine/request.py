@@ -110,7 +110,7 @@ class Request:
                  arrival_time: float | None = None, *, eos_token_id: int | None = None,
                  parent_id: str | None = None, index: int = 0, seed: int | None = None,
                  cache_salt: str | None = None, arrival_seq: int = 0, priority: int = 0,
-                 tenant: str | None = None, tenant_weight: float = 1.0):
+                 tenant: str | None = None, tenant_weight: float = 1.0, group_head: bool = False):
         self.request_id = request_id
         self.parent_id = parent_id or request_id
         self.index = index
@@ -131,8 +131,10 @@ class Request:
         self.metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
         self.arrival_seq = arrival_seq             # breaks arrival-time ties: later = larger
         # The group head's count of prompt logprob entries made (the first token's null one
-        # included), when asked for (engine/prompt_logprobs.py); the entries go out as deltas.
-        self.num_prompt_logprobs: int | None = None
+        # included: nothing predicts it), when asked for (engine/prompt_logprobs.py); the entries
+        # go out as deltas. Only the head (`group_head`) records them: its samples and beams share
+        # its prompt.
+        self.num_prompt_logprobs: int | None = 1 if group_head and params.prompt_logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.seed = seed
         self.generator: torch.Generator | None = None  # made by the sampler on its device

@@ -37,6 +37,7 @@ from kvserve.engine.core_io import SequenceDelta
 from kvserve.engine.request import GRAMMAR_ERROR, Request, RequestStatus
 from kvserve.kv.manager import KVCacheManager
 from kvserve.sample.sampler import Sampled
+from kvserve.structured.matcher import SequenceGrammar
 from kvserve.worker.output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -111,10 +112,12 @@ class Scheduler(DraftScheduling, RequestQueues):
                 return False
         return True
 
-    def grammar_ready(self, seqs: list[Request]) -> None:
-        """A constrained request's grammar is compiled: its sequences leave WAITING_FOR_GRAMMAR
-        (the caller then queues them as it queues any new request)."""
+    def grammar_ready(self, seqs: list[Request], compiled: tuple) -> None:
+        """A constrained request's grammar is compiled (`compiled`: structured.matcher.
+        SequenceGrammar's arguments): each sequence gets a matcher of its own and leaves
+        WAITING_FOR_GRAMMAR (the caller then queues them as it queues any new request)."""
         for r in seqs:
+            r.grammar = SequenceGrammar(*compiled)
             r.transition(S.WAITING)
 
     # -- one step ----------------------------------------------------------------------------
