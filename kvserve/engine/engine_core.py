@@ -82,6 +82,16 @@ class EngineCore:
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %s, %d bytes/token",
                     num_blocks, r.cache.block_size, num_blocks * r.cache.block_size,
                     r.cache.kv_cache_dtype, per_block // r.cache.block_size)
+        # The served context, one number for the frontend's checks, the scheduler and the server:
+        # the model's max_model_len, or what the pool holds if that is less (a sequence of n
+        # tokens needs KV slots for n - 1 of them; blocks x block_size always fits an empty pool)
+        self.max_model_len = r.model.max_model_len
+        if num_blocks * r.cache.block_size < self.max_model_len:
+            logger.warning("the KV cache holds %d tokens, fewer than max_model_len %d: serving with "
+                           "max_model_len %d (raise --num-kv-blocks / --kv-cache-memory, or set "
+                           "--max-model-len, to say so yourself)", num_blocks * r.cache.block_size,
+                           self.max_model_len, num_blocks * r.cache.block_size)
+            self.max_model_len = num_blocks * r.cache.block_size
         num_cpu_blocks = 0
         if r.scheduler.preemption_mode == "swap":
             num_cpu_blocks = min(r.cache.swap_space // per_block, 4 * num_blocks)
@@ -103,7 +113,7 @@ class EngineCore:
                                    cache_aware=r.scheduler.cache_aware_scheduling,
                                    max_wait_steps=r.scheduler.max_wait_steps,
                                    preemption_warn_threshold=r.scheduler.preemption_warn_threshold,
-                                   eos_token_id=eos, max_model_len=r.model.max_model_len,
+                                   eos_token_id=eos, max_model_len=self.max_model_len,
                                    **SpecDecoder.scheduler_kwargs(r.speculative))
         self.scheduler.policy = make_policy(r.scheduler.scheduling_policy)     # engine/fairness.py
         self.spec = SpecDecoder(r.speculative, self) if r.speculative is not None else None
@@ -125,7 +135,7 @@ class EngineCore:
     def limits(self) -> CoreLimits:
         """What the frontend checks a request against before it is sent (frontend/processor.py)."""
         r = self.resolved
-        return CoreLimits(self.model_config.vocab_size, r.model.max_model_len, r.scheduler.max_num_seqs,
+        return CoreLimits(self.model_config.vocab_size, self.max_model_len, r.scheduler.max_num_seqs,
                           self.kv.pool.num_blocks, r.cache.block_size, self.scheduler.watermark_blocks,
                           self.eos_token_id, r.structured_outputs.max_grammar_compile_s)
 

@@ -3,8 +3,8 @@
 Tokenizing and every check a request needs before the core sees it happen here, once, each
 with one message (DESIGN.md: a ValueError saying what to change; the server answers 400): the
 prompt's form, empty prompts, token ids outside the vocabulary, a prompt at or over
-max_model_len, n / beam_width against max_num_seqs, a prompt larger than the whole KV pool,
-a beam search that may need more blocks than the pool has, a structured-outputs grammar that
+max_model_len (the core's served one: no more than the whole KV pool holds), n / beam_width
+against max_num_seqs, a beam search that may need more blocks than the pool has, a structured-outputs grammar that
 does not compile against the tokenizer, the cache salt and the scheduling fields. The core
 trusts what it gets (`CoreLimits` are its numbers).
 """
@@ -67,6 +67,9 @@ class Processor:
         if n_prompt == 0:
             raise ValueError("the prompt is empty: give at least one token.")
         if n_prompt >= max_len:
+            if max_len == lim.num_kv_blocks * lim.block_size:       # the pool, not the model, limits it
+                raise ValueError(f"the prompt has {n_prompt} tokens, but max_model_len is {max_len}, all "
+                                 "the KV pool holds: shorten the prompt or raise kv_cache_memory / num_kv_blocks.")
             raise ValueError(f"the prompt has {n_prompt} tokens, but max_model_len is {max_len}: "
                              "shorten the prompt or raise max_model_len.")
         vocab = lim.vocab_size
@@ -83,10 +86,6 @@ class Processor:
             raise ValueError(f"{what}={seats} needs {seats} sequences at once but max_num_seqs is "
                              f"{lim.max_num_seqs}: lower {what} or raise max_num_seqs.")
         num_blocks, bs = lim.num_kv_blocks, lim.block_size
-        need = cdiv(n_prompt + 1, bs)
-        if need > num_blocks:
-            raise ValueError(f"the prompt needs {need} KV blocks but the whole pool has "
-                             f"{num_blocks}: raise kv_cache_memory / num_kv_blocks.")
         if params.use_beam_search:
             max_new = params.max_tokens if params.max_tokens is not None else max_len - n_prompt
             need = params.beam_width * cdiv(min(n_prompt + max_new, max_len), bs)

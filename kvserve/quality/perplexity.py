@@ -163,7 +163,7 @@ def main(args: argparse.Namespace) -> int:
     if base is not None:
         args.ctx = base.ctx
     engine = LLMEngine(EngineConfig.from_cli_args(args))
-    limit = engine.config.max_model_len
+    limit = engine.core.limits.max_model_len        # the served context (the KV pool's, if smaller)
     if args.ctx >= limit:
         raise ValueError(f"--ctx {args.ctx} does not fit: the engine takes prompts shorter than "
                          f"max_model_len ({limit}); use --ctx {limit - 1} or less.")

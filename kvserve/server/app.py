@@ -39,7 +39,7 @@ from kvserve.server.body import IgnoredFieldsHeader, api_key_bytes
 from kvserve.server.errors import EngineFailureReport, install_error_handlers
 from kvserve.server.limits import (
     DEFAULT_MAX_PROMPTS_PER_REQUEST, MIN_BYTES_PER_TOKEN_BOUND, ServerLimits, Tokenization,
-    effective_max_model_len, max_bytes_per_token)
+    max_bytes_per_token)
 from kvserve.server.openapi import ROUTES, install_openapi
 from kvserve.server.prompts import echo_texts, max_tokens_for, prompt_items
 from kvserve.server.core_client import CoreClient
@@ -97,8 +97,7 @@ class ServerState:
         self.chat = ChatRenderer(tok, chat_template) if tok is not None else None
         if self.chat is not None:
             self.chat.escape_special_tokens = escape_special_tokens    # server/chat.py
-        self.max_model_len = effective_max_model_len(engine.config.max_model_len,
-                                                     getattr(engine.last_stats, "num_kv_tokens", None))
+        self.max_model_len = engine.limits.max_model_len      # the core's served context (engine_core.py)
         bound = max_bytes_per_token(tok) if tok is not None else MIN_BYTES_PER_TOKEN_BOUND
         self.limits = ServerLimits(self.max_model_len, max_prompts_per_request, max_waiting, bound)
         self.tokenization = Tokenization()

@@ -48,6 +48,7 @@ class CoreClient:
         self._to_core, self._from_core = to_core, from_core
         self.proc, self._core_thread = proc, thread
         self.config, self.tokenizer, self.last_stats = config, tokenizer, stats
+        self.limits = limits                    # the core's CoreLimits: max_model_len is the served one
         self.processor = Processor(tokenizer, limits)
         self.grammar_checks = GrammarChecks(tokenizer, limits)
         self.output = OutputProcessor(tokenizer, logprob_text=False)

@@ -1,12 +1,12 @@
 """Bounds on the work one HTTP request can cause, checked before the work is done.
 
-- The served `max_model_len` is what the KV pool can hold: a pool smaller than the model's
-  context (`--num-kv-blocks 24 --block-size 16` is 384 tokens) lowers it, with a warning, so that
-  `/v1/models` never advertises a context that no request could use and a request asking for
-  more is refused with 400 up front instead of stopping short with `finish_reason: "length"`.
-  (vLLM refuses to start instead; a small pool is a legitimate setting -- tests, small devices --
-  and the offline `LLM` keeps its own rule for a sequence that outgrows the pool, so the server
-  serves what fits and says so.)
+- The served `max_model_len` is the core's (`CoreLimits.max_model_len`, engine/engine_core.py):
+  what the KV pool can hold when that is less than the model's context (`--num-kv-blocks 24
+  --block-size 16` is 384 tokens), with a warning, so that `/v1/models` never advertises a
+  context that no request could use and a request asking for more is refused with 400 up front
+  instead of stopping short with `finish_reason: "length"`. (vLLM refuses to start instead; a
+  small pool is a legitimate setting -- tests, small devices -- so kvserve serves what fits and
+  says so, the same number in the server, the frontend's checks and the scheduler.)
 - At most `max_prompts_per_request` prompts in one `/v1/completions` body (vLLM has no such
   limit; `--max-prompts-per-request`, default 1024), and never more than `--max-waiting`, which
   such a batch could never fit under (400, not a 503 that retrying cannot cure).
@@ -33,18 +33,6 @@ ADD_CHUNK = 64                  # engine requests queued per turn of the event l
 INLINE_TOKENIZE_CHARS = 2048    # shorter text is tokenized on the event loop (microseconds)
 TOKENIZER_THREADS = 2
 MIN_BYTES_PER_TOKEN_BOUND = 16  # a floor for the bound below (normalizers, special tokens)
-
-
-def effective_max_model_len(max_model_len: int, num_kv_tokens: int | None) -> int:
-    """The context the server offers: the engine's max_model_len, or what the KV pool holds if
-    that is less (a sequence of n tokens needs KV slots for n - 1 of them; n = blocks x
-    block_size always fits an empty pool)."""
-    if num_kv_tokens and num_kv_tokens < max_model_len:
-        logger.warning("the KV cache holds %d tokens, fewer than max_model_len %d: serving with "
-                       "max_model_len %d (raise --num-kv-blocks / --kv-cache-memory, or set "
-                       "--max-model-len, to say so yourself)", num_kv_tokens, max_model_len, num_kv_tokens)
-        return num_kv_tokens
-    return max_model_len
 
 
 def max_bytes_per_token(tokenizer) -> int:
