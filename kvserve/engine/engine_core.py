@@ -52,7 +52,7 @@ from kvserve.kv.manager import KVCacheManager
 from kvserve.spec_decode.decoder import SpecDecoder
 from kvserve.structured.compiler import GrammarCompiler
 from kvserve.structured.waiting import GrammarWaitList
-from kvserve.worker.build import build_model, resolve_for_checkpoint
+from kvserve.worker.build import build_model, load_checkpoint, resolve_for_checkpoint, with_checkpoint_dtype
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.output import ModelRunnerOutput
 
@@ -66,12 +66,16 @@ class EngineCore:
         self.device = torch.device(config.device)
         # Resolved once against the checkpoint (worker/build.py, config/resolved.py); the caller's
         # config is never written: the engine keeps a copy with dtype and max_model_len decided.
-        self.resolved = r = resolve_for_checkpoint(config)
+        config = with_checkpoint_dtype(config)
+        loaded = load_checkpoint(config, self.device)          # the file is read once
+        self.resolved = r = resolve_for_checkpoint(config, loaded[0])
         self.config = config = dataclasses.replace(config, dtype=r.model.dtype,
                                                    max_model_len=r.model.max_model_len)
         tp = r.parallel.tensor_parallel_size
         # this process is rank 0 of tp (kvserve/distributed/): its slice, then the workers
-        built = build_model(r.model, r.cache.block_size, r.cache.kv_cache_dtype, self.device, tp_size=tp)
+        built = build_model(r.model, r.cache.block_size, r.cache.kv_cache_dtype, self.device, tp_size=tp,
+                            loaded=loaded)
+        del loaded
         self.model, self.model_config, self.tokenizer = built.model, built.config, built.tokenizer
         model_cfg = built.config
         if tp > 1:

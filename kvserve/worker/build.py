@@ -1,10 +1,10 @@
 """The one place a model is built (vLLM's model loader): the engine core, a tensor-parallel
 worker, the draft proposer and the embedder all call `build_model`.
 
-    resolve_for_checkpoint(engine_config) -> Config      every "auto" decided against the checkpoint's
-                                                         headers (no tensor is read): dtype,
+    loaded = load_checkpoint(with_checkpoint_dtype(engine_config), device)   the one read of the file
+    resolve_for_checkpoint(engine_config, loaded[0]) -> Config   every "auto" decided: dtype,
                                                          max_model_len, the attention backend
-    build_model(config.model, block_size, kv_cache_dtype, device, rank=, tp_size=, attention=)
+    build_model(config.model, block_size, kv_cache_dtype, device, rank=, tp_size=, attention=, loaded=)
         -> BuiltModel(model: this rank's slice, config: the whole model's ModelConfig, tokenizer)
 
 The architecture registry (kvserve/model/registry.py) names the model class; every layer attends
@@ -40,14 +40,29 @@ class BuiltModel:
     tokenizer: Tokenizer | None
 
 
-def resolve_for_checkpoint(config: "EngineConfig") -> "Config":
-    """`config` resolved (config/resolved.py) against its checkpoint: dtype "auto" becomes the
-    checkpoint's dtype or this CPU's fastest for it (loader.resolve_dtype), max_model_len the
-    model's context unless asked for less. Reads headers and config.json only."""
-    if config.dtype == "auto":
-        dtype = resolve_dtype("auto", checkpoint_dtype(config.model), torch.device(config.device))
-        config = dataclasses.replace(config, dtype=str(dtype).removeprefix("torch."))
-    model_cfg = read_model_config(config.model)
+def with_checkpoint_dtype(config: "EngineConfig") -> "EngineConfig":
+    """`config` with dtype "auto" decided: the checkpoint's dtype, or this CPU's fastest for it
+    (loader.resolve_dtype; reads the checkpoint's headers only)."""
+    if config.dtype != "auto":
+        return config
+    dtype = resolve_dtype("auto", checkpoint_dtype(config.model), torch.device(config.device))
+    return dataclasses.replace(config, dtype=str(dtype).removeprefix("torch."))
+
+
+def load_checkpoint(config: "EngineConfig", device: torch.device) -> tuple[ModelConfig, dict, Tokenizer | None]:
+    """(model config, weights, tokenizer) of `config.model` in `config.dtype` (decided): a GGUF
+    file's tensors in their own types unless quantization "dequant" asks for the dtype."""
+    return load_model_dir(config.model, native=config.quantization != "dequant", dtype=config.torch_dtype,
+                          device=device)
+
+
+def resolve_for_checkpoint(config: "EngineConfig", model_cfg: ModelConfig | None = None) -> "Config":
+    """`config` resolved (config/resolved.py) against its checkpoint: dtype "auto" decided
+    (`with_checkpoint_dtype`), max_model_len the model's context unless asked for less, the
+    attention backend for this model's heads here. `model_cfg`: the model's config when already
+    loaded; else it is read from the headers and config.json (a GGUF file's headers take seconds)."""
+    config = with_checkpoint_dtype(config)
+    model_cfg = model_cfg or read_model_config(config.model)
     r = config.resolve(model_cfg)
     tp = r.parallel.tensor_parallel_size
     heads = shard_config(model_cfg, tp) if tp > 1 else model_cfg         # what one rank attends over
@@ -57,11 +72,13 @@ def resolve_for_checkpoint(config: "EngineConfig") -> "Config":
 
 
 def build_model(load: "ModelLoadConfig", block_size: int, kv_cache_dtype: str, device: torch.device, *,
-                rank: int = 0, tp_size: int = 1, attention: type[AttentionBackend] | None = None) -> BuiltModel:
-    """Load `load.model` and build rank `rank` of `tp_size` of it on `device`. A GGUF file's
-    tensors load in their own types unless quantization "dequant" asks for `load.dtype`."""
-    cfg, weights, tokenizer = load_model_dir(load.model, native=load.quantization != "dequant",
-                                             dtype=load.torch_dtype, device=device)
+                rank: int = 0, tp_size: int = 1, attention: type[AttentionBackend] | None = None,
+                loaded: tuple | None = None) -> BuiltModel:
+    """Load `load.model` (or take `loaded`, `load_checkpoint`'s answer for it) and build rank
+    `rank` of `tp_size` of it on `device`. A GGUF file's tensors load in their own types unless
+    quantization "dequant" asks for `load.dtype`."""
+    cfg, weights, tokenizer = loaded or load_model_dir(load.model, native=load.quantization != "dequant",
+                                                       dtype=load.torch_dtype, device=device)
     run_cfg, tp = cfg, None
     if tp_size > 1:
         run_cfg = shard_config(cfg, tp_size)
