@@ -52,7 +52,7 @@ from kvserve.kv.manager import KVCacheManager
 from kvserve.spec_decode.decoder import SpecDecoder
 from kvserve.structured.compiler import GrammarCompiler
 from kvserve.structured.waiting import GrammarWaitList
-from kvserve.worker.build import build_model, load_checkpoint, resolve_for_checkpoint, with_checkpoint_dtype
+from kvserve.worker.build import build_model, load_and_resolve
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.output import ModelRunnerOutput
 
@@ -66,9 +66,8 @@ class EngineCore:
         self.device = torch.device(config.device)
         # Resolved once against the checkpoint (worker/build.py, config/resolved.py); the caller's
         # config is never written: the engine keeps a copy with dtype and max_model_len decided.
-        config = with_checkpoint_dtype(config)
-        loaded = load_checkpoint(config, self.device)          # the file is read once
-        self.resolved = r = resolve_for_checkpoint(config, loaded[0])
+        r, loaded = load_and_resolve(config, self.device)      # the file is read once
+        self.resolved = r
         self.config = config = dataclasses.replace(config, dtype=r.model.dtype,
                                                    max_model_len=r.model.max_model_len)
         tp = r.parallel.tensor_parallel_size

@@ -14,7 +14,7 @@ import torch
 from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
 from kvserve.attention.torch_paged import TorchPagedAttention
 from kvserve.pooling.rule import read_rule
-from kvserve.worker.build import build_model, load_checkpoint, resolve_for_checkpoint, with_checkpoint_dtype
+from kvserve.worker.build import build_model, load_and_resolve
 
 NO_TABLE = torch.empty(0, dtype=torch.long)
 
@@ -34,9 +34,7 @@ class DecoderEmbedder:
         if config.tensor_parallel_size > 1:
             raise ValueError("--task embed runs on one device: drop --tensor-parallel-size.")
         self.device = torch.device(config.device)
-        config = with_checkpoint_dtype(config)
-        loaded = load_checkpoint(config, self.device)          # the file is read once
-        r = resolve_for_checkpoint(config, loaded[0])
+        r, loaded = load_and_resolve(config, self.device)      # the file is read once
         self.max_model_len = r.model.max_model_len
         built = build_model(r.model, r.cache.block_size, "auto", self.device, attention=PromptAttention,
                             loaded=loaded)

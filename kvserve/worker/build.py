@@ -1,9 +1,9 @@
 """The one place a model is built (vLLM's model loader): the engine core, a tensor-parallel
 worker, the draft proposer and the embedder all call `build_model`.
 
-    loaded = load_checkpoint(with_checkpoint_dtype(engine_config), device)   the one read of the file
-    resolve_for_checkpoint(engine_config, loaded[0]) -> Config   every "auto" decided: dtype,
-                                                         max_model_len, the attention backend
+    load_and_resolve(engine_config, device) -> (Config, loaded)   the file read once; every "auto"
+                                                         decided: dtype, max_model_len, the
+                                                         attention backend
     build_model(config.model, block_size, kv_cache_dtype, device, rank=, tp_size=, attention=, loaded=)
         -> BuiltModel(model: this rank's slice, config: the whole model's ModelConfig, tokenizer)
 
@@ -23,7 +23,7 @@ import torch
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.selector import select_attention_backend
 from kvserve.model.config import ModelConfig
-from kvserve.model.loader import checkpoint_dtype, load_model_dir, read_model_config, resolve_dtype
+from kvserve.model.loader import checkpoint_dtype, load_model_dir, resolve_dtype
 from kvserve.model.registry import architecture
 from kvserve.model.sharding import TPGroup, shard_config, shard_weights
 from kvserve.model.tokenizer import Tokenizer
@@ -49,26 +49,28 @@ def with_checkpoint_dtype(config: "EngineConfig") -> "EngineConfig":
     return dataclasses.replace(config, dtype=str(dtype).removeprefix("torch."))
 
 
-def load_checkpoint(config: "EngineConfig", device: torch.device) -> tuple[ModelConfig, dict, Tokenizer | None]:
-    """(model config, weights, tokenizer) of `config.model` in `config.dtype` (decided): a GGUF
+def load_checkpoint(config, device: torch.device) -> tuple[ModelConfig, dict, Tokenizer | None]:
+    """(model config, weights, tokenizer) of `config.model` in `config.dtype` (decided; an
+    EngineConfig or its resolved ModelLoadConfig section): a GGUF
     file's tensors in their own types unless quantization "dequant" asks for the dtype."""
     return load_model_dir(config.model, native=config.quantization != "dequant", dtype=config.torch_dtype,
                           device=device)
 
 
-def resolve_for_checkpoint(config: "EngineConfig", model_cfg: ModelConfig | None = None) -> "Config":
-    """`config` resolved (config/resolved.py) against its checkpoint: dtype "auto" decided
-    (`with_checkpoint_dtype`), max_model_len the model's context unless asked for less, the
-    attention backend for this model's heads here. `model_cfg`: the model's config when already
-    loaded; else it is read from the headers and config.json (a GGUF file's headers take seconds)."""
+def load_and_resolve(config: "EngineConfig", device: torch.device) -> tuple["Config", tuple]:
+    """The checkpoint read once (`load_checkpoint`, dtype "auto" decided first), and `config`
+    resolved (config/resolved.py) against it: max_model_len the model's context unless asked for
+    less, the attention backend for this model's heads here. Returns (Config, what build_model
+    takes as `loaded`)."""
     config = with_checkpoint_dtype(config)
-    model_cfg = model_cfg or read_model_config(config.model)
+    loaded = load_checkpoint(config, device)
+    model_cfg = loaded[0]
     r = config.resolve(model_cfg)
     tp = r.parallel.tensor_parallel_size
     heads = shard_config(model_cfg, tp) if tp > 1 else model_cfg         # what one rank attends over
     backend = select_attention_backend(r.model.attention_backend, heads, torch.device(r.model.device),
                                        r.model.torch_dtype, r.cache.kv_cache_dtype)
-    return dataclasses.replace(r, model=dataclasses.replace(r.model, attention_backend=backend.name))
+    return dataclasses.replace(r, model=dataclasses.replace(r.model, attention_backend=backend.name)), loaded
 
 
 def build_model(load: "ModelLoadConfig", block_size: int, kv_cache_dtype: str, device: torch.device, *,
@@ -77,8 +79,7 @@ def build_model(load: "ModelLoadConfig", block_size: int, kv_cache_dtype: str, d
     """Load `load.model` (or take `loaded`, `load_checkpoint`'s answer for it) and build rank
     `rank` of `tp_size` of it on `device`. A GGUF file's tensors load in their own types unless
     quantization "dequant" asks for `load.dtype`."""
-    cfg, weights, tokenizer = loaded or load_model_dir(load.model, native=load.quantization != "dequant",
-                                                       dtype=load.torch_dtype, device=device)
+    cfg, weights, tokenizer = loaded or load_checkpoint(load, device)
     run_cfg, tp = cfg, None
     if tp_size > 1:
         run_cfg = shard_config(cfg, tp_size)
