@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import ast
 
-from test_layout import cycles, folder, import_graph, imported_names, modules
+from tests.test_layout import cycles, folder, import_graph, imported_names, modules
 
 # -- the table ---------------------------------------------------------------------------------------
 # node -> the kvserve names it may import (short names: "kv" is kvserve.kv, "kvserve" the package's

@@ -18,8 +18,8 @@ from kvserve.bench.prompts import fit_text, load_tokenizer
 from kvserve.bench.report import format_summary, length_warning, summarize
 from kvserve.bench.serve import RequestResult, add_cli_args
 
-from bench.test_bench_serve_live import bench
-from server.live import ROOT, STORIES_HF, LiveServer
+from tests.bench.test_bench_serve_live import bench
+from tests.server.live import ROOT, STORIES_HF, LiveServer
 
 STORIES_C = ROOT.parent / "shared" / "models" / "stories260K"
 

@@ -13,7 +13,7 @@ from kvserve.bench.datasets import build_dataset
 from kvserve.bench.report import find_knee, format_summary, format_sweep_table, latency_stats, plot_sweep, summarize
 from kvserve.bench.serve import RequestResult, add_cli_args, arrival_gaps, parse_rates
 
-from server.live import STORIES_HF
+from tests.server.live import STORIES_HF
 
 
 def _args(*argv):

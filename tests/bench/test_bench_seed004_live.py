@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from server.live import ROOT, STORIES_HF, LiveServer
+from tests.server.live import ROOT, STORIES_HF, LiveServer
 
 
 @pytest.fixture(scope="module")

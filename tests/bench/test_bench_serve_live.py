@@ -13,7 +13,7 @@ import pytest
 
 from kvserve.bench.serve import arrival_gaps
 
-from server.live import ROOT, STORIES_HF, LiveServer
+from tests.server.live import ROOT, STORIES_HF, LiveServer
 
 
 @pytest.fixture(scope="module")
