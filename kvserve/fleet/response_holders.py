@@ -1,13 +1,13 @@
 """Which replica holds each stored Responses API response, so that a continuation
 (`previous_response_id`) and `GET/DELETE /v1/responses/{id}` reach the replica whose in-memory
-store has it (server/responses_store.py): each replica names the response it made in the
+store has it (server/openai/responses/store.py): each replica names the response it made in the
 `kvserve-response-id` header, and the router remembers the last MAX_HELD of them."""
 from __future__ import annotations
 
 import json
 from collections import OrderedDict
 
-from kvserve.server.responses_store import RESPONSE_ID_HEADER
+from kvserve.server.openai.responses.store import RESPONSE_ID_HEADER
 
 MAX_HELD = 100_000
 

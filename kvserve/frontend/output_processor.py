@@ -55,7 +55,7 @@ class _Request:
 class OutputProcessor:
     def __init__(self, tokenizer, logprob_text: bool = True):
         """`logprob_text`: fill each Logprob's decoded_token (LLM's outputs); the server reads
-        token texts in context itself (server/openai_logprobs.py) and leaves it off."""
+        token texts in context itself (server/openai/logprobs.py) and leaves it off."""
         self.tokenizer = tokenizer
         self.logprob_text = logprob_text and tokenizer is not None
         self.requests: dict[str, _Request] = {}

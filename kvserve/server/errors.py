@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvserve.server.protocol import APIError
+from kvserve.server.openai.protocol import APIError
 
 logger = logging.getLogger("kvserve.server")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-from kvserve.server.protocol import INVALID_STRUCTURED_OUTPUT, APIError
+from kvserve.server.openai.protocol import INVALID_STRUCTURED_OUTPUT, APIError
 from kvserve.structured import GrammarBusy, GrammarRejected
 from kvserve.structured.sandbox import sandbox_for
 

@@ -24,7 +24,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from kvserve.server.protocol import LIST_FIELD_LIMITS, APIError
+from kvserve.server.openai.protocol import LIST_FIELD_LIMITS, APIError
 
 logger = logging.getLogger("kvserve.server")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from kvserve.server.protocol import (
+from kvserve.server.openai.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
     ErrorResponse, HealthResponse, ModelList)
 

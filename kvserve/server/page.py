@@ -15,7 +15,7 @@ from importlib import resources
 
 from fastapi import Response
 
-from kvserve.server.protocol import APIError
+from kvserve.server.openai.protocol import APIError
 
 # name -> content type of each asset of ui/ (the page itself is served at /)
 ASSETS = {

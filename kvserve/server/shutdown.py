@@ -6,7 +6,7 @@ import logging
 
 import uvicorn
 
-from kvserve.server.protocol import APIError
+from kvserve.server.openai.protocol import APIError
 
 # Seconds handlers get, after the shutdown deadline failed their requests, to send that answer.
 ANSWER_GRACE_S = 2.0

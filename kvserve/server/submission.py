@@ -14,7 +14,7 @@ from kvserve.engine.request import GRAMMAR_ERROR
 from kvserve.server.collector import RequestFailed, RequestOutputCollector
 from kvserve.server.errors import internal_error
 from kvserve.server.limits import ADD_CHUNK
-from kvserve.server.protocol import APIError
+from kvserve.server.openai.protocol import APIError
 
 logger = logging.getLogger("kvserve.server")
 

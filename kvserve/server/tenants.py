@@ -41,7 +41,7 @@ from pathlib import Path
 from prometheus_client import Counter
 
 from kvserve.server.body import check_auth
-from kvserve.server.protocol import APIError
+from kvserve.server.openai.protocol import APIError
 from kvserve.server.salts import derive_salt, load_secret
 
 # The tenant of the HTTP request being handled (for the per-tenant token counters).

@@ -2,7 +2,7 @@
 vLLM's names: hermes, llama3_json, mistral) for `tool_choice="auto"`, the JSON schemas and
 readers that enforce `"required"` and a named function, and the default tool prompt.
 
-Everything here works on dicts and strings; the server (kvserve/server/tool_choice.py) turns
+Everything here works on dicts and strings; the server (kvserve/server/openai/tool_choice.py) turns
 requests into them and updates into OpenAI's wire format."""
 from __future__ import annotations
 

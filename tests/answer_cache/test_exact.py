@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from kvserve.answer_cache.exact import ExactCache, cacheable, request_key
-from kvserve.server.protocol import CompletionRequest
+from kvserve.server.openai.protocol import CompletionRequest
 
 
 class Clock:

@@ -9,7 +9,7 @@ import json
 import httpx
 
 from kvserve.fleet.response_holders import ResponseHolders
-from kvserve.server.responses_store import RESPONSE_ID_HEADER
+from kvserve.server.openai.responses.store import RESPONSE_ID_HEADER
 
 from .test_router_failover import run
 

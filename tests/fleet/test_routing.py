@@ -12,7 +12,7 @@ from kvserve.fleet.prefix_key import RequestHasher, load_tokenizer
 from kvserve.fleet.replicas import BlockLRU, ReplicaSet
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.prefix_cache import HashPrefixCache, SeqCacheState
-from kvserve.server.chat import ChatRenderer
+from kvserve.server.openai.chat_renderer import ChatRenderer
 
 from .live import STORIES_HF
 

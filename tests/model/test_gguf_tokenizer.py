@@ -132,7 +132,7 @@ def test_smollm2_q4_1_config(smollm2):
 
 @needs_smollm2
 def test_smollm2_q4_1_answers_a_chat_prompt(smollm2):
-    from kvserve.server.chat import ChatRenderer
+    from kvserve.server.openai.chat_renderer import ChatRenderer
 
     chat = ChatRenderer(smollm2.get_tokenizer())
     assert not chat.is_fallback   # the template came from the file

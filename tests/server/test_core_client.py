@@ -23,7 +23,7 @@ from kvserve.sample.params import SamplingParams
 from kvserve.server.collector import RequestFailed, RequestOutputCollector
 from kvserve.server.core_client import CoreClient, EngineDeadError
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.protocol import APIError
+from kvserve.server.openai.protocol import APIError
 from tests.conftest import STORIES_HF
 
 GUARD_S = 10.0      # only ever reached when something hangs

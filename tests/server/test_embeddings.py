@@ -14,11 +14,11 @@ from fastapi.testclient import TestClient
 
 from kvserve.config import EngineConfig
 from kvserve.frontend.llm_engine import LLMEngine
-from kvserve.server.embeddings import EmbeddingClient
+from kvserve.server.openai.embeddings import EmbeddingClient
 from kvserve.pooling.models import MINILM_NAME, load_embedding_model, minilm_dir
 from kvserve.server.app import build_app
 from kvserve.server.cli import add_cli_args, embedding_client, generation_engine, serve_task, served_name
-from kvserve.server.embeddings import EmbeddingResponse
+from kvserve.server.openai.embeddings import EmbeddingResponse
 from tests.server.live import STORIES_HF, LiveServer, openai_client
 
 KEY = "sk-embed"

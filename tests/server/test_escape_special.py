@@ -15,9 +15,9 @@ from kvserve.config import EngineConfig
 from kvserve.frontend.llm_engine import LLMEngine
 from kvserve.model.tokenizer import HFTokenizer
 from kvserve.server.app import build_app
-from kvserve.server.chat import ChatRenderer, escape_special_tokens
+from kvserve.server.openai.chat_renderer import ChatRenderer, escape_special_tokens
 from kvserve.server.cli import add_cli_args
-from kvserve.server.protocol import APIError
+from kvserve.server.openai.protocol import APIError
 
 from .live import STORIES_HF
 

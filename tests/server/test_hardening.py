@@ -104,9 +104,9 @@ def test_client_leaving_a_big_batch_aborts_all_of_it(server):
 def test_client_leaving_while_prompts_are_added_stops_adding_and_aborts_the_rest():
     """In process: a client that is gone after the first chunk of prompts was queued gets no
     more prompts added, and those already added are aborted."""
-    from kvserve.server import app as server_app
     from kvserve.server.limits import ADD_CHUNK
-    from kvserve.server.protocol import CompletionRequest
+    from kvserve.server.openai.completions import completions
+    from kvserve.server.openai.protocol import CompletionRequest
 
     state = build_app(LLMEngine(EngineConfig(model=str(STORIES_HF))), "stories").state.kvserve
     added, aborted = [], []
@@ -130,7 +130,7 @@ def test_client_leaving_while_prompts_are_added_stops_adding_and_aborts_the_rest
         state.core_client.start()
         req = CompletionRequest.model_validate({"prompt": [PROMPT] * (3 * ADD_CHUNK), "max_tokens": 400,
                                                 "ignore_eos": True})
-        return await server_app._completions(state, req, GoneClient())
+        return await completions(state, req, GoneClient())
 
     try:
         resp = asyncio.run(main())

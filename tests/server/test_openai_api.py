@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from kvserve import SamplingParams
-from kvserve.server.chat import FALLBACK_CHAT_TEMPLATE
+from kvserve.server.openai.chat_renderer import FALLBACK_CHAT_TEMPLATE
 
 from .live import LiveServer, reference_llm
 

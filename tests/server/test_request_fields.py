@@ -18,7 +18,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.engine_core import EngineCore
 from kvserve.server.app import build_app
 from kvserve.server.body import IGNORED_FIELDS_HEADER
-from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 from tests.server.live import STORIES_HF
 

@@ -17,8 +17,8 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from kvserve.server.responses_protocol import MessageItem
-from kvserve.server.responses_store import ResponseStore
+from kvserve.server.openai.responses.protocol import MessageItem
+from kvserve.server.openai.responses.store import ResponseStore
 
 from .live import STORIES_HF, LiveServer
 

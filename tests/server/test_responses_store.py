@@ -1,4 +1,4 @@
-"""The Responses API's store per tenant (server/responses_store.py), in process: one tenant's
+"""The Responses API's store per tenant (server/openai/responses/store.py), in process: one tenant's
 burst past its quota of entries or of bytes, or past the global bound, evicts only its own
 entries; the global bound holds; over it the tenant holding the most loses its oldest (ties: the
 oldest entry), a put whose one entry the rule would evict is refused with nothing evicted; and,
@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from kvserve.server.responses_protocol import MessageItem
-from kvserve.server.responses_store import MAX_STORED_RESPONSES, ResponseStore, entry_size
+from kvserve.server.openai.responses.protocol import MessageItem
+from kvserve.server.openai.responses.store import MAX_STORED_RESPONSES, ResponseStore, entry_size
 
 ITEMS = [MessageItem(role="user", content="hello")]
 

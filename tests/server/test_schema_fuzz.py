@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from kvserve import SamplingParams
-from kvserve.server.protocol import SEMANTIC_ERROR_CODES
+from kvserve.server.openai.protocol import SEMANTIC_ERROR_CODES
 
 from .live import STORIES_HF, LiveServer, reference_llm
 

@@ -1,4 +1,4 @@
-"""The tokenizer endpoints and the small informational routes (server/tokenizer_routes.py) against
+"""The tokenizer endpoints and the small informational routes (server/openai/tokenizer_routes.py) against
 live stories260K servers: /tokenize (text, and a chat rendered exactly as /v1/chat/completions
 prompts it), /detokenize, /tokenizer_info, /version, /v1/models/{id}; their bad inputs and API
 keys; `kvserve --version`; `kvserve serve MODEL` (the positional); and lm-eval's

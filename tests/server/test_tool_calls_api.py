@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from kvserve.model.tokenizer import HFTokenizer
-from kvserve.server.chat import ChatRenderer
+from kvserve.server.openai.chat_renderer import ChatRenderer
 
 from .live import STORIES_HF, LiveServer
 
@@ -219,7 +219,7 @@ def test_langchain_bind_tools_and_with_structured_output(server):
 def test_escaped_special_tokens_with_tools():
     """--escape-special-tokens-in-content: the messages' special-token text stays plain text with
     tools in the prompt too; in the tools or the calls themselves it is refused."""
-    from kvserve.server.protocol import APIError
+    from kvserve.server.openai.protocol import APIError
 
     tok = HFTokenizer(STORIES_HF)
     renderer = ChatRenderer(tok, escape_special_tokens=True)         # the fallback: the default tool prompt

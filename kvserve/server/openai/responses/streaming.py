@@ -12,15 +12,16 @@ its JSON, with `type` and a `sequence_number` from 0):
     response.completed (status "completed") or response.incomplete (any other), whose response
     is what the same request gets unstreamed; a failure in the engine ends with response.failed.
 
-The text is the choice output's deltas (server/tool_output.py), as /v1/chat/completions streams it.
+The text is the choice output's deltas (server/openai/tool_output.py), as /v1/chat/completions
+streams it.
 """
 from __future__ import annotations
 
 import json
 from typing import Callable
 
-from kvserve.server.protocol import APIError
-from kvserve.server.responses_items import (
+from kvserve.server.openai.protocol import APIError
+from kvserve.server.openai.responses.items import (
     OutputFunctionCall, OutputMessage, OutputTextPart, ResponseObject, finish, new_id, status_of, usage)
 
 

@@ -7,17 +7,18 @@
 A request becomes a chat request (`chat_request`): its conversation -- the instructions as a
 system message, the previous response's conversation (`previous_response_id`), then `input` --
 as messages, its function tools as chat tools, `text.format` as `response_format`,
-`max_output_tokens` as `max_completion_tokens`. From there it is /v1/chat/completions' path:
-the chat template, `tool_plan` (server/tool_choice.py), the output constraint, one engine request,
-and its text read by a `ChoiceOutput` (server/tool_output.py) into a message item and
-function_call items (server/responses_items.py), whole or streamed (server/responses_stream.py).
+`max_output_tokens` as `max_completion_tokens`. From there it is /v1/chat/completions' path
+(server/openai/chat.py): the chat template, `tool_plan` (server/openai/tool_choice.py), the
+output constraint, one engine request, and its text read by a `ChoiceOutput`
+(server/openai/tool_output.py) into a message item and function_call items
+(server/openai/responses/items.py), whole or streamed (server/openai/responses/streaming.py).
 
 Authentication, rate limits and tenancy are the chat route's (server/tenants.py); the answer
-caches are not used. With `store` (the default) the response is kept (server/responses_store.py)
-for its tenant, within the tenant's quota, where another tenant's burst evicts only that tenant's
-own; an unknown `previous_response_id` is a 400 naming it. The answer names its id in
-the `kvserve-response-id` header, so a router in front of replicas sends the continuations to
-this one (fleet/response_holders.py).
+caches are not used. With `store` (the default) the response is kept
+(server/openai/responses/store.py) for its tenant, within the tenant's quota, where another
+tenant's burst evicts only that tenant's own; an unknown `previous_response_id` is a 400 naming
+it. The answer names its id in the `kvserve-response-id` header, so a router in front of
+replicas sends the continuations to this one (fleet/response_holders.py).
 """
 from __future__ import annotations
 
@@ -28,14 +29,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from kvserve.server.body import parse_body, validation_error_to_api_error
-from kvserve.server.chat_completions import prepare_chat, submit
-from kvserve.server.protocol import CONSTRAINTS_CODE, MAX_MESSAGES, APIError, ChatCompletionRequest
-from kvserve.server.responses_items import (
+from kvserve.server.openai.chat import prepare_chat, submit
+from kvserve.server.openai.protocol import CONSTRAINTS_CODE, MAX_MESSAGES, APIError, ChatCompletionRequest
+from kvserve.server.openai.responses.items import (
     ResponseObject, as_input_items, chat_messages, finish, new_id, output_items, response_shell, status_of, usage)
-from kvserve.server.responses_protocol import FunctionToolChoice, ResponsesRequest
-from kvserve.server.responses_store import RESPONSE_ID_HEADER, ResponseStore
-from kvserve.server.responses_stream import stream_response
-from kvserve.server.streaming import SSE_HEADERS
+from kvserve.server.openai.responses.protocol import FunctionToolChoice, ResponsesRequest
+from kvserve.server.openai.responses.store import RESPONSE_ID_HEADER, ResponseStore
+from kvserve.server.openai.responses.streaming import stream_response
+from kvserve.server.openai.streaming import SSE_HEADERS
 from kvserve.server.submission import Submission, collect_or_disconnect
 
 logger = logging.getLogger("kvserve.server")

@@ -1,7 +1,7 @@
 """The Responses API's objects: the response (what it echoes of the request, its status and
 usage) and its output items, and a conversation's items as the chat messages the template reads.
 
-    one choice's ChatMessage (server/tool_output.py)  ->  output items:
+    one choice's ChatMessage (server/openai/tool_output.py)  ->  output items:
         content     {"type": "message", "role": "assistant", "content": [{"type": "output_text", ...}]}
         tool calls  {"type": "function_call", "call_id", "name", "arguments"} each
     items  ->  chat messages:
@@ -19,8 +19,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field, TypeAdapter
 
-from kvserve.server.protocol import INVALID_TOOLS, APIError
-from kvserve.server.responses_protocol import (
+from kvserve.server.openai.protocol import INVALID_TOOLS, APIError
+from kvserve.server.openai.responses.protocol import (
     FunctionCallItem, FunctionCallOutputItem, FunctionToolChoice, InputItem, MessageItem, ResponsesRequest,
     text_of)
 

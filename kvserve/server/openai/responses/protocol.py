@@ -17,9 +17,9 @@ from typing import Annotated, Literal, Optional, Union
 from pydantic import ConfigDict, Discriminator, Field, Tag, ValidationError
 
 from kvserve.sample.params import INT64_MAX, MAX_TEMPERATURE
-from kvserve.server.protocol import MAX_CACHE_SALT_CHARS, MAX_CONTENT_PARTS, MAX_MESSAGES, APIError
-from kvserve.server.tool_fields import MAX_TOOLS, FunctionName, ParametersSchema
-from kvserve.server.wire_types import Strict, Text
+from kvserve.server.openai.protocol import MAX_CACHE_SALT_CHARS, MAX_CONTENT_PARTS, MAX_MESSAGES, APIError
+from kvserve.server.openai.tool_fields import MAX_TOOLS, FunctionName, ParametersSchema
+from kvserve.server.openai.wire_types import Strict, Text
 
 MAX_METADATA_PAIRS = 16           # OpenAI's limits on metadata
 Id = Annotated[Text, Field(min_length=1, max_length=256)]

@@ -1,6 +1,6 @@
 """`POST /v1/chat/completions`: the messages rendered with the chat template (and the tools,
-server/tool_choice.py), one engine request with `n` samples, and each choice's text as an
-assistant message -- content, or tool calls (server/tool_output.py) -- whole or streamed."""
+server/openai/tool_choice.py), one engine request with `n` samples, and each choice's text as an
+assistant message -- content, or tool calls (server/openai/tool_output.py) -- whole or streamed."""
 from __future__ import annotations
 
 import time
@@ -11,16 +11,16 @@ from typing import Callable
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from kvserve.server.chat import template_messages
-from kvserve.server.openai_logprobs import chat_logprobs, prompt_logprobs_table
-from kvserve.server.prompts import max_tokens_for
-from kvserve.server.protocol import (
+from kvserve.server.openai.chat_renderer import template_messages
+from kvserve.server.openai.logprobs import chat_logprobs, prompt_logprobs_table
+from kvserve.server.openai.prompts import max_tokens_for
+from kvserve.server.openai.protocol import (
     APIError, ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse)
-from kvserve.server.sampling import sampling_params
-from kvserve.server.streaming import SSE_HEADERS, stream_chat, usage_of
+from kvserve.server.openai.sampling import sampling_params
+from kvserve.server.openai.streaming import SSE_HEADERS, stream_chat, usage_of
 from kvserve.server.submission import Submission, collect_or_disconnect
-from kvserve.server.tool_choice import tool_plan
-from kvserve.server.tool_output import ChoiceOutput
+from kvserve.server.openai.tool_choice import tool_plan
+from kvserve.server.openai.tool_output import ChoiceOutput
 
 
 @dataclass

@@ -1,13 +1,13 @@
 """One choice's text as OpenAI's assistant message: plain content, or content and tool calls as
-a reader (server/tool_choice.py) finds them. A stream's deltas and a whole answer are the same
+a reader (server/openai/tool_choice.py) finds them. A stream's deltas and a whole answer are the same
 reader's updates, so both say the same; a choice that made calls and stopped finishes with
 `"tool_calls"`. Where the server kept special tokens for the reader (a parser's markers may be
 special tokens), the text of the special token that stopped the choice (`<|im_end|>`) is left
 out, as it is when they are skipped: `stop_text(token_id)` gives it."""
 from __future__ import annotations
 
-from kvserve.server.protocol import ChatMessage, DeltaMessage
-from kvserve.server.tool_fields import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+from kvserve.server.openai.protocol import ChatMessage, DeltaMessage
+from kvserve.server.openai.tool_fields import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 from kvserve.tool_calls.base import Update, assemble
 
 

@@ -1,13 +1,13 @@
 """OpenAI's tool-calling schemas: the request's `tools` and `tool_choice`, the history's
 assistant `tool_calls` and `tool` messages, and the calls of a response (whole, and as a
-stream's deltas). What is done with them is server/tool_choice.py's."""
+stream's deltas). What is done with them is server/openai/tool_choice.py's."""
 from __future__ import annotations
 
 from typing import Annotated, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, Field, WithJsonSchema
 
-from kvserve.server.wire_types import Strict, Text
+from kvserve.server.openai.wire_types import Strict, Text
 
 MAX_TOOLS = 128                     # OpenAI's limit
 MAX_TOOL_CALLS_PER_MESSAGE = 128

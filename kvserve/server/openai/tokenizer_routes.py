@@ -25,12 +25,12 @@ from pydantic_core import PydanticCustomError
 
 from kvserve.cli import kvserve_version
 from kvserve.server.body import parse_body
-from kvserve.server.chat_completions import chat_prompt
-from kvserve.server.chat_fields import CONTINUE_RULE, ChatTemplateFields
-from kvserve.server.protocol import MAX_MESSAGES, APIError, ChatMessageParam, ModelCard, TokenId
-from kvserve.server.request_rules import RULE_ERROR, check_rules, rules_schema
-from kvserve.server.tool_fields import ToolFields
-from kvserve.server.wire_types import Strict, Text
+from kvserve.server.openai.chat import chat_prompt
+from kvserve.server.openai.chat_fields import CONTINUE_RULE, ChatTemplateFields
+from kvserve.server.openai.protocol import MAX_MESSAGES, APIError, ChatMessageParam, ModelCard, TokenId
+from kvserve.server.openai.request_rules import RULE_ERROR, check_rules, rules_schema
+from kvserve.server.openai.tool_fields import ToolFields
+from kvserve.server.openai.wire_types import Strict, Text
 
 MAX_DETOKENIZE_TOKENS = 1 << 20
 INVALID_TOKEN_ID = "invalid_token_id"       # /detokenize: an id the vocabulary does not have

@@ -59,7 +59,7 @@ def min_tokens_error(min_tokens: int, max_tokens: int) -> PydanticCustomError:
 
 
 def conflicting_constraints_error(given: list[str]) -> PydanticCustomError:
-    """Two output constraints at once (server/structured_fields.py). A rule over eight nullable
+    """Two output constraints at once (server/openai/structured_fields.py). A rule over eight nullable
     fields, which JSON Schema can state but its generators (schemathesis) cannot take: one of
     the README's semantic 400s, with its own error code."""
     return PydanticCustomError(CONSTRAINTS_CODE, "give at most one output constraint: got {given}",

@@ -35,9 +35,9 @@ from kvserve.pooling.batcher import BatcherClosed, EmbeddingBatcher, QueueFull
 from kvserve.pooling.core import NOT_GENERATING, EmbeddingCore
 from kvserve.server.body import parse_body
 from kvserve.server.core_client import CoreClient
-from kvserve.server.protocol import APIError, NonEmpty, TokenId
+from kvserve.server.openai.protocol import APIError, NonEmpty, TokenId
 from kvserve.server.submission import wait_for_disconnect
-from kvserve.server.wire_types import Strict, Text
+from kvserve.server.openai.wire_types import Strict, Text
 
 InputText = Annotated[Text, Field(min_length=1)]
 INPUT_KINDS = "a string, a list of strings, a list of token ids or a list of token-id lists"

@@ -17,8 +17,8 @@ from typing import Any, Literal, Optional
 
 from pydantic import Field
 
-from kvserve.server.request_rules import Implies
-from kvserve.server.wire_types import Strict
+from kvserve.server.openai.request_rules import Implies
+from kvserve.server.openai.wire_types import Strict
 
 MAX_TEMPLATE_KWARGS = 64
 CONTINUE_RULE = Implies("continue_final_message", {"const": True}, "add_generation_prompt", False,

@@ -12,7 +12,7 @@ import json
 from kvserve.frontend.chat_escape import encode_escaped, special_token_pattern
 from kvserve.frontend.chat_template import FALLBACK_CHAT_TEMPLATE, ChatTemplateError
 from kvserve.frontend.chat_template import ChatRenderer as _SharedRenderer
-from kvserve.server.protocol import APIError
+from kvserve.server.openai.protocol import APIError
 
 __all__ = ["ChatRenderer", "FALLBACK_CHAT_TEMPLATE", "template_messages"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvserve.server.protocol import ChatLogprobToken, ChatTopLogprob, CompletionLogProbs
+from kvserve.server.openai.protocol import ChatLogprobToken, ChatTopLogprob, CompletionLogProbs
 
 
 CONTEXT_TOKENS = 6

@@ -6,7 +6,7 @@ event loop. `max_tokens_for` is vLLM's context-window rule for one prompt.
 """
 from __future__ import annotations
 
-from kvserve.server.protocol import APIError, CompletionRequest
+from kvserve.server.openai.protocol import APIError, CompletionRequest
 
 
 def max_tokens_for(state, prompt_len: int, requested: int | None, min_tokens: int = 0) -> int:

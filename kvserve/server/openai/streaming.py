@@ -3,7 +3,7 @@
 The outputs of a stream are deltas (frontend/output_processor.py, output kind "delta"): each
 holds only the text, token ids and logprobs one engine step added, so a chunk costs what its
 step made, whatever the stream's length. `_chunks` walks them once for both endpoints, keeping
-per sequence the few tokens of context a logprob's text is read in (server/openai_logprobs.py)
+per sequence the few tokens of context a logprob's text is read in (server/openai/logprobs.py)
 and the counts usage needs; each endpoint only shapes its chunk. A chunk goes out for every step
 that produced tokens, even when their text is held back (a partial UTF-8 character, a possible
 stop string), so chunk times are token times for a benchmark client.
@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 
-from kvserve.server.openai_logprobs import (CONTEXT_TOKENS, chat_logprobs, completion_logprobs, echo_logprobs,
+from kvserve.server.openai.logprobs import (CONTEXT_TOKENS, chat_logprobs, completion_logprobs, echo_logprobs,
                                             without_tokens)
-from kvserve.server.protocol import (
+from kvserve.server.openai.protocol import (
     APIError, ChatChoiceLogprobs, ChatCompletionStreamChoice, ChatCompletionStreamResponse, CompletionChoice,
     CompletionStreamResponse, DeltaMessage, UsageInfo)
-from kvserve.server.tool_output import ChoiceOutput
+from kvserve.server.openai.tool_output import ChoiceOutput
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -153,7 +153,7 @@ def stream_completions(state, req, sub, rid_prefix: str, created: int, index_of:
 
 def stream_chat(state, req, sub, rid: str, created: int, k: int, new_output=ChoiceOutput,
                 echo: str | None = None):
-    """`new_output()`: a choice's output (server/tool_output.py): plain content, or its tool calls.
+    """`new_output()`: a choice's output (server/openai/tool_output.py): plain content, or its tool calls.
     `echo`: text each choice starts with (chat's echo), sent first."""
     counts = _Counts()
 

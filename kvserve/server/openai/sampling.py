@@ -1,10 +1,10 @@
 """The `SamplingParams` of one HTTP request: its sampling fields, the max_tokens the context
-window allows, and its output constraint as `StructuredOutputsParams` (server/structured_fields.py,
-or a forced tool call's schema, server/tool_choice.py). A value the params refuse is a 400."""
+window allows, and its output constraint as `StructuredOutputsParams` (server/openai/structured_fields.py,
+or a forced tool call's schema, server/openai/tool_choice.py). A value the params refuse is a 400."""
 from __future__ import annotations
 
 from kvserve.sample.params import SamplingParams
-from kvserve.server.protocol import INVALID_STRUCTURED_OUTPUT, PRIORITY_CODE, APIError
+from kvserve.server.openai.protocol import INVALID_STRUCTURED_OUTPUT, PRIORITY_CODE, APIError
 
 
 def check_priority(state, req) -> None:

@@ -1,4 +1,4 @@
-"""The building blocks of every request schema (server/protocol.py and the field groups beside
+"""The building blocks of every request schema (server/openai/protocol.py and the field groups beside
 it): a strict model part that ignores unknown fields, and text that is valid Unicode."""
 from __future__ import annotations
 

@@ -8,12 +8,12 @@ parameters still work; known fields of the wrong type are rejected.
 
 These models' JSON Schema is the served one (/openapi.json, server/openapi.py), and every check
 of a body's fields is in it: strict types, `Field` bounds and lengths, `Literal` enums, the
-rules between two fields as `if`/`then` (server/request_rules.py). What needs the tokenizer, the
+rules between two fields as `if`/`then` (server/openai/request_rules.py). What needs the tokenizer, the
 model or the server's settings comes later, as a 4xx with a code in `SEMANTIC_ERROR_CODES`.
 
 The output constraints (`response_format`, vLLM's `structured_outputs` and `guided_*`, llama.cpp's
-`json_schema` and `grammar`) are server/structured_fields.py's, the tool fields (`tools`,
-`tool_choice`, `parallel_tool_calls`, the history's `tool_calls`) server/tool_fields.py's.
+`json_schema` and `grammar`) are server/openai/structured_fields.py's, the tool fields (`tools`,
+`tool_choice`, `parallel_tool_calls`, the history's `tool_calls`) server/openai/tool_fields.py's.
 
 Beyond OpenAI's parameters the requests accept vLLM's sampling extensions with vLLM's names:
 `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
@@ -31,14 +31,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from kvserve.sample.params import (
     INT64_MAX, LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, SEED_MAX)
-from kvserve.server.wire_types import Strict as _Strict
-from kvserve.server.wire_types import Text
-from kvserve.server.request_rules import (
+from kvserve.server.openai.wire_types import Strict as _Strict
+from kvserve.server.openai.wire_types import Text
+from kvserve.server.openai.request_rules import (
     CONSTRAINTS_CODE, MIN_TOKENS_CODE, NOT_NULL, Implies, check_rules, conflicting_constraints_error,
     min_tokens_error, rules_schema)
-from kvserve.server.chat_fields import CONTINUE_RULE, MAX_TEMPLATE_KWARGS, ChatTemplateFields, RefusedChatFields
-from kvserve.server.structured_fields import ConstraintFields
-from kvserve.server.tool_fields import (
+from kvserve.server.openai.chat_fields import CONTINUE_RULE, MAX_TEMPLATE_KWARGS, ChatTemplateFields, RefusedChatFields
+from kvserve.server.openai.structured_fields import ConstraintFields
+from kvserve.server.openai.tool_fields import (
     MAX_TOOLS, DeltaToolCall, NamedToolChoice, ToolCall, ToolCallsParam, ToolFields)
 
 MAX_N = 16
@@ -73,7 +73,7 @@ NonEmpty = Annotated[T, Field(min_length=1)]
 PRIORITY_CODE = "priority_not_supported"  # priority on a server whose scheduling policy ignores it
 ENGINE_REJECTED = "engine_rejected"     # add_request refused it: a token id outside the vocabulary,
                                         # n over max_num_seqs, a prompt the KV pool cannot hold
-INVALID_TOOLS = "invalid_tools"         # tools and tool_choice disagree (server/tool_choice.py)
+INVALID_TOOLS = "invalid_tools"         # tools and tool_choice disagree (server/openai/tool_choice.py)
 INVALID_STRUCTURED_OUTPUT, GRAMMAR_ERROR = "invalid_structured_output", "grammar_error"   # spec refused; failed decoding
 SEMANTIC_ERROR_CODES = ("context_length_exceeded", ENGINE_REJECTED, INVALID_STRUCTURED_OUTPUT, GRAMMAR_ERROR, "model_not_found", "chat_template_error",
                         MIN_TOKENS_CODE, "too_many_prompts", INVALID_TOOLS, CONSTRAINTS_CODE, PRIORITY_CODE,
@@ -106,7 +106,7 @@ class StreamOptions(_Strict):
 
 class _SamplingFields(ConstraintFields):
     """Sampling parameters shared by both endpoints (OpenAI's plus vLLM's extensions), and the
-    output constraints (server/structured_fields.py)."""
+    output constraints (server/openai/structured_fields.py)."""
     RULES: ClassVar[tuple] = ()
 
     model: Optional[str] = None
@@ -237,7 +237,7 @@ _CHAT_RULES = (Implies("top_logprobs", NOT_NULL, "logprobs", True, "top_logprobs
 
 
 class ChatCompletionRequest(_SamplingFields, ToolFields, ChatTemplateFields, RefusedChatFields):
-    """`POST /v1/chat/completions` (the template and refused fields: server/chat_fields.py)."""
+    """`POST /v1/chat/completions` (the template and refused fields: server/openai/chat_fields.py)."""
     model_config = ConfigDict(json_schema_extra=rules_schema(_CHAT_RULES))
     RULES: ClassVar[tuple] = _CHAT_RULES
 

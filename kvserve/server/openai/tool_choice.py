@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.server.protocol import INVALID_TOOLS, APIError, ChatCompletionRequest
-from kvserve.server.tool_fields import NamedToolChoice
+from kvserve.server.openai.protocol import INVALID_TOOLS, APIError, ChatCompletionRequest
+from kvserve.server.openai.tool_fields import NamedToolChoice
 from kvserve.tool_calls import tool_parser
 from kvserve.tool_calls.auto import AutoCalls
 from kvserve.tool_calls.forced import NamedCall, RequiredCalls, parameters_of, required_schema

@@ -19,7 +19,7 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import ConfigDict, Field, model_validator
 
-from kvserve.server.wire_types import Strict, Text
+from kvserve.server.openai.wire_types import Strict, Text
 
 MAX_CHOICES = 1024
 Choices = Annotated[list[Text], Field(min_length=1, max_length=MAX_CHOICES)]
