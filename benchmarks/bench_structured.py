@@ -8,9 +8,9 @@
    and of half B (the odd ones, free in both runs) against the same half in the all-free run
    (its output tokens / the time from the run's start to its last finish), interleaved repeats,
    medians; and the mean decode step time of each run while all 32 decode.
-3. The per-step mask work: time in mask_logits (bitmasks of the constrained rows, filled by
-   llguidance's executor, applied to the logits) and in the matchers' advance, per constrained
-   row, against the decode step.
+3. The per-step mask work: time in grammar_bitmasks (the core's bitmasks of the constrained
+   rows, filled by llguidance's executor) and apply_grammar_bitmask (the sampler's -inf fill) and
+   in the matchers' advance, per constrained row, against the decode step.
 4. With --llama-server PATH: the same prompts (as token ids), max_tokens and schema through
    llama-server's /completion `json_schema` (its GBNF path), 32 slots, the same two runs.
 
@@ -80,23 +80,33 @@ def compile_times(engine, repeats: int = 20) -> dict:
 
 
 class StepProbe:
-    """Times every engine step, and inside it mask_logits and the matchers' advance."""
+    """Times every engine step, and inside it the mask work (the core's bitmasks of the
+    constrained rows, then the sampler's -inf fill) and the matchers' advance."""
 
     def __init__(self):
+        import kvserve.engine.worker_view as worker_view
         import kvserve.worker.sampling as sampling
         from kvserve.structured.matcher import SequenceGrammar
 
         self.mask = self.accept = 0.0
         self.rows = 0
-        real_mask, real_accept = sampling.mask_logits, SequenceGrammar.accept
+        real_bitmasks, real_apply = worker_view.grammar_bitmasks, sampling.apply_grammar_bitmask
+        real_accept = SequenceGrammar.accept
 
-        def mask(x, rows, grammars):
+        def bitmasks(grammars):
             t = time.perf_counter()
             try:
-                return real_mask(x, rows, grammars)
+                return real_bitmasks(grammars)
             finally:
                 self.mask += time.perf_counter() - t
-                self.rows += len(rows)
+                self.rows += len(grammars)
+
+        def apply(x, rows, bitmask):
+            t = time.perf_counter()
+            try:
+                return real_apply(x, rows, bitmask)
+            finally:
+                self.mask += time.perf_counter() - t
 
         def accept(g, token_id):
             t = time.perf_counter()
@@ -105,7 +115,8 @@ class StepProbe:
             finally:
                 self.accept += time.perf_counter() - t
 
-        sampling.mask_logits, SequenceGrammar.accept = mask, accept
+        worker_view.grammar_bitmasks, sampling.apply_grammar_bitmask = bitmasks, apply
+        SequenceGrammar.accept = accept
 
 
 def run_kvserve(engine, ids: list[list[int]], constrained: set[int], max_tokens: int, probe: StepProbe) -> dict:

@@ -95,17 +95,8 @@ DEBTS: set[tuple[str, str]] = {
     # the payload's envelope)
     ("kv.block_io", "torch"),
     # -- the core holds a device and sample results
-    # Sampled (the token record) lives in the torch sampler: goes when it moves to sample/params.py or
-    # worker/output.py
-    ("engine.core_io", "sample.sampler"),
-    # Sampled, as above: goes with it
-    ("engine.scheduler", "sample.sampler"),
-    # torch.device(config.device) for the runner and the sampler: goes when the worker owns the device
-    ("engine.engine_core", "torch"),
     # CUDA memory sizes the KV pool: goes when the worker reports its KV budget and the core divides
     ("engine.kv_sizing", "torch"),
-    # Request holds the seeded torch.Generator: goes when the worker's input batch holds it
-    ("engine.request", "torch"),
     # the core process sets torch's thread count: goes when the worker applies it at start
     ("engine.core_loop", "torch"),
     # -- the server reaches below the frontend, and into the command line
@@ -116,7 +107,7 @@ DEBTS: set[tuple[str, str]] = {
     # device memory from torch's allocator: goes when the core reports its memory in EngineStats
     ("server.memory_metrics", "torch"),
     # kvserve_version from cli.py, which wires every command: goes when the version has a module of its own
-    ("server.tokenizer_routes", "cli"),
+    ("server.openai.tokenizer_routes", "cli"),
 }
 
 

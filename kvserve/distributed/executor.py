@@ -2,13 +2,14 @@
 run as workers -- local processes (`distributed_executor_backend="mp"`) or Ray actors ("ray"),
 with the same worker code.
 
-The scheduler runs once, on the driver. Every forward pass and every block move (copy on write,
-swap) the driver's runner makes is first broadcast to the workers (`broadcast_object_list` over
-a gloo group, tensors on the host: the step's token ids, positions and attention metadata, or
-the block pairs; on CUDA rank r owns device r); every rank then runs its slice of the same
-pass, meeting at the all-reduces of kvserve/distributed/tensor_parallel.py. Workers keep no
-scheduling state: each has a `ModelRunner` over its slice of the model and its own KV pools,
-with the driver's block numbering.
+The scheduler runs once, on the driver. Every step's SchedulerOutput (worker/scheduler_output.py:
+the step as data, each sequence's tokens sent once, then deltas) and every block move (copy on
+write, swap) the driver's runner makes is first broadcast to the workers (`broadcast_object_list`
+over a gloo group; on CUDA rank r owns device r); every rank then packs its own inputs from its
+own copy of the sequences and runs its slice of the same pass, meeting at the all-reduces of
+kvserve/distributed/tensor_parallel.py; rank 0 alone samples. Workers keep no scheduling state:
+each has a `ModelRunner` over its slice of the model and its own KV pools, with the driver's
+block numbering.
 
 A worker that dies is noticed before the next broadcast (mp: its process sentinel) or by the
 collective itself (its peer's connection closes; every collective has a deadline,
@@ -27,7 +28,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from kvserve.distributed.tensor_parallel import bind_rank_device, map_tensors, rank_device, to_device, to_host
+from kvserve.distributed.tensor_parallel import bind_rank_device, rank_device
 from kvserve.worker.build import build_model
 from kvserve.worker.model_runner import ModelRunner
 
@@ -53,10 +54,10 @@ def _init_group(rank: int, size: int, init_method: str, device: torch.device):
     return dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
 
 
-def _recv(group, device: torch.device):
+def _recv(group):
     box = [None]
     dist.broadcast_object_list(box, src=0, group=group)
-    return to_device(box[0], device)
+    return box[0]
 
 
 def run_worker(config, rank: int, size: int, init_method: str) -> None:
@@ -68,13 +69,13 @@ def run_worker(config, rank: int, size: int, init_method: str) -> None:
                         rank=rank, tp_size=size).model
     group = _init_group(rank, size, init_method, device)
     try:
-        _, num_blocks, num_cpu_blocks = _recv(group, device)
+        _, num_blocks, num_cpu_blocks = _recv(group)
         runner = ModelRunner(model, num_blocks, config.cache.block_size)
         runner.init_swap_space(num_cpu_blocks)
         while True:
-            msg = _recv(group, device)
-            if msg[0] == "forward":
-                runner.forward(*msg[1:])
+            msg = _recv(group)
+            if msg[0] == "step":
+                runner.execute_model(msg[1], sample=False)
             elif msg[0] == "kv_ops":
                 runner.apply_kv_ops(msg[1])
             else:
@@ -119,7 +120,7 @@ class TPWorkers:
             raise RuntimeError("the tensor-parallel workers were shut down")
         self.check_alive()
         try:
-            dist.broadcast_object_list([to_host(msg)], src=0, group=self.group)
+            dist.broadcast_object_list([msg], src=0, group=self.group)
         except Exception:
             # a worker killed just before the broadcast is not reaped yet when check_alive runs,
             # and the collective fails instead: name the dead worker if it is one
@@ -159,13 +160,12 @@ class TPDriverRunner(ModelRunner):
         super().init_swap_space(num_cpu_blocks)
         self.workers.broadcast(("init", self.num_blocks, num_cpu_blocks))
 
-    def forward(self, input_ids, positions, meta, logits_indices) -> torch.Tensor:
-        # The step's CPU tensors are views of the runner's persistent buffers (worker/input_batch.py):
-        # send their values, not the whole buffers (a pickled view carries its storage).
-        msg = map_tensors(("forward", input_ids, positions, meta, logits_indices),
-                          lambda t: t.clone() if t.device.type == "cpu" else t)
-        self.workers.broadcast(msg)
-        return super().forward(input_ids, positions, meta, logits_indices)
+    def execute_model(self, so, sample: bool = True):
+        """The step's SchedulerOutput goes to every worker (each keeps its own copy of the
+        sequences and packs its own inputs), then rank 0 runs it and samples."""
+        if so.scheduled or so.new_seqs or so.finished_seq_ids:
+            self.workers.broadcast(("step", so))
+        return super().execute_model(so, sample)
 
     def apply_kv_ops(self, ops) -> None:
         self.workers.broadcast(("kv_ops", ops))

@@ -1,17 +1,14 @@
 """Tensor parallelism's process plumbing (seed 004's table: "splits a large model across
-several GPUs"): which device each rank runs on, and the host copies of what the driver sends.
+several GPUs"): which device each rank runs on.
 How the model itself splits across ranks (Megatron-style heads, MLP and vocabulary slices, the
 collectives) is kvserve/model/sharding.py; the executors that run the ranks are executor.py.
 
 On CUDA rank r runs on device r (`bind_rank_device`: every rank is a process on this host, so
-the global rank is the local one). What a step needs besides the weights (token ids, positions,
-attention metadata, block moves) travels from the host: the driver sends CPU copies as pickled
-objects over a gloo group (`to_host`), each rank moves them to its device (`to_device`), so no
-rank deserializes another rank's CUDA tensors.
+the global rank is the local one). What a step needs besides the weights travels as plain data
+(the SchedulerOutput, block moves: ints and lists, no tensors) pickled over a gloo group, and
+each rank builds its own tensors on its own device from it.
 """
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 
@@ -36,27 +33,3 @@ def bind_rank_device(device: torch.device | str, rank: int, device_count: int | 
     if d.type == "cuda":
         (set_device or torch.cuda.set_device)(d)
     return d
-
-
-def map_tensors(obj, fn):
-    """`obj` with every tensor inside it (tuples, lists, dicts, dataclasses) replaced by fn(tensor)."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(map_tensors(x, fn) for x in obj)
-    if isinstance(obj, dict):
-        return {k: map_tensors(v, fn) for k, v in obj.items()}
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: map_tensors(getattr(obj, f.name), fn)
-                                           for f in dataclasses.fields(obj) if f.init})
-    return obj
-
-
-def to_host(msg):
-    """A message for the workers with its tensors on the CPU (a no-op for CPU tensors)."""
-    return map_tensors(msg, lambda t: t.cpu())
-
-
-def to_device(msg, device: torch.device):
-    """A received message with its tensors on this rank's `device`."""
-    return map_tensors(msg, lambda t: t.to(device, non_blocking=True))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.sample.params import SamplingParams
-from kvserve.sample.sampler import Sampled  # noqa: F401 (one position's token and logprobs)
+from kvserve.sample.params import Sampled  # noqa: F401 (one position's token and logprobs)
 
 
 @dataclass

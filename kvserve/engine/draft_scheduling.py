@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from kvserve.engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from kvserve.engine.scheduler import SchedulerOutput
+    from kvserve.engine.scheduler import StepPlan
 
 S = RequestStatus
 
@@ -46,7 +46,7 @@ class DraftScheduling:
             room = min(room, p.max_tokens - req.num_output_tokens - 1)
         return room
 
-    def _schedule_drafts(self, req: Request, spare: int, later: int, out: "SchedulerOutput",
+    def _schedule_drafts(self, req: Request, spare: int, later: int, out: "StepPlan",
                          done: set[str]) -> int:
         """Schedule `req`'s last token and its drafts if the budget spares them and the pool
         has their blocks without preempting anyone (keeping a block for each of the `later`

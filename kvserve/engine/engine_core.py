@@ -1,7 +1,8 @@
 """EngineCore: the step loop of DESIGN.md's picture, on token ids only.
 
-    add_request -> Scheduler.schedule -> (block copies, swaps) -> ModelRunner.execute_model
-    (forward, then its StepSampler) -> Scheduler.update_from_output -> EngineCoreOutputs (token deltas)
+    add_request -> Scheduler.schedule (a StepPlan) -> WorkerView.build (the step as data: a
+    SchedulerOutput) -> (block copies, swaps) -> ModelRunner.execute_model (forward, then its
+    StepSampler) -> Scheduler.update_from_output -> EngineCoreOutputs (token deltas)
 
 One `step()` is the same pipeline on every path, the empty step included: schedule under the
 token budget -> run the block moves the KV cache manager queued (swap out, swap in, copy on
@@ -34,11 +35,8 @@ import itertools
 import logging
 import time
 
-import torch
-
 from kvserve.config import EngineConfig
 from kvserve.distributed.executor import TPDriverRunner, TPWorkers
-from kvserve.engine import prompt_logprobs
 from kvserve.engine.beam_search import BeamGroup
 from kvserve.engine.core_io import (BeamResult, CoreLimits, EngineCoreOutput, EngineCoreRequest,
                                     SequenceDelta)
@@ -47,14 +45,16 @@ from kvserve.engine.kv_sizing import num_kv_blocks
 from kvserve.engine.request import GRAMMAR_ERROR, Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.stats import EngineStats, collect_stats
+from kvserve.engine.worker_view import WorkerView
+from kvserve.kv.block_io import store_scope
 from kvserve.kv.connector import TieredConnector
 from kvserve.kv.manager import KVCacheManager
 from kvserve.spec_decode.decoder import SpecDecoder
+from kvserve.spec_decode.draft import DraftTarget
 from kvserve.structured.compiler import GrammarCompiler
 from kvserve.structured.waiting import GrammarWaitList
 from kvserve.worker.build import build_model, load_and_resolve
 from kvserve.worker.model_runner import ModelRunner
-from kvserve.worker.output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ GRAMMAR_IDLE_WAIT_S = 0.01   # an engine with only grammars to wait for sleeps t
 
 class EngineCore:
     def __init__(self, config: EngineConfig):
-        self.device = torch.device(config.device)
+        self.device = config.device          # a name: the worker makes the torch device
         # Resolved once against the checkpoint (worker/build.py, config/resolved.py); the caller's
         # config is never written: the engine keeps a copy with dtype and max_model_len decided.
         r, loaded = load_and_resolve(config, self.device)      # the file is read once
@@ -79,7 +79,7 @@ class EngineCore:
         model_cfg = built.config
         if tp > 1:
             self.tp_workers = TPWorkers(r, tp, r.parallel.distributed_executor_backend)
-        num_blocks = num_kv_blocks(config, self.model.cfg, model_cfg, self.device)
+        num_blocks = num_kv_blocks(r, self.model.cfg, model_cfg, self.device)
         per_block = ModelRunner.kv_bytes_per_block(self.model.cfg, r.cache.block_size, r.model.torch_dtype,
                                                    r.cache.kv_cache_dtype)     # this rank's KV heads
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %s, %d bytes/token",
@@ -100,7 +100,11 @@ class EngineCore:
             num_cpu_blocks = min(r.cache.swap_space // per_block, 4 * num_blocks)
         self.kv = KVCacheManager(num_blocks, r.cache.block_size, prefix_cache=r.cache.prefix_cache_kind,
                                  cache_namespace=f"{r.model.model}|{r.model.dtype}|{r.cache.kv_cache_dtype}",
-                                 num_cpu_blocks=num_cpu_blocks, kv_connector=TieredConnector.from_config(config))
+                                 num_cpu_blocks=num_cpu_blocks, kv_connector=TieredConnector.from_specs(
+                                     r.tiers.kv_tiers, r.cache.block_size, r.tiers.kv_tier_reload,
+                                     store_scope(r.model.model, r.model.dtype, r.cache.kv_cache_dtype,
+                                                 r.model.quantization, r.model.quantization_group_size,
+                                                 r.cache.block_size)))
         self.runner = (TPDriverRunner(self.model, num_blocks, r.cache.block_size, self.tp_workers) if tp > 1
                        else ModelRunner(self.model, num_blocks, r.cache.block_size))
         self.runner.init_swap_space(num_cpu_blocks)
@@ -119,13 +123,18 @@ class EngineCore:
                                    eos_token_id=eos, max_model_len=self.max_model_len,
                                    **SpecDecoder.scheduler_kwargs(r.speculative))
         self.scheduler.policy = make_policy(r.scheduler.scheduling_policy)     # engine/fairness.py
-        self.spec = SpecDecoder(r.speculative, self) if r.speculative is not None else None
+        self.spec = None
+        if r.speculative is not None:        # what a draft model needs of the target, not the engine
+            self.spec = SpecDecoder(r.speculative, DraftTarget(
+                r.model, config.attention_backend, r.cache.block_size, num_blocks, model_cfg.vocab_size,
+                self.tokenizer))
         # the worker's sampling stage: logits never leave the runner (execute_model)
         self.runner.init_sampling(model_cfg.vocab_size, r.model.seed, self.spec)
         # Structured outputs: constrained requests wait here (WAITING_FOR_GRAMMAR) while a worker
         # thread compiles their grammar (kvserve/structured/)
         self.grammars = GrammarWaitList(GrammarCompiler(self.tokenizer, model_cfg.vocab_size, eos),
                                         r.structured_outputs.max_grammar_compile_s)
+        self.worker_view = WorkerView()                 # what the worker holds (engine/worker_view.py)
         self.groups: dict[str, list[Request]] = {}      # user request id -> its sequences
         self._finish_sent: dict[str, set[int]] = {}     # user request id -> samples whose end went out
         self._arrivals = itertools.count()
@@ -221,14 +230,14 @@ class EngineCore:
         ops = self.kv.take_pending()                 # checked: no read after a write
         if ops:
             self.runner.apply_kv_ops(ops)
-        result = ModelRunnerOutput()
-        if sched.scheduled:
-            batch = [(req, n, self.kv.block_ids(req.request_id)) for req, n in sched.scheduled]
-            bs = self.resolved.cache.block_size
-            for req, n, ids in batch:      # the hand-off's invariant: every token has a slot
-                assert len(ids) * bs >= req.num_computed_tokens + n, f"{req} scheduled without slots"
-            wanted = prompt_logprobs.wanted_rows(sched.scheduled)
-            result = self.runner.execute_model(batch, wanted, sched.draft_tokens, self.scheduler.fork_waiters)
+        so = self.worker_view.build(sched, self.kv, self.scheduler)    # the step as data
+        bs = self.resolved.cache.block_size
+        for req, n in sched.scheduled:     # the hand-off's invariant: every token has a slot
+            assert len(self.kv.block_ids(req.request_id)) * bs >= req.num_computed_tokens + n, \
+                f"{req} scheduled without slots"
+        result = self.runner.execute_model(so)
+        for rid, why in so.grammar_errors.items():       # masked out before the step: their grammar failed
+            result.grammar_errors.setdefault(rid, why)
         touched, deltas, prompt_entries = self.scheduler.update_from_output(sched, result)
         if self.resolved.tiers.kv_role == "prefill":     # the prompt's KV is in the shared store before its answer
             self.kv.connector.flush(self.runner)
@@ -310,6 +319,9 @@ class EngineCore:
         the statuses and the KV manager's tables, and every registered request unfinished."""
         self.kv.check_integrity()
         self.scheduler.check_integrity()
+        live = {r.request_id for seqs in self.groups.values() for r in seqs if not r.is_finished}
+        live |= {r.request_id for g in self.scheduler.beam_groups.values() for r in g.live}
+        self.worker_view.check_integrity(live, self.scheduler.finished_seq_ids)
         if self.spec is not None:
             self.spec.check_integrity(self.scheduler)
         for rid, seqs in self.groups.items():

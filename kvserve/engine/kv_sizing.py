@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.kv.manager import cdiv
+
+if TYPE_CHECKING:
+    from kvserve.config.resolved import Config
 
 logger = logging.getLogger(__name__)
 
@@ -46,48 +50,48 @@ class KVPoolSizes:
                 + (f" of a {self.budget / 2**20:.1f} MiB budget" if self.budget is not None else ""))
 
 
-def kv_pool_sizes(cfg, rank_model_cfg, model_cfg, device: torch.device) -> KVPoolSizes:
-    """`rank_model_cfg`: the slice of the model this process holds (its KV heads); `model_cfg`
-    the whole target (a "self" draft's shape)."""
+def kv_pool_sizes(r: "Config", rank_model_cfg, model_cfg, device: torch.device | str) -> KVPoolSizes:
+    """`r`: the engine's resolved Config (config/resolved.py); `rank_model_cfg`: the slice of the
+    model this process holds (its KV heads); `model_cfg` the whole target (a "self" draft's shape)."""
     from kvserve.spec_decode.draft import draft_footprint
 
-    per_block = ModelRunner.kv_bytes_per_block(rank_model_cfg, cfg.block_size, cfg.torch_dtype,
-                                               cfg.kv_cache_dtype)
-    draft_per_block, draft_weights = draft_footprint(cfg, model_cfg)
-    if cfg.num_kv_blocks is not None:
-        return KVPoolSizes(cfg.num_kv_blocks, cfg.block_size, per_block, draft_per_block)
-    budget = cfg.kv_cache_memory
+    c = r.cache
+    per_block = ModelRunner.kv_bytes_per_block(rank_model_cfg, c.block_size, r.model.torch_dtype, c.kv_cache_dtype)
+    draft_per_block, draft_weights = draft_footprint(r, model_cfg)
+    if c.num_kv_blocks is not None:
+        return KVPoolSizes(c.num_kv_blocks, c.block_size, per_block, draft_per_block)
+    budget = c.kv_cache_memory
     if budget is None:
-        budget = (cuda_kv_budget(cfg, model_cfg, device) - draft_weights if device.type == "cuda"
+        budget = (cuda_kv_budget(r, model_cfg, device) - draft_weights if torch.device(device).type == "cuda"
                   else DEFAULT_CPU_KV_BYTES)
-    cap = cfg.max_num_seqs * cdiv(cfg.max_model_len, cfg.block_size) + 1
+    cap = r.scheduler.max_num_seqs * cdiv(r.model.max_model_len, c.block_size) + 1
     both = per_block + draft_per_block
     n = min(budget // both - 1, cap)     # each pool also holds its null block (kv/block_pool.py)
     if n < 1:
         raise ValueError(f"kv_cache_memory={budget} bytes holds no block of {both} bytes"
                          + (f" ({per_block} for the target, {draft_per_block} for the draft model)"
                             if draft_per_block else "") + ".")
-    return KVPoolSizes(int(n), cfg.block_size, per_block, draft_per_block, budget)
+    return KVPoolSizes(int(n), c.block_size, per_block, draft_per_block, budget)
 
 
-def num_kv_blocks(cfg, rank_model_cfg, model_cfg, device: torch.device) -> int:
+def num_kv_blocks(r: "Config", rank_model_cfg, model_cfg, device: torch.device | str) -> int:
     """The number of blocks of the target's pool (`kv_pool_sizes`); logs the split with a draft."""
-    sizes = kv_pool_sizes(cfg, rank_model_cfg, model_cfg, device)
+    sizes = kv_pool_sizes(r, rank_model_cfg, model_cfg, device)
     if sizes.draft_bytes_per_block:
         logger.info(sizes.describe())
     return sizes.num_blocks
 
 
-def cuda_kv_budget(cfg, m, device: torch.device) -> int:
+def cuda_kv_budget(r: "Config", m, device: torch.device) -> int:
     """vLLM's rule, as `kvserve plan kv` assumes: gpu_memory_utilization x total device
     memory, less what is in use (weights) and an activation reserve for one full step."""
     _, total = torch.cuda.mem_get_info(device)
     used = torch.cuda.memory_reserved(device)
     width = 3 * m.hidden_size + 2 * m.intermediate_size + (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
-    activations = 4 * (cfg.max_num_batched_tokens * width + cfg.max_num_seqs * m.vocab_size)
-    budget = int(cfg.gpu_memory_utilization * total) - used - activations
+    activations = 4 * (r.scheduler.max_num_batched_tokens * width + r.scheduler.max_num_seqs * m.vocab_size)
+    budget = int(r.cache.gpu_memory_utilization * total) - used - activations
     if budget <= 0:
-        raise ValueError(f"gpu_memory_utilization={cfg.gpu_memory_utilization} of {total / 2**30:.1f} GiB "
+        raise ValueError(f"gpu_memory_utilization={r.cache.gpu_memory_utilization} of {total / 2**30:.1f} GiB "
                          f"leaves no room for the KV cache after {used / 2**30:.1f} GiB of weights and "
                          f"{activations / 2**30:.1f} GiB of activations: raise it, or lower "
                          "max_num_batched_tokens / max_num_seqs.")

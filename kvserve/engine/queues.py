@@ -49,6 +49,7 @@ class RequestQueues:
         self.swapped: deque[list[Request]] = deque()    # SWAPPED groups, oldest first
         self.fork_waiters: dict[str, list[Request]] = {}  # sample 0's id -> WAITING_FOR_FORK
         self.beam_groups: dict[str, BeamGroup] = {}
+        self.finished_seq_ids: list[str] = []           # finished since the worker was last told
         self.step_count = 0
         self.counters = SchedulerCounters()
         self.policy = FCFSPolicy()      # who waits first, who is preempted first (engine/fairness.py)
@@ -109,6 +110,7 @@ class RequestQueues:
                         del self.fork_waiters[head]
         req.transition(status)
         req.error, req.error_code = error, error_code
+        self.finished_seq_ids.append(req.request_id)    # the worker forgets it (engine/worker_view.py)
         self.counters.num_failed += status == S.FINISHED_ERROR and error_code is None
         self.counters.num_grammar_errors += error_code == GRAMMAR_ERROR
         req.metrics.finished_time = time.monotonic()
@@ -119,6 +121,7 @@ class RequestQueues:
         for kid in self.fork_waiters.pop(req.request_id, ()):   # sample 0 ended before forking
             kid.transition(status)
             kid.error, kid.error_code = error, error_code
+            self.finished_seq_ids.append(kid.request_id)
             kid.metrics.finished_time = req.metrics.finished_time
 
     def fork(self, parent: Request, child: Request) -> None:

@@ -15,8 +15,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from kvserve.sample.params import SamplingParams
 
 
@@ -137,7 +135,6 @@ class Request:
         self.num_prompt_logprobs: int | None = 1 if group_head and params.prompt_logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.seed = seed
-        self.generator: torch.Generator | None = None  # made by the sampler on its device
         self.cache_salt = cache_salt
         self.priority = priority              # lower runs first (--scheduling-policy priority)
         self.tenant = tenant                  # VTC's client (server/tenants.py) and its weight

@@ -36,7 +36,7 @@ from kvserve.engine.queues import RequestQueues
 from kvserve.engine.core_io import SequenceDelta
 from kvserve.engine.request import GRAMMAR_ERROR, Request, RequestStatus
 from kvserve.kv.manager import KVCacheManager
-from kvserve.sample.sampler import Sampled
+from kvserve.sample.params import Sampled
 from kvserve.structured.matcher import SequenceGrammar
 from kvserve.worker.output import ModelRunnerOutput
 
@@ -47,8 +47,10 @@ CACHE_AWARE_WINDOW = 256   # at most this many waiting requests are ranked by ca
 
 
 @dataclass
-class SchedulerOutput:
-    """This step's work: (request, number of new tokens), and what changed while choosing it."""
+class StepPlan:
+    """This step's work as the scheduler chose it: (request, number of new tokens), and what
+    changed while choosing it. The worker gets it as data (engine/worker_view.py -> the
+    worker's SchedulerOutput)."""
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     num_batched_tokens: int = 0
@@ -88,7 +90,7 @@ class Scheduler(DraftScheduling, RequestQueues):
     def _latest(self, candidates) -> Request | None:
         return max(candidates, key=self.policy.victim_key, default=None)   # fcfs: the latest arrival
 
-    def _make_room(self, req: Request, num_tokens: int, out: SchedulerOutput, done: set[str]) -> bool:
+    def _make_room(self, req: Request, num_tokens: int, out: StepPlan, done: set[str]) -> bool:
         """Give `req` slots for `num_tokens` tokens in all (copying a shared block first),
         preempting the latest-arrived group with nothing scheduled yet while short."""
         if not self.kv.fits_alone(num_tokens):
@@ -121,11 +123,11 @@ class Scheduler(DraftScheduling, RequestQueues):
             r.transition(S.WAITING)
 
     # -- one step ----------------------------------------------------------------------------
-    def schedule(self, drafts: dict[str, list[int]] | None = None) -> SchedulerOutput:
+    def schedule(self, drafts: dict[str, list[int]] | None = None) -> StepPlan:
         """`drafts`: proposals for some of `spec_candidates()` (speculative decoding); each is
         scheduled, cut to what the budget and the pool spare, or dropped."""
         self.step_count += 1
-        out = SchedulerOutput()
+        out = StepPlan()
         self._budget = self.max_num_batched_tokens
         self._drafts = drafts or {}
         done: set[str] = set()     # groups with a sequence scheduled this step: never victims
@@ -141,12 +143,12 @@ class Scheduler(DraftScheduling, RequestQueues):
         self.policy.on_scheduled(out)
         return out
 
-    def _schedule(self, out: SchedulerOutput, done: set[str], req: Request, n: int) -> None:
+    def _schedule(self, out: StepPlan, done: set[str], req: Request, n: int) -> None:
         out.scheduled.append((req, n))
         done.add(req.parent_id)
         self._budget -= n
 
-    def _schedule_running(self, out: SchedulerOutput, done: set[str]) -> None:
+    def _schedule_running(self, out: StepPlan, done: set[str]) -> None:
         # 1. One decode token for every running sequence whose prefill is complete (with its
         # drafts when it speculates: they only use budget and blocks the others can spare).
         decodes = sum(1 for r in self.running if r.status == S.RUNNING and r.num_tokens - r.num_computed_tokens == 1)
@@ -172,7 +174,7 @@ class Scheduler(DraftScheduling, RequestQueues):
             if self._make_room(req, req.num_computed_tokens + n, out, done):
                 self._schedule(out, done, req, n)
 
-    def _swap_in(self, out: SchedulerOutput) -> None:
+    def _swap_in(self, out: StepPlan) -> None:
         while self.swapped:
             group = self.swapped[0]
             if self.num_seats_taken + sum(self.seats(r) for r in group) > self.max_num_seqs:
@@ -200,7 +202,7 @@ class Scheduler(DraftScheduling, RequestQueues):
         rest.sort(key=lambda t: (t[0], t[1]))
         self.waiting.extendleft(reversed(first + [r for _, _, r in rest]))
 
-    def _admit(self, out: SchedulerOutput, done: set[str]) -> None:
+    def _admit(self, out: StepPlan, done: set[str]) -> None:
         if self.cache_aware and len(self.waiting) > 1 and self.kv.cache is not None:
             self._order_waiting()
         self.policy.order(self)     # priority / VTC, stable over the order above (engine/fairness.py)
@@ -228,7 +230,7 @@ class Scheduler(DraftScheduling, RequestQueues):
             self.running.append(req)
             self._schedule(out, done, req, min(end - used.num_tokens, self._budget))
 
-    def _break_idle_deadlock(self, out: SchedulerOutput) -> None:
+    def _break_idle_deadlock(self, out: StepPlan) -> None:
         """Nothing could run: every seat is a beam waiting for siblings that do not fit. Preempt
         the latest group other than the next in line (by recompute, to the queue's back, so it
         cannot come straight back); the next in line comes in next step (a beam group alone
@@ -248,7 +250,7 @@ class Scheduler(DraftScheduling, RequestQueues):
         return max(0, min(n, capacity - req.num_computed_tokens))
 
     # -- after the forward pass: the one owner of post-step transitions -----------------------
-    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput
+    def update_from_output(self, out: StepPlan, result: ModelRunnerOutput
                            ) -> tuple[list[str], dict[str, SequenceDelta], dict[str, list]]:
         """Apply one step: the scheduled tokens now have K/V (label the full blocks); forks of
         n > 1 happen; each sequence's sampled tokens (one, or a verified speculative run) are

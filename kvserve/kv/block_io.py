@@ -84,14 +84,14 @@ def _sample_digest(path: Path, h) -> None:
             h.update(f.read(1 << 20))
 
 
-def store_scope(config) -> bytes:
+def store_scope(model: str, dtype: str, kv_cache_dtype: str, quantization: str | None,
+                quantization_group_size: int | None, block_size: int) -> bytes:
     """A fingerprint of what K/V depend on beyond the prefix-cache namespace (model path, dtype,
     kv_cache_dtype): the weight files' contents (sampled), the weight quantization and the
     block size. Store keys are sha256(scope + chained block hash)."""
     h = hashlib.sha256()
-    h.update(repr((config.model, config.dtype, config.kv_cache_dtype, config.quantization,
-                   config.quantization_group_size, config.block_size)).encode())
-    path = Path(config.model)
+    h.update(repr((model, dtype, kv_cache_dtype, quantization, quantization_group_size, block_size)).encode())
+    path = Path(model)
     files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else []
     for f in files:
         if f.suffix in (".safetensors", ".bin", ".gguf", ".pt", ".pth") or f.name == "config.json":

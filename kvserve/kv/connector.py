@@ -35,8 +35,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvserve.kv.block_io import (PAYLOAD_OVERHEAD, block_bytes, load_into, pack_block, read_blocks,
-                                 store_scope, unpack_block)
+from kvserve.kv.block_io import PAYLOAD_OVERHEAD, block_bytes, load_into, pack_block, read_blocks, unpack_block
 from kvserve.kv.prefix_cache import PrefixHit
 from kvserve.kv.reload_rule import ReloadRule
 from kvserve.kv.tiers import KVStore, parse_tier_spec, split_tier_specs
@@ -118,12 +117,12 @@ class TieredConnector(KVConnector):
         self._down_until = [0.0] * len(stores)      # monotonic time until which a store is skipped
 
     @classmethod
-    def from_config(cls, config) -> "TieredConnector | None":
-        specs = split_tier_specs(getattr(config, "kv_tiers", None))
+    def from_specs(cls, specs, block_size: int, reload: str, scope: bytes) -> "TieredConnector | None":
+        """The stack `specs` names (--kv-tiers, top first), None for none; `scope`: store_scope's."""
+        specs = split_tier_specs(specs)
         if not specs:
             return None
-        return cls([parse_tier_spec(s) for s in specs], config.block_size,
-                   getattr(config, "kv_tier_reload", "auto"), store_scope(config))
+        return cls([parse_tier_spec(s) for s in specs], block_size, reload, scope)
 
     def _key(self, block_hash: bytes) -> bytes:
         return hashlib.sha256(self.scope + block_hash).digest() if self.scope else block_hash

@@ -81,7 +81,8 @@ def score_chunks(engine, chunks: list[list[int]],
     sampling = engine.core.runner.sampling
     saved = sampling.prompt_logprobs_hook
     if on_rows is not None:
-        sampling.prompt_logprobs_hook = lambda req, pos, logits: on_rows(index[req.parent_id], pos, logits)
+        # n = 1: each chunk's one sequence has the request's id
+        sampling.prompt_logprobs_hook = lambda seq, pos, logits: on_rows(index[seq.request_id], pos, logits)
     done, nxt = {}, 0
     try:
         while nxt < len(chunks):

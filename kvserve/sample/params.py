@@ -228,3 +228,14 @@ class BeamSearchParams:
         return SamplingParams(n=self.beam_width, use_beam_search=True, beam_width=self.beam_width,
                               length_penalty=self.length_penalty, max_tokens=self.max_tokens,
                               ignore_eos=self.ignore_eos, temperature=0.0, logprobs=0)
+
+
+@dataclass(slots=True)
+class Sampled:
+    """One position's token and its log-probability under the raw model distribution: its rank
+    (1 = most likely) and, when asked for, the top-k alternatives as (token id, logprob)."""
+
+    token_id: int
+    logprob: float = 0.0
+    rank: int = 0
+    top: list[tuple[int, float]] | None = None

@@ -7,29 +7,19 @@ orders differ when top-p and min-p are combined.) `process_logits` / `processed_
 the distribution each row is chosen from. Each seeded request draws from its own generator, so
 its tokens do not depend on what else is in the batch. Logprobs are those of the raw model
 distribution (log_softmax of the unprocessed logits), with the sampled token's rank. A
-constrained row (structured outputs) comes in already masked by its grammar (worker/sampling.py):
+constrained row (structured outputs) comes in already masked by its grammar (sample/grammar_mask.py):
 its "raw" distribution is the model's renormalised over the tokens the grammar allows.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from kvserve.sample.params import Sampled  # noqa: F401 (the sampler's record of a position)
+
 if TYPE_CHECKING:
     from kvserve.engine.request import Request
-
-
-@dataclass(slots=True)
-class Sampled:
-    """One position's token and its log-probability under the raw model distribution: its rank
-    (1 = most likely) and, when asked for, the top-k alternatives as (token id, logprob)."""
-
-    token_id: int
-    logprob: float = 0.0
-    rank: int = 0
-    top: list[tuple[int, float]] | None = None
 
 
 def process_logits(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
@@ -218,3 +208,23 @@ class Sampler:
         out = greedy.clone()
         out[torch.tensor(rows, device=x.device)] = sampled
         return out
+
+
+def beam_candidates(row: torch.Tensor, width: int) -> tuple[list[int], list[float]]:
+    """A beam's top 2 * width (token ids, raw logprobs), best first."""
+    lp = torch.log_softmax(row.float(), dim=-1)
+    top_lp, top_ids = lp.topk(min(2 * width, lp.shape[-1]))
+    return top_ids.tolist(), top_lp.tolist()
+
+
+@torch.inference_mode()
+def prompt_entries(req, first: int, logits: torch.Tensor) -> list[Sampled]:
+    """The entries of prompt tokens first + 1 .. first + r from `logits` [r, V], the raw rows
+    at positions first .. first + r - 1: the token's logprob (log_softmax, the raw model
+    distribution, like the sampler's) and rank, and the top `prompt_logprobs` tokens."""
+    r = logits.shape[0]
+    targets = req.prompt_token_ids[first + 1:first + 1 + r]
+    chosen, ranks, top_ids, top_lps = token_logprobs(
+        logits, torch.tensor(targets, dtype=torch.long, device=logits.device), req.params.prompt_logprobs)
+    return [Sampled(tid, c, rank, list(zip(ids, lps)))
+            for tid, c, rank, ids, lps in zip(targets, chosen, ranks, top_ids, top_lps)]

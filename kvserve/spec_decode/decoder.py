@@ -6,7 +6,7 @@ gamma drafted tokens contributes gamma + 1 tokens to the step instead of one"; s
                           running batch exceeds disable_by_batch_size); the proposer guesses
     Scheduler.schedule    gives each a slot for its last token + k drafts, under the token budget
     ModelRunner.execute   one packed pass; logits at all k + 1 positions of those rows
-    SpecDecoder.verify    greedy prefix match or rejection sampling (spec/verify.py)
+    SpecDecoder.verify    greedy prefix match or rejection sampling (sample/rejection.py)
     Scheduler.update_from_output
                           appends the emitted run token by token (stops cut it), advances
                           num_computed_tokens over the accepted drafts only, labels full
@@ -26,7 +26,7 @@ import torch
 
 from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.ngram import NgramProposer, Proposer
-from kvserve.spec_decode.verify import verify
+from kvserve.sample.rejection import verify
 
 logger = logging.getLogger(__name__)
 
@@ -50,18 +50,19 @@ class SpecDecodeStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
-def make_proposer(cfg: SpeculativeConfig, engine) -> Proposer:
+def make_proposer(cfg: SpeculativeConfig, target) -> Proposer:
     if cfg.method == "ngram":
         return NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
     from kvserve.spec_decode.draft import DraftModelProposer
-    return DraftModelProposer(cfg, engine)
+    return DraftModelProposer(cfg, target)
 
 
 class SpecDecoder:
-    def __init__(self, cfg: SpeculativeConfig, engine, proposer: Proposer | None = None):
+    def __init__(self, cfg: SpeculativeConfig, target, proposer: Proposer | None = None):
+        """target: a spec_decode.draft.DraftTarget, what a draft model needs of the target."""
         self.config = cfg
-        self.vocab_size = engine.model_config.vocab_size
-        self.proposer = proposer or make_proposer(cfg, engine)
+        self.vocab_size = target.vocab_size
+        self.proposer = proposer or make_proposer(cfg, target)
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * cfg.num_speculative_tokens)
         # sequence id -> (steps left to sit out, consecutive fully rejected drafts): a sequence
         # the proposer keeps guessing wrong (free text for n-gram lookup) stops costing k + 1 rows

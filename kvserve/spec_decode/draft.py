@@ -6,7 +6,7 @@ the target itself, for tests), with its own paged KV cache in the same engine.
 Per engine step, over all speculating sequences at once: one packed pass catches each draft
 sequence up with the target's tokens (the prompt on first sight, then the one or two tokens of
 the last verified run) and gives draft 1; then k - 1 one-token passes give the rest. Drafts
-are the draft model's argmax (a point-mass proposal: spec/verify.py's rejection sampling
+are the draft model's argmax (a point-mass proposal: sample/rejection.py's rejection sampling
 needs no draft probabilities).
 
 Rollback, the same way as the target's: the draft's K/V are valid for the longest common
@@ -17,8 +17,11 @@ leaves the running batch (finished, preempted, swapped) drops its draft cache (`
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
+
+from kvserve.config.resolved import ModelLoadConfig
 
 from kvserve.kv.manager import KVCacheManager
 from kvserve.model.loader import read_model_config
@@ -31,19 +34,21 @@ from kvserve.worker.sequence import RunnerSequence
 PROBE = "The quick brown fox jumps over the lazy dog. 1234 \u00e9t\u00e9"
 
 
-def draft_footprint(ec, target_cfg) -> tuple[int, int]:
-    """(bytes of one KV block, bytes of float weights) of the draft model `ec.speculative`
-    names, from its config alone (a "self" draft has `target_cfg`'s shape); (0, 0) without one.
-    kv_sizing budgets the draft's pool with the target's from these, before either is built."""
-    spec = ec.speculative
+def draft_footprint(r, target_cfg) -> tuple[int, int]:
+    """(bytes of one KV block, bytes of float weights) of the draft model `r.speculative` names
+    (`r`: the resolved Config), from its config alone (a "self" draft has `target_cfg`'s shape);
+    (0, 0) without one. kv_sizing budgets the draft's pool with the target's from these, before
+    either is built."""
+    spec = r.speculative
     if spec is None or spec.method != "draft_model":
         return 0, 0
     m = target_cfg if spec.model in SELF_DRAFTS else read_model_config(spec.model)
     E, D, I = m.hidden_size, m.head_dim, m.intermediate_size
     params = (m.vocab_size * E * (1 if m.tie_word_embeddings else 2)
               + m.num_layers * (2 * E * (m.num_heads + m.num_kv_heads) * D + 3 * E * I))
-    return (ModelRunner.kv_bytes_per_block(m, ec.block_size, ec.torch_dtype),
-            params * torch.empty((), dtype=ec.torch_dtype).element_size())
+    dtype = r.model.torch_dtype
+    return (ModelRunner.kv_bytes_per_block(m, r.cache.block_size, dtype),
+            params * torch.empty((), dtype=dtype).element_size())
 
 
 def _common_prefix(a: list[int], b: list[int], n: int) -> int:
@@ -54,30 +59,42 @@ def _common_prefix(a: list[int], b: list[int], n: int) -> int:
     return i
 
 
+@dataclass(frozen=True)
+class DraftTarget:
+    """What a draft model needs of the target it drafts for (the engine builds it)."""
+
+    load: ModelLoadConfig            # the target's resolved load section (dtype, device, quantization)
+    attention_backend: str           # as the user asked ("auto": decided for the draft's own heads)
+    block_size: int
+    num_blocks: int                  # the draft's pool has as many blocks (kv_sizing budgets both)
+    vocab_size: int
+    tokenizer: object                # the target's, or None
+
+
 class DraftModelProposer(Proposer):
-    def __init__(self, cfg: SpeculativeConfig, engine):
-        ec = engine.config
+    def __init__(self, cfg: SpeculativeConfig, target: DraftTarget):
+        t = target.load
         path, quant = cfg.model, cfg.quantization
         if path in SELF_DRAFTS:
-            path, quant = ec.model, quant or SELF_DRAFTS[path]
+            path, quant = t.model, quant or SELF_DRAFTS[path]
         # the target's dtype; a GGUF draft runs in its own types unless a quantization asks otherwise
-        load = dataclasses.replace(         # the backend as asked: "auto" decides for the draft's heads
-            engine.resolved.model, model=path, quantization=quant, quantize_activations=False,
-            attention_backend=ec.attention_backend,
-            quantization_group_size=ec.quantization_group_size if quant == ec.quantization else None)
-        bs = ec.block_size
-        built = build_model(load, bs, "auto", engine.device)
+        load = dataclasses.replace(
+            t, model=path, quantization=quant, quantize_activations=False,
+            attention_backend=target.attention_backend,
+            quantization_group_size=t.quantization_group_size if quant == t.quantization else None)
+        bs = target.block_size
+        built = build_model(load, bs, "auto", t.device)
         model_cfg, tok = built.config, built.tokenizer
-        target_vocab = engine.model_config.vocab_size
-        if model_cfg.vocab_size != target_vocab:
+        if model_cfg.vocab_size != target.vocab_size:
             raise ValueError(f"the draft model {cfg.model!r} has a vocabulary of {model_cfg.vocab_size} "
-                             f"tokens, the target {target_vocab}: a draft must share the target's tokenizer.")
-        if tok is not None and engine.tokenizer is not None and tok.encode(PROBE) != engine.tokenizer.encode(PROBE):
+                             f"tokens, the target {target.vocab_size}: a draft must share the target's "
+                             "tokenizer.")
+        if tok is not None and target.tokenizer is not None and tok.encode(PROBE) != target.tokenizer.encode(PROBE):
             raise ValueError(f"the draft model {cfg.model!r} tokenizes text differently from the target: "
                              "a draft must share the target's tokenizer.")
         self.model = built.model
         self.max_positions = model_cfg.max_position_embeddings
-        num_blocks = engine.kv.pool.num_blocks   # as many as the target's: kv_sizing budgets both
+        num_blocks = target.num_blocks
         self.kv = KVCacheManager(num_blocks, bs)           # no prefix cache: draft K/V are private
         self.runner = ModelRunner(self.model, num_blocks, bs)
         self.seqs: dict[str, RunnerSequence] = {}

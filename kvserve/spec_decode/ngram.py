@@ -5,7 +5,7 @@ prompt-lookup decoding; seed 004's cheapest proposer: the text often repeats its
 draft token ids guessed to follow `request.token_ids` (possibly none). Proposers guess; they
 never decide who speculates (the scheduler does) nor whether a guess is right (the target does).
 Every proposer here proposes a single sequence per request with a point-mass distribution, so
-verification (spec/verify.py) needs no draft probabilities.
+verification (sample/rejection.py) needs no draft probabilities.
 """
 from __future__ import annotations
 

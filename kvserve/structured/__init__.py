@@ -16,8 +16,9 @@ The path of a constrained request: StructuredOutputsParams bounds what is cheap 
 a memory blow-up of the compiler costs that worker only; the core queues its sequences in
 WAITING_FOR_GRAMMAR while a thread compiles the grammar again in-process (compiler.py, cached by
 spec; waiting.py, bounded by --max-grammar-compile-s from the compile's start); each sequence gets
-its own matcher (matcher.py); every step the sampling stage masks its logits row with the
-matcher's bitmask before anything else (worker/sampling.py), and the scheduler advances the
+its own matcher (matcher.py); every step the core computes the bitmask of each constrained
+sequence that samples (engine/worker_view.py), the worker's sampler masks its logits row with
+it before anything else (sample/grammar_mask.py), and the scheduler advances the
 matcher with the accepted token and stops the sequence when the grammar is complete.
 """
 from __future__ import annotations

@@ -49,7 +49,7 @@ def with_checkpoint_dtype(config: "EngineConfig") -> "EngineConfig":
     return dataclasses.replace(config, dtype=str(dtype).removeprefix("torch."))
 
 
-def load_checkpoint(config, device: torch.device) -> tuple[ModelConfig, dict, Tokenizer | None]:
+def load_checkpoint(config, device: torch.device | str) -> tuple[ModelConfig, dict, Tokenizer | None]:
     """(model config, weights, tokenizer) of `config.model` in `config.dtype` (decided; an
     EngineConfig or its resolved ModelLoadConfig section): a GGUF
     file's tensors in their own types unless quantization "dequant" asks for the dtype."""
@@ -57,7 +57,7 @@ def load_checkpoint(config, device: torch.device) -> tuple[ModelConfig, dict, To
                           device=device)
 
 
-def load_and_resolve(config: "EngineConfig", device: torch.device) -> tuple["Config", tuple]:
+def load_and_resolve(config: "EngineConfig", device: torch.device | str) -> tuple["Config", tuple]:
     """The checkpoint read once (`load_checkpoint`, dtype "auto" decided first), and `config`
     resolved (config/resolved.py) against it: max_model_len the model's context unless asked for
     less, the attention backend for this model's heads here. Returns (Config, what build_model
@@ -73,12 +73,13 @@ def load_and_resolve(config: "EngineConfig", device: torch.device) -> tuple["Con
     return dataclasses.replace(r, model=dataclasses.replace(r.model, attention_backend=backend.name)), loaded
 
 
-def build_model(load: "ModelLoadConfig", block_size: int, kv_cache_dtype: str, device: torch.device, *,
+def build_model(load: "ModelLoadConfig", block_size: int, kv_cache_dtype: str, device: torch.device | str, *,
                 rank: int = 0, tp_size: int = 1, attention: type[AttentionBackend] | None = None,
                 loaded: tuple | None = None) -> BuiltModel:
     """Load `load.model` (or take `loaded`, `load_checkpoint`'s answer for it) and build rank
     `rank` of `tp_size` of it on `device`. A GGUF file's tensors load in their own types unless
     quantization "dequant" asks for `load.dtype`."""
+    device = torch.device(device)
     cfg, weights, tokenizer = loaded or load_checkpoint(load, device)
     run_cfg, tp = cfg, None
     if tp_size > 1:

@@ -1,9 +1,11 @@
 """The model runner: packs one step's scheduled tokens into one flat (ragged) batch, runs one
 forward pass over the paged KV cache and computes logits for the sequences that sample
 (seed 000, "Chunked prefill": `pack(sequences)`; seed 003, block tables and slot mapping),
-plus the rows of any other positions the caller names (prompt logprobs); `execute_model` then
-runs the sampling stage on them (worker/sampling.py) and returns a ModelRunnerOutput, so the
-logits never leave the worker (`execute` returns them, for the draft model's argmax). A sequence given
+plus the rows of any other positions the caller names (prompt logprobs). `execute_model` takes
+the step as data (a SchedulerOutput: worker/scheduler_output.py), keeps its own copy of every
+live sequence (worker/request_state.py), then runs the sampling stage on the logits
+(worker/sampling.py) and returns a ModelRunnerOutput, so the logits never leave the worker
+(`execute` returns them, for the draft model's argmax). A sequence given
 drafts (speculative decoding: the scheduler's `draft_tokens`) runs its last token and the k
 drafts after it and returns logits at all k + 1 positions.
 Its inputs are written into buffers and block-table rows kept across steps (worker/input_batch.py).
@@ -21,10 +23,12 @@ from kvserve.model.llama import LlamaModel
 from kvserve.sample.sampler import Sampler
 from kvserve.worker.input_batch import InputBatch
 from kvserve.worker.output import ModelRunnerOutput
+from kvserve.worker.request_state import SequenceState
+from kvserve.worker.scheduler_output import SchedulerOutput
 from kvserve.worker.sampling import StepSampler
 
 if TYPE_CHECKING:
-    from kvserve.engine.request import Request
+    from kvserve.worker.sequence import RunnerSequence
 
 
 class ModelRunner:
@@ -49,6 +53,7 @@ class ModelRunner:
         self.kv_caches = [tuple(kv_quant.allocate(shape, self.kv_cache_dtype, model.dtype, self.device)
                                 for _ in range(2)) for _ in range(cfg.num_layers)]
         self.input_batch = InputBatch(self.device, block_size)
+        self.states: dict[str, SequenceState] = {}   # every live sequence, by id (execute_model)
 
     # -- block moves for sharing and swapping (kv/manager.py queues them; run before execute) --
     def init_swap_space(self, num_cpu_blocks: int) -> None:
@@ -116,9 +121,9 @@ class ModelRunner:
         row = kv_quant.bytes_per_token_head(kv_cache_dtype, cfg.head_dim, dtype)
         return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * row
 
-    def execute(self, scheduled: list[tuple[Request, int, list[int]]],
+    def execute(self, scheduled: list[tuple[RunnerSequence, int, list[int]]],
                 extra_rows: dict[str, range] | None = None, draft_tokens: dict[str, list[int]] | None = None
-                ) -> tuple[torch.Tensor, list[Request], list[tuple[Request, int, torch.Tensor]]]:
+                ) -> tuple[torch.Tensor, list, list[tuple[RunnerSequence, int, torch.Tensor]]]:
         """scheduled: (request, num_new_tokens, block_ids). Returns logits [S, V] for the
         requests whose every known token is now computed (they sample), and those requests
         (a request with k `draft_tokens`, which its num_new_tokens count, has k + 1 rows);
@@ -146,12 +151,30 @@ class ModelRunner:
         vocabulary, and `spec`, the SpecDecoder whose drafts it verifies (None: no speculation)."""
         self.sampling = StepSampler(Sampler(vocab_size, self.device, seed), spec)
 
-    def execute_model(self, scheduled: list[tuple[Request, int, list[int]]], extra_rows: dict[str, range],
-                      draft_tokens: dict[str, list[int]], fork_waiters: dict[str, list]) -> ModelRunnerOutput:
-        """One step: the forward pass (`execute`), then the sampling stage on its logits
-        (speculative verification, beam candidates, prompt logprobs): what the scheduler needs."""
-        logits, samplers, prompt_rows = self.execute(scheduled, extra_rows, draft_tokens)
-        return self.sampling(logits, samplers, prompt_rows, draft_tokens, fork_waiters)
+    def update_states(self, so: SchedulerOutput) -> None:
+        """Apply the step's data to the worker's copy of every live sequence: finished ones are
+        forgotten, new ones recorded, cached ones advanced (worker/request_state.py)."""
+        for sid in so.finished_seq_ids:
+            self.states.pop(sid, None)
+        for d in so.new_seqs:
+            self.states[d.seq_id] = SequenceState.from_new(d)
+        for d in so.cached_seqs:
+            self.states[d.seq_id].update(d)
+
+    def execute_model(self, so: SchedulerOutput, sample: bool = True) -> ModelRunnerOutput:
+        """One step from its SchedulerOutput: the sequences' states updated, the forward pass
+        (`execute`), then the sampling stage on its logits (speculative verification, beam
+        candidates, prompt logprobs): what the scheduler needs. A tensor-parallel worker rank
+        runs it with sample=False (rank 0 samples)."""
+        self.update_states(so)
+        if not so.scheduled:
+            return ModelRunnerOutput()
+        states = self.states
+        batch = [(states[sid], n, states[sid].block_ids) for sid, n in so.scheduled]
+        logits, samplers, prompt_rows = self.execute(batch, so.prompt_logprob_rows, so.draft_tokens)
+        if not sample:
+            return ModelRunnerOutput()
+        return self.sampling(logits, samplers, prompt_rows, so, states)
 
     def forward(self, input_ids, positions, meta, logits_indices) -> torch.Tensor:
         """One forward pass of the model over this runner's KV pools (the hook a tensor-parallel

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvserve.sample.sampler import Sampled
+from kvserve.sample.params import Sampled
 
 
 @dataclass

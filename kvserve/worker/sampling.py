@@ -4,21 +4,24 @@ Which logits row is whose is decided here and only here: one row per sampling se
 runner's order (k + 1 rows for a sequence verifying k drafts: spec_decode/decoder.py), samples
 waiting to fork (n > 1) drawing from their first sample's row with their own generators, a
 beam's top 2 * beam_width candidates, and the rows of prompt positions whose logprobs were
-asked for. A constrained sequence's row (structured outputs) is masked by its grammar first,
-in place (the step's logits are this stage's): penalties, greedy, top-k/p and logprobs see only
-the tokens its grammar allows. Failures stay with their sequence: a sampling error is retried
-row by row and fails only the row that raises; a grammar that allows no token fails its
-sequence; a prompt-logprob error fails its request alone.
+asked for. A constrained sequence's row (structured outputs) is masked first by the bitmask
+the core computed from its grammar, in place (the step's logits are this stage's:
+sample/grammar_mask.py): penalties, greedy, top-k/p and logprobs see only the tokens its
+grammar allows. Failures stay with their sequence: a sampling error is retried row by row and
+fails only the row that raises; a grammar that allows no token fails its sequence; a
+prompt-logprob error fails its request alone.
 """
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
-from kvserve.sample.sampler import Sampled, Sampler, token_logprobs
-from kvserve.structured.matcher import mask_logits
+from kvserve.sample.grammar_mask import apply_grammar_bitmask
+from kvserve.sample.sampler import Sampler, beam_candidates, prompt_entries
 from kvserve.worker.output import ModelRunnerOutput
+from kvserve.worker.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -31,22 +34,27 @@ class StepSampler:
         # as hook(request, first position, raw logits [r, V]) for every prompt-logprob chunk.
         self.prompt_logprobs_hook = None
 
-    def __call__(self, logits: torch.Tensor, samplers: list, prompt_rows: list,
-                 draft_tokens: dict[str, list[int]], fork_waiters: dict[str, list]) -> ModelRunnerOutput:
-        """logits [rows, V]: the runner's sampling rows; samplers: their sequences, in order."""
+    def __call__(self, logits: torch.Tensor, samplers: list, prompt_rows: list, so: SchedulerOutput,
+                 states: dict) -> ModelRunnerOutput:
+        """logits [rows, V]: the runner's sampling rows; samplers: their sequences' states
+        (worker/request_state.py), in order; `so`: the step's SchedulerOutput (drafts, forks,
+        grammar bitmasks); states: every live sequence's state, by id."""
         out = ModelRunnerOutput()
-        if draft_tokens and self.spec is not None:
-            logits, samplers = self.spec.verify(logits, samplers, draft_tokens, self.sampler.generator, out)
+        if so.draft_tokens and self.spec is not None:
+            logits, samplers = self.spec.verify(logits, samplers, so.draft_tokens, self.sampler.generator, out)
         rows, reqs = [], []
         for i, req in enumerate(samplers):
             if req.params.use_beam_search:
                 out.beam_candidates[req.request_id] = beam_candidates(logits[i], req.params.beam_width)
                 continue
-            for r in [req] + fork_waiters.get(req.request_id, []):
+            for r in [req] + [states[w] for w in so.fork_waiters.get(req.request_id, ())]:
+                if r.request_id in so.grammar_errors:      # its grammar allows nothing: it does not sample
+                    out.grammar_errors[r.request_id] = so.grammar_errors[r.request_id]
+                    continue
                 rows.append(i)
                 reqs.append(r)
         if reqs:
-            self._sample(logits, rows, reqs, out)
+            self._sample(logits, rows, reqs, so.grammar_bitmask, out)
         for req, first, row_logits in prompt_rows:
             try:
                 if self.prompt_logprobs_hook is not None:
@@ -57,14 +65,16 @@ class StepSampler:
                 out.fail(req.request_id, e)
         return out
 
-    def _sample(self, logits: torch.Tensor, rows: list[int], reqs: list, out: ModelRunnerOutput) -> None:
+    def _sample(self, logits: torch.Tensor, rows: list[int], reqs: list, bitmasks: dict,
+                out: ModelRunnerOutput) -> None:
         same = len(rows) == logits.shape[0] and rows == list(range(len(rows)))
         x = logits if same else logits[rows]              # [S, V]: one row per request, in order
-        constrained = [j for j, r in enumerate(reqs) if getattr(r, "grammar", None) is not None]
+        constrained = [j for j, r in enumerate(reqs) if r.request_id in bitmasks]
         if constrained:     # the grammar's mask first: every later stage sees only allowed tokens
-            bad = mask_logits(x, constrained, [reqs[j].grammar for j in constrained])
-            for j, why in bad.items():
-                out.grammar_errors[reqs[j].request_id] = why
+            bitmask = np.stack([bitmasks[reqs[j].request_id] for j in constrained])     # [C, W]
+            bad = {constrained[i] for i in apply_grammar_bitmask(x, constrained, bitmask)}
+            for j in bad:
+                out.grammar_errors[reqs[j].request_id] = "the grammar admits no token here"
             if bad:
                 keep = [j for j in range(len(reqs)) if j not in bad]
                 x, reqs = x[keep], [reqs[j] for j in keep]
@@ -85,25 +95,3 @@ class StepSampler:
                 out.fail(r.request_id, res)
             else:
                 out.sampled[r.request_id] = [res]
-
-
-def beam_candidates(row: torch.Tensor, width: int) -> tuple[list[int], list[float]]:
-    """A beam's top 2 * width (token ids, raw logprobs), best first."""
-    lp = torch.log_softmax(row.float(), dim=-1)
-    top_lp, top_ids = lp.topk(min(2 * width, lp.shape[-1]))
-    return top_ids.tolist(), top_lp.tolist()
-
-
-@torch.inference_mode()
-def prompt_entries(req, first: int, logits: torch.Tensor) -> list[Sampled]:
-    """The entries of prompt tokens first + 1 .. first + r from `logits` [r, V], the raw rows
-    at positions first .. first + r - 1: the token's logprob (log_softmax, the raw model
-    distribution, like the sampler's) and rank, and the top `prompt_logprobs` tokens."""
-    assert first + 1 == req.num_prompt_logprobs, \
-        f"{req}: prompt entries {req.num_prompt_logprobs}, rows from position {first}"
-    r = logits.shape[0]
-    targets = req.prompt_token_ids[first + 1:first + 1 + r]
-    chosen, ranks, top_ids, top_lps = token_logprobs(
-        logits, torch.tensor(targets, dtype=torch.long, device=logits.device), req.params.prompt_logprobs)
-    return [Sampled(tid, c, rank, list(zip(ids, lps)))
-            for tid, c, rank, ids, lps in zip(targets, chosen, ranks, top_ids, top_lps)]

@@ -1,5 +1,5 @@
 """Build the ModelRunnerOutput a scheduler test means from plain values."""
-from kvserve.sample.sampler import Sampled
+from kvserve.sample.params import Sampled
 from kvserve.worker.output import ModelRunnerOutput
 
 

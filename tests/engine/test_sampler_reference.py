@@ -27,7 +27,7 @@ from transformers.generation.logits_process import (MinNewTokensLengthLogitsProc
                                                     RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
-from kvserve.engine.request import Request
+from kvserve.worker.request_state import SequenceState
 from kvserve.sample.params import SamplingParams
 from kvserve.sample.sampler import Sampler, process_logits, processed_logprobs
 
@@ -43,10 +43,8 @@ def make_logits(seed: int, rows: int, scale: float = 1.5) -> torch.Tensor:
 
 
 def make_request(i: int, params: SamplingParams, prompt: list[int], output: list[int],
-                 seed: int | None = None) -> Request:
-    r = Request(f"r{i}", prompt, params, eos_token_id=EOS, seed=seed)
-    r.token_ids.extend(output)
-    return r
+                 seed: int | None = None) -> SequenceState:
+    return SequenceState(f"r{i}", prompt + output, len(prompt), params, seed, EOS)   # the worker's copy
 
 
 def reference(row: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int],

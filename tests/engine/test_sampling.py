@@ -214,13 +214,11 @@ def test_verify_for_model_checks_ids_against_the_vocabulary():
 
 def _sampler_step(params_list, V=64, eos=None, seeds=None, out_tokens=()):
     import torch
-    from kvserve.engine.request import Request
     from kvserve.sample.sampler import Sampler
-    reqs = []
-    for i, p in enumerate(params_list):
-        r = Request(f"r{i}", [1, 2, 3], p, eos_token_id=eos, seed=(seeds or [None] * len(params_list))[i])
-        r.token_ids.extend(out_tokens)
-        reqs.append(r)
+    from kvserve.worker.request_state import SequenceState
+    seeds = seeds or [None] * len(params_list)
+    reqs = [SequenceState(f"r{i}", [1, 2, 3, *out_tokens], 3, p, seeds[i], eos)   # what the worker holds
+            for i, p in enumerate(params_list)]
     row = torch.randn(V, generator=torch.Generator().manual_seed(0))
     logits = row.expand(len(reqs), V).contiguous()          # the same logits in every row
     return Sampler(V, torch.device("cpu"), seed=0)(logits, reqs), logits, reqs

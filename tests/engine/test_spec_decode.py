@@ -16,7 +16,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.config import CPU_SPEC_DISABLE_BY_BATCH_SIZE, EngineConfig
 from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.ngram import ngram_lookup
-from kvserve.spec_decode.verify import accept_greedy, rejection_sample
+from kvserve.sample.rejection import accept_greedy, rejection_sample
 from tests.conftest import STORIES_C, STORIES_HF
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
@@ -91,14 +91,14 @@ def test_accept_greedy():
 
 def test_each_row_is_processed_with_the_drafts_before_it():
     """Row i is penalised (and min_tokens-masked) as if drafts 1..i were already output."""
-    from kvserve.engine.request import Request
-    from kvserve.spec_decode.verify import verify
+    from kvserve.sample.rejection import verify
+    from kvserve.worker.request_state import SequenceState
 
     logits = torch.tensor([[0.0, 3.0, 2.0, 0.0]] * 4)              # argmax 1, then 2
-    pen = Request("a", [0], SamplingParams(temperature=0.0, frequency_penalty=2.0))
+    pen = SequenceState("a", [0], 1, SamplingParams(temperature=0.0, frequency_penalty=2.0), None, None)
     (res,) = verify(logits, [pen], [[1, 1, 1]], torch.Generator())
     assert res.tokens == [1, 2] and res.num_accepted == 1          # a second 1 is penalised below 2
-    early = Request("b", [0], SamplingParams(temperature=0.0, min_tokens=2), eos_token_id=1)
+    early = SequenceState("b", [0], 1, SamplingParams(temperature=0.0, min_tokens=2), None, 1)
     (res,) = verify(logits, [early], [[2, 2, 2]], torch.Generator())
     assert res.tokens == [2, 2, 1] and res.num_accepted == 2       # EOS allowed from the third token
 

@@ -27,6 +27,11 @@ def core(llm):
     return getattr(llm.engine, "core", llm.engine)
 
 
+def resolved(cfg: EngineConfig):
+    """The engine's resolved Config for `cfg` against its model (what kv_sizing reads)."""
+    return cfg.resolve(read_model_config(cfg.model))
+
+
 def per_block(model_dir, block_size: int = 16) -> int:
     return ModelRunner.kv_bytes_per_block(read_model_config(str(model_dir)), block_size, torch.float32)
 
@@ -52,11 +57,11 @@ def test_target_and_draft_pools_share_kv_cache_memory(random_model_dir, draft):
 def test_without_a_draft_the_target_takes_the_whole_budget(random_model_dir):
     cfg = EngineConfig(model=str(STORIES_HF), device="cpu", kv_cache_memory=BUDGET, max_model_len=512)
     m = read_model_config(str(STORIES_HF))
-    sizes = kv_pool_sizes(cfg, m, m, torch.device("cpu"))
+    sizes = kv_pool_sizes(resolved(cfg), m, m, "cpu")
     assert sizes.draft_bytes_per_block == 0 and sizes.num_blocks == BUDGET // per_block(STORIES_HF) - 1
     ngram = EngineConfig(model=str(STORIES_HF), device="cpu", kv_cache_memory=BUDGET, max_model_len=512,
                          speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    assert kv_pool_sizes(ngram, m, m, torch.device("cpu")) == sizes
+    assert kv_pool_sizes(resolved(ngram), m, m, "cpu") == sizes
 
 
 def test_the_split_is_reported_and_an_explicit_block_count_goes_to_both(random_model_dir):
@@ -65,15 +70,15 @@ def test_the_split_is_reported_and_an_explicit_block_count_goes_to_both(random_m
     m = read_model_config(str(STORIES_HF))
     cfg = EngineConfig(model=str(STORIES_HF), device="cpu", kv_cache_memory=BUDGET, max_model_len=512,
                        speculative_config=spec)
-    sizes = kv_pool_sizes(cfg, m, m, torch.device("cpu"))
+    sizes = kv_pool_sizes(resolved(cfg), m, m, "cpu")
     assert sizes.target_bytes_per_block == per_block(STORIES_HF)
     assert sizes.draft_bytes_per_block == per_block(draft)
     text = sizes.describe()
     assert f"{sizes.num_tokens} tokens" in text and "draft model" in text and "71%" in text   # 1280 / 1792
     fixed = EngineConfig(model=str(STORIES_HF), device="cpu", num_kv_blocks=40, max_model_len=512,
                          speculative_config=spec)
-    assert kv_pool_sizes(fixed, m, m, torch.device("cpu")).num_blocks == 40
+    assert kv_pool_sizes(resolved(fixed), m, m, "cpu").num_blocks == 40
     tiny = EngineConfig(model=str(STORIES_HF), device="cpu", kv_cache_memory=sizes.target_bytes_per_block,
                         max_model_len=512, speculative_config=spec)
     with pytest.raises(ValueError, match="for the draft model"):
-        kv_pool_sizes(tiny, m, m, torch.device("cpu"))
+        kv_pool_sizes(resolved(tiny), m, m, "cpu")

@@ -22,7 +22,8 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.structured import StructuredOutputsParams as SO
 from kvserve.structured.compiler import compile_matcher, ll_tokenizer
-from kvserve.structured.matcher import SequenceGrammar, fill_rows_numpy, fill_rows_torch, mask_logits
+from kvserve.sample.grammar_mask import apply_grammar_bitmask, fill_rows_numpy, fill_rows_torch
+from kvserve.structured.matcher import SequenceGrammar, grammar_bitmasks
 from tests.reference.hf_reference import load_hf
 from tests.structured.conftest import token_bytes
 
@@ -88,7 +89,8 @@ def kvserve_masks(llm: LLM, spec: dict, tokens: list[int]) -> list[set[int]]:
     masks = []
     for t in tokens:
         x = torch.zeros(1, V)
-        assert not mask_logits(x, [0], [g])
+        bitmask, failed = grammar_bitmasks([g])               # the core's part
+        assert not failed and not apply_grammar_bitmask(x, [0], bitmask)   # the sampler's
         masks.append(set(torch.isfinite(x[0]).nonzero().flatten().tolist()))
         assert g.accept(t)
     return masks
@@ -134,7 +136,7 @@ def test_sampling_never_leaves_the_allowed_set(model, stories_hf, byte_level_mod
 
 
 def test_the_device_mask_path_equals_the_cpu_one():
-    """mask_logits writes rows with numpy on the CPU and with torch elsewhere: the same rows."""
+    """The grammar mask writes rows with numpy on the CPU and with torch elsewhere: the same rows."""
     rng = np.random.default_rng(0)
     forbidden = rng.random((3, 100)) < 0.7
     with torch.inference_mode():                  # as the runner's logits are

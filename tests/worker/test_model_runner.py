@@ -1,7 +1,7 @@
 """The model runner on stories260K: steps with requests leaving, coming back and reordered give
 the logits of a fresh runner; the null block is never written or handed out; the KV connector is
-called at the runner's named points (no patched methods); tensor-parallel step messages carry
-values, not the persistent buffers."""
+called at the runner's named points (no patched methods); tensor-parallel ranks get each step
+as data (the SchedulerOutput) and write the same KV cache."""
 from __future__ import annotations
 
 import pytest
@@ -97,21 +97,44 @@ def test_tiers_attach_without_patching_the_runner(model):
     assert conn.rule.prefill_throughput is not None              # after_forward timed the step
 
 
-def test_tensor_parallel_messages_carry_values_not_buffers(model):
+def test_tensor_parallel_ranks_receive_the_scheduler_output_as_data(model):
+    """The driver sends each step's SchedulerOutput (no tensors: ints and lists); a rank that
+    runs the same messages, packing its own inputs from its own copy of the sequences, writes
+    the same KV cache as the driver."""
+    import pickle
+
     from kvserve.distributed.executor import TPDriverRunner
+    from kvserve.sample.params import SamplingParams
+    from kvserve.worker.scheduler_output import CachedSequenceData, NewSequenceData, SchedulerOutput
 
     class Workers:
         def __init__(self):
             self.sent = []
 
         def broadcast(self, msg):
-            self.sent.append(msg)
+            self.sent.append(pickle.dumps(msg))      # what crosses to the ranks
 
     workers = Workers()
-    runner = TPDriverRunner(model, 8, BS, workers)
-    run(runner, KVCacheManager(8, BS), [Seq("a", list(range(1, 6))), Seq("b", [1])])
-    (msg,) = workers.sent
-    _, input_ids, positions, meta, logits_indices = msg
-    tensors = [input_ids, positions, logits_indices, meta.slot_mapping] + [c.block_table for c in meta.prefills]
-    assert all(t.untyped_storage().nbytes() == t.nbytes for t in tensors)
-    assert input_ids.tolist()[:1] == [1] and meta.num_decode_tokens == 1
+    driver, rank = TPDriverRunner(model, 8, BS, workers), ModelRunner(model, 8, BS)
+    driver.init_sampling(model.cfg.vocab_size, 0)
+    params = SamplingParams(temperature=0.0)
+    steps = [SchedulerOutput(new_seqs=[NewSequenceData("a", [1, 2, 3, 4, 5], 5, params, None, None),
+                                       NewSequenceData("b", [1], 1, params, None, None)],
+                             cached_seqs=[CachedSequenceData("a", [], 0, [], [1, 2]),
+                                          CachedSequenceData("b", [], 0, [], [3])],
+                             scheduled=[("a", 5), ("b", 1)])]
+    out = driver.execute_model(steps[0])
+    ta, tb = out.sampled["a"][0].token_id, out.sampled["b"][0].token_id
+    steps.append(SchedulerOutput(cached_seqs=[CachedSequenceData("a", [ta], 5, [], None),
+                                              CachedSequenceData("b", [tb], 1, [], None)],
+                                 scheduled=[("a", 1), ("b", 1)], finished_seq_ids=[]))
+    driver.execute_model(steps[1])
+    assert driver.states["a"].token_ids == [1, 2, 3, 4, 5, ta] and driver.states["b"].block_ids == [3]
+    for msg in workers.sent:
+        kind, so = pickle.loads(msg)
+        assert kind == "step" and "torch" not in msg.decode("latin-1")    # data, no tensors
+        rank.execute_model(so, sample=False)
+    for mine, theirs in zip(driver.kv_cache_tensors(), rank.kv_cache_tensors()):
+        torch.testing.assert_close(mine, theirs)
+    driver.execute_model(SchedulerOutput(finished_seq_ids=["a", "b"]))
+    assert not driver.states
