@@ -35,7 +35,7 @@ def model_spec_of(engine, name: str = "kvserve model") -> ModelSpec:
 
 def engine_dtype(engine) -> str:
     """The engine's weight dtype as the analysis names it ('fp32', 'bf16', 'fp16')."""
-    return ENGINE_DTYPES.get(str(engine.config.dtype), "fp32")
+    return ENGINE_DTYPES.get(str(engine.config.model.dtype), "fp32")
 
 
 def _timed_step(engine) -> tuple[float, list]:
@@ -59,7 +59,7 @@ def roofline_points(llm, prefill_tokens=(128, 512), decode_batches=(1, 8, 32), c
 
     eng = llm.engine
     spec, dtype = model_spec_of(eng, name), engine_dtype(eng)
-    kv_dtype = dtype if eng.config.kv_cache_dtype == "auto" else eng.config.kv_cache_dtype
+    kv_dtype = dtype if eng.config.cache.kv_cache_dtype == "auto" else eng.config.cache.kv_cache_dtype
     vocab = int(eng.model_config.vocab_size)
     rng = random.Random(seed)
     rid = [0]
@@ -74,7 +74,7 @@ def roofline_points(llm, prefill_tokens=(128, 512), decode_batches=(1, 8, 32), c
         eng.step()
     ops = []
     for T in prefill_tokens:
-        if T > eng.config.max_num_batched_tokens:
+        if T > eng.config.scheduler.max_num_batched_tokens:
             raise ValueError(f"prefill of {T} tokens needs max_num_batched_tokens >= {T}")
         best = math.inf
         for _ in range(repeats):

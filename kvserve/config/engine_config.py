@@ -227,4 +227,4 @@ class EngineConfig:
     def resolve(self, model_config: "ModelConfig") -> Config:
         """The immutable nested config the engine runs with, decided against the loaded model's
         architecture (config/resolved.py)."""
-        return resolve_config(self, model_config)
+        return resolve_config(self, model_config.max_position_embeddings)

@@ -112,9 +112,9 @@ def _section(cls, engine: "EngineConfig", **decided):
                   for f in dataclasses.fields(cls)})
 
 
-def resolve_config(engine: "EngineConfig", model_config: "ModelConfig") -> Config:
-    """Decide what depends on the model: max_model_len against max_position_embeddings, and dtype."""
-    max_pos = model_config.max_position_embeddings
+def resolve_config(engine: "EngineConfig", max_pos: int) -> Config:
+    """Decide what depends on the model: max_model_len against its max_position_embeddings
+    (`max_pos`), and dtype."""
     max_len = engine.max_model_len or max_pos
     if max_len > max_pos:
         raise ValueError(f"max_model_len {max_len} exceeds the model's "

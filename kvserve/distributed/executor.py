@@ -75,7 +75,11 @@ def run_worker(config, rank: int, size: int, init_method: str) -> None:
         while True:
             msg = _recv(group)
             if msg[0] == "step":
-                runner.execute_model(msg[1], sample=False)
+                _, sampled, so = msg
+                for sid, tokens in sampled.items():     # what rank 0 sampled last step
+                    if sid in runner.states:
+                        runner.states[sid].token_ids.extend(tokens)
+                runner.execute_model(so, sample=False)
             elif msg[0] == "kv_ops":
                 runner.apply_kv_ops(msg[1])
             else:
@@ -155,6 +159,7 @@ class TPDriverRunner(ModelRunner):
     def __init__(self, model, num_blocks: int, block_size: int, workers: TPWorkers):
         super().__init__(model, num_blocks, block_size)
         self.workers, self.num_blocks = workers, num_blocks
+        self._sampled: dict[str, list[int]] = {}      # seq id -> tokens sampled last step, for the ranks
 
     def init_swap_space(self, num_cpu_blocks: int) -> None:
         super().init_swap_space(num_cpu_blocks)
@@ -162,10 +167,13 @@ class TPDriverRunner(ModelRunner):
 
     def execute_model(self, so, sample: bool = True):
         """The step's SchedulerOutput goes to every worker (each keeps its own copy of the
-        sequences and packs its own inputs), then rank 0 runs it and samples."""
-        if so.scheduled or so.new_seqs or so.finished_seq_ids:
-            self.workers.broadcast(("step", so))
-        return super().execute_model(so, sample)
+        sequences and packs its own inputs), with the tokens rank 0 sampled last step (rank 0
+        alone samples), then rank 0 runs it."""
+        if so.scheduled or so.new_seqs or so.finished_seq_ids or self._sampled:
+            self.workers.broadcast(("step", self._sampled, so))
+        out = super().execute_model(so, sample)
+        self._sampled = {sid: [s.token_id for s in run] for sid, run in out.sampled.items()}
+        return out
 
     def apply_kv_ops(self, ops) -> None:
         self.workers.broadcast(("kv_ops", ops))

@@ -30,7 +30,6 @@ whose compile failed or took longer than `max_grammar_compile_s`.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -64,12 +63,10 @@ GRAMMAR_IDLE_WAIT_S = 0.01   # an engine with only grammars to wait for sleeps t
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.device = config.device          # a name: the worker makes the torch device
-        # Resolved once against the checkpoint (worker/build.py, config/resolved.py); the caller's
-        # config is never written: the engine keeps a copy with dtype and max_model_len decided.
+        # Resolved once against the checkpoint (worker/build.py, config/resolved.py): every part of
+        # the engine reads its section of the frozen Config; the caller's config is never written.
         r, loaded = load_and_resolve(config, self.device)      # the file is read once
-        self.resolved = r
-        self.config = config = dataclasses.replace(config, dtype=r.model.dtype,
-                                                   max_model_len=r.model.max_model_len)
+        self.config = r            # the resolved Config: the flat EngineConfig goes no further
         tp = r.parallel.tensor_parallel_size
         # this process is rank 0 of tp (kvserve/distributed/): its slice, then the workers
         built = build_model(r.model, r.cache.block_size, r.cache.kv_cache_dtype, self.device, tp_size=tp,
@@ -146,7 +143,7 @@ class EngineCore:
     @property
     def limits(self) -> CoreLimits:
         """What the frontend checks a request against before it is sent (frontend/processor.py)."""
-        r = self.resolved
+        r = self.config
         return CoreLimits(self.model_config.vocab_size, self.max_model_len, r.scheduler.max_num_seqs,
                           self.kv.pool.num_blocks, r.cache.block_size, self.scheduler.watermark_blocks,
                           self.eos_token_id, r.structured_outputs.max_grammar_compile_s)
@@ -182,7 +179,7 @@ class EngineCore:
 
     def _enqueue(self, seqs: list[Request]) -> None:
         """Queue a request's sequences (n > 1 samples share the prompt's blocks when allowed)."""
-        if self.resolved.cache.share_blocks:
+        if self.config.cache.share_blocks:
             self.scheduler.add_samples(seqs)
         else:
             for r in seqs:
@@ -231,15 +228,16 @@ class EngineCore:
         if ops:
             self.runner.apply_kv_ops(ops)
         so = self.worker_view.build(sched, self.kv, self.scheduler)    # the step as data
-        bs = self.resolved.cache.block_size
+        bs = self.config.cache.block_size
         for req, n in sched.scheduled:     # the hand-off's invariant: every token has a slot
-            assert len(self.kv.block_ids(req.request_id)) * bs >= req.num_computed_tokens + n, \
+            assert self.kv.num_held_blocks(req.request_id) * bs >= req.num_computed_tokens + n, \
                 f"{req} scheduled without slots"
         result = self.runner.execute_model(so)
         for rid, why in so.grammar_errors.items():       # masked out before the step: their grammar failed
             result.grammar_errors.setdefault(rid, why)
         touched, deltas, prompt_entries = self.scheduler.update_from_output(sched, result)
-        if self.resolved.tiers.kv_role == "prefill":     # the prompt's KV is in the shared store before its answer
+        self.worker_view.note_sampled(result.sampled)
+        if self.config.tiers.kv_role == "prefill":     # the prompt's KV is in the shared store before its answer
             self.kv.connector.flush(self.runner)
         if self.spec is not None:
             self.spec.after_step(self.scheduler)

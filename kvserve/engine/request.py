@@ -36,9 +36,9 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"                 # failed alone (a bug, a stall, its grammar); see Request.error
 
-    @property
-    def finished(self) -> bool:
-        return self in FINISHED
+    def __init__(self, value: str):
+        # an attribute, not a property: read for every sequence of every step
+        self.finished = value in ("stop", "length", "abort", "error")
 
     @property
     def holds_blocks(self) -> bool:

@@ -1,9 +1,11 @@
 """What the worker has been told: turns the scheduler's plan of a step into a SchedulerOutput,
 the data the worker receives (worker/scheduler_output.py), sending each sequence's data once.
 
-It remembers, per sequence the worker holds, how many tokens and which block table it sent; a
-step then carries only deltas (the tokens appended since, the table when it changed: new block
-ids when it only grew) and the ids of sequences that finished since (the scheduler records
+It remembers, per sequence the worker holds, how many tokens the worker has (those sent, and
+those it sampled itself: `note_sampled`) and which block table it was sent; a step then carries
+only what changed (tokens the worker did not sample, the table when it changed: new block ids
+when it only grew, which the KV manager's table object tells without a comparison), nothing for
+a sequence that only decodes, and the ids of sequences that finished since (the scheduler records
 them in `finish`), after which the worker forgets them. It also computes the grammar bitmask
 of every constrained sequence that samples this step (structured/matcher.py), so the worker
 applies masks and never holds a matcher: the scheduler alone advances grammars.
@@ -18,7 +20,8 @@ from kvserve.worker.scheduler_output import CachedSequenceData, NewSequenceData,
 
 class WorkerView:
     def __init__(self):
-        self.sent: dict[str, tuple[int, list[int] | None]] = {}   # seq id -> (tokens sent, table sent)
+        # seq id -> [tokens the worker holds, the block table object it was sent, its length then]
+        self.sent: dict[str, list] = {}
 
     def build(self, plan, kv, scheduler) -> SchedulerOutput:
         """plan: the scheduler's StepPlan (live requests); kv: the KV cache manager (tables)."""
@@ -27,17 +30,19 @@ class WorkerView:
         so.finished_seq_ids = [sid for sid in scheduler.finished_seq_ids if self.sent.pop(sid, None) is not None]
         scheduler.finished_seq_ids.clear()
         constrained: list[Request] = []
+        fork_waiters, drafts = scheduler.fork_waiters, plan.draft_tokens
+        send, scheduled = self._send, so.scheduled
         for req, n in plan.scheduled:
             rid = req.request_id
-            self._send(req, so, kv.block_ids(rid))
-            so.scheduled.append((rid, n))
-            samples = req.num_computed_tokens + n == req.num_tokens
-            waiters = scheduler.fork_waiters.get(rid, ())
+            send(req, so, kv.block_table(rid))
+            scheduled.append((rid, n, req.num_computed_tokens))
+            waiters = fork_waiters.get(rid, ()) if fork_waiters else ()
             if waiters:
                 so.fork_waiters[rid] = [w.request_id for w in waiters]
                 for w in waiters:
-                    self._send(w, so, None)
-            if samples and rid not in plan.draft_tokens:
+                    send(w, so, None)
+            if (req.grammar is not None or waiters) and req.num_computed_tokens + n == req.num_tokens \
+                    and rid not in drafts:       # it samples this step: its grammar's mask, and its waiters'
                 constrained += [r for r in [req, *waiters] if r.grammar is not None]
         if constrained:
             bitmask, failed = grammar_bitmasks([r.grammar for r in constrained])    # [C, W]
@@ -48,27 +53,38 @@ class WorkerView:
                     so.grammar_bitmask[r.request_id] = bitmask[i]
         return so
 
-    def _send(self, req: Request, so: SchedulerOutput, block_ids: list[int] | None) -> None:
+    def note_sampled(self, sampled: dict) -> None:
+        """After the step: the worker appended each run it sampled to its own copy
+        (ModelRunner.append_sampled), so those tokens are not sent again."""
+        sent = self.sent
+        for sid, run in sampled.items():
+            rec = sent.get(sid)
+            if rec is not None:
+                rec[0] += len(run)
+
+    def _send(self, req: Request, so: SchedulerOutput, table: list | None) -> None:
+        """`table`: the KV manager's block table of the sequence (None: not sent this step).
+        Nothing is sent for a sequence whose tokens and table the worker already has."""
         sid = req.request_id
-        sent = self.sent.get(sid)
-        if sent is None:
+        rec = self.sent.get(sid)
+        num_tokens = len(req.token_ids)
+        if rec is None:
             so.new_seqs.append(NewSequenceData(sid, list(req.token_ids), req.num_prompt_tokens, req.params,
                                                req.seed, req.eos_token_id))
-            num_sent, table = req.num_tokens, None
-            new_tokens = []
-        else:
-            num_sent, table = sent
-            new_tokens = req.token_ids[num_sent:]
+            rec = self.sent[sid] = [num_tokens, None, 0]
+        elif rec[0] == num_tokens and (table is None or (table is rec[1] and len(table) == rec[2])):
+            return
+        assert num_tokens >= rec[0], f"{req}: the worker holds {rec[0]} tokens, the scheduler {num_tokens}"
+        new_tokens = req.token_ids[rec[0]:] if num_tokens > rec[0] else []
         new_blocks, replaced = [], None
-        if block_ids is not None and block_ids != table:
-            k = len(table) if table is not None else 0
-            if table is not None and len(block_ids) > k and block_ids[:k] == table:
-                new_blocks = block_ids[k:]
+        if table is not None:
+            if table is rec[1]:                 # the same list: it only grew (kv/manager.py)
+                new_blocks = [b.block_id for b in table[rec[2]:]]
             else:
-                replaced = list(block_ids)
-            table = list(block_ids)
-        self.sent[sid] = (req.num_tokens, table)
-        so.cached_seqs.append(CachedSequenceData(sid, new_tokens, req.num_computed_tokens, new_blocks, replaced))
+                replaced = [b.block_id for b in table]
+            rec[1], rec[2] = table, len(table)
+        rec[0] = num_tokens
+        so.cached_seqs.append(CachedSequenceData(sid, new_tokens, new_blocks, replaced))
 
     def check_integrity(self, live_seq_ids: set[str], pending_finished: list[str]) -> None:
         """Every sequence the worker holds is live, or finished and not yet told."""

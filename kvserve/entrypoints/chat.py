@@ -210,7 +210,7 @@ class LocalChat:
         if self.engine.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it cannot chat: pass a --model with one.")
         self.renderer = ChatRenderer(self.engine.tokenizer, args.chat_template)
-        self.name = self.engine.config.model
+        self.name = self.engine.config.model.model
 
     def answer(self, messages: list[dict], turn: int) -> Answer:
         from kvserve import SamplingParams

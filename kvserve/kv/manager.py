@@ -127,6 +127,13 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.block_tables.get(request_id, ())]
 
+    def block_table(self, request_id: str) -> list[KVBlock] | None:
+        """The request's table, to read only. It stays the same list object while it only grows
+        (a copy on write or a rollback makes a new one; so do admission, fork and swap-in), so a
+        reader can send what changed since it last looked: the blocks appended, or the whole
+        table when the object is not the one it saw (engine/worker_view.py)."""
+        return self.block_tables.get(request_id)
+
     def _state(self, req) -> SeqCacheState:
         st = self.cache_state.get(req.request_id)
         if st is None:
@@ -152,6 +159,7 @@ class KVCacheManager:
             table = self.block_tables[request_id] = []
         if cow >= 0:
             (new,) = self.pool.allocate(1)
+            table = self.block_tables[request_id] = list(table)     # changed other than by growth: a new list
             src = table[cow]
             self._copy_sources.append(src)       # our reference now protects the source
             self._pending.copies.append((src.block_id, new.block_id))
@@ -172,7 +180,7 @@ class KVCacheManager:
         if not table or len(table) <= keep:
             return 0
         dropped = table[keep:]
-        del table[keep:]
+        self.block_tables[request_id] = table[:keep]      # changed other than by growth: a new list
         assert all(b.block_hash is None for b in dropped), "a block of unverified tokens was labelled"
         self.pool.free(reversed(dropped))
         return len(dropped)

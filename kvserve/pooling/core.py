@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvserve.config.resolved import resolve_config
 from kvserve.engine.core_io import CoreLimits
 from kvserve.engine.stats import EngineStats
 
@@ -20,8 +21,10 @@ NOT_GENERATING = ("this server serves embeddings (kvserve serve --task embed): i
 
 class EmbeddingCore:
     def __init__(self, model, config):
-        self.config = dataclasses.replace(config, max_model_len=model.max_model_len,
-                                          dtype=str(model.dtype).removeprefix("torch."))
+        # the resolved Config, as an EngineCore holds it (config/resolved.py)
+        self.config = resolve_config(dataclasses.replace(config, max_model_len=model.max_model_len,
+                                                         dtype=str(model.dtype).removeprefix("torch.")),
+                                     model.max_model_len)
         self.tokenizer = model.tokenizer
         self.limits = CoreLimits(model.vocab_size, model.max_model_len, config.max_num_seqs, 0,
                                  config.block_size, 0, getattr(model.tokenizer, "eos_token_id", None))

@@ -178,7 +178,7 @@ def main(args: argparse.Namespace) -> int:
         chunks = make_chunks(tokens, args.ctx, args.chunks, bos)
     first = first_scored(args.ctx)
     print(f"perplexity: {len(chunks)} chunks of {args.ctx} tokens, scoring the last "
-          f"{args.ctx - 1 - first} of each; {engine.config.max_num_batched_tokens} tokens per step")
+          f"{args.ctx - 1 - first} of each; {engine.config.scheduler.max_num_batched_tokens} tokens per step")
     if base is not None:
         rows = kl.Comparison(base, len(chunks), first)
     elif args.kl_divergence_base:

@@ -159,7 +159,7 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
     @app.get("/v1/models")
     async def models(request: Request):
         state.tenancy.authenticate(request, limit=False)
-        return ModelList(data=[ModelCard(id=state.model_name, root=engine.config.model,
+        return ModelList(data=[ModelCard(id=state.model_name, root=engine.config.model.model,
                                          max_model_len=state.max_model_len)]).model_dump()
 
     @app.post("/v1/completions")

@@ -105,7 +105,7 @@ async def parse_body(state, request: Request, model_cls):
         raise validation_error_to_api_error(e) from None
     except RecursionError:
         raise APIError("the request body's JSON is nested too deeply") from None
-    if req.model is not None and req.model not in (state.model_name, state.engine.config.model):
+    if req.model is not None and req.model not in (state.model_name, state.engine.config.model.model):
         raise APIError(f"the model {req.model!r} does not exist; this server serves "
                        f"{state.model_name!r}", 404, param="model", code="model_not_found")
     ignored = unknown_fields(req, obj)

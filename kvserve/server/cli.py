@@ -227,7 +227,7 @@ def cmd_serve(args) -> int:
                     responses_store=responses)
     from kvserve import memory_probe
     memory_probe.start("api", {"state": app.state.kvserve})     # only with KVSERVE_MEMORY_PROBE set
-    log.info("serving %s as %r on http://%s:%d (max_model_len %d)", engine.config.model, name, args.host,
+    log.info("serving %s as %r on http://%s:%d (max_model_len %d)", engine.config.model.model, name, args.host,
              args.port, engine.limits.max_model_len)
     # uvicorn's own deadline comes a little after ours: by then every handler has answered.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

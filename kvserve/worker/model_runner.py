@@ -154,12 +154,22 @@ class ModelRunner:
     def update_states(self, so: SchedulerOutput) -> None:
         """Apply the step's data to the worker's copy of every live sequence: finished ones are
         forgotten, new ones recorded, cached ones advanced (worker/request_state.py)."""
+        states = self.states
         for sid in so.finished_seq_ids:
-            self.states.pop(sid, None)
+            states.pop(sid, None)
         for d in so.new_seqs:
-            self.states[d.seq_id] = SequenceState.from_new(d)
+            states[d.seq_id] = SequenceState.from_new(d)
         for d in so.cached_seqs:
-            self.states[d.seq_id].update(d)
+            states[d.seq_id].update(d)
+
+    def append_sampled(self, sampled: dict) -> None:
+        """The tokens this step sampled join their sequences' copies (the core counts them as
+        known to the worker: engine/worker_view.py); seq id -> [Sampled]."""
+        states = self.states
+        for sid, run in sampled.items():
+            st = states.get(sid)
+            if st is not None:
+                st.token_ids.extend([s.token_id for s in run])
 
     def execute_model(self, so: SchedulerOutput, sample: bool = True) -> ModelRunnerOutput:
         """One step from its SchedulerOutput: the sequences' states updated, the forward pass
@@ -169,12 +179,17 @@ class ModelRunner:
         self.update_states(so)
         if not so.scheduled:
             return ModelRunnerOutput()
-        states = self.states
-        batch = [(states[sid], n, states[sid].block_ids) for sid, n in so.scheduled]
+        states, batch = self.states, []
+        for sid, n, start in so.scheduled:
+            st = states[sid]
+            st.num_computed_tokens = start
+            batch.append((st, n, st.block_ids))
         logits, samplers, prompt_rows = self.execute(batch, so.prompt_logprob_rows, so.draft_tokens)
         if not sample:
             return ModelRunnerOutput()
-        return self.sampling(logits, samplers, prompt_rows, so, states)
+        out = self.sampling(logits, samplers, prompt_rows, so, states)
+        self.append_sampled(out.sampled)
+        return out
 
     def forward(self, input_ids, positions, meta, logits_indices) -> torch.Tensor:
         """One forward pass of the model over this runner's KV pools (the hook a tensor-parallel

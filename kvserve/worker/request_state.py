@@ -1,7 +1,8 @@
 """The worker's copy of each live sequence (vLLM v1's CachedRequestState), kept across steps.
 
-Built from a NewSequenceData, then advanced by each step's CachedSequenceData
-(worker/scheduler_output.py); dropped when the core names the sequence finished. The input
+Built from a NewSequenceData, then advanced by the tokens the worker samples for it and by the
+core's CachedSequenceData (worker/scheduler_output.py); dropped when the core names the
+sequence finished. The input
 batch reads its tokens, computed count and block table; the sampler reads its parameters,
 output tokens (penalties, min_tokens) and its own seeded generator, which lives here so a
 seeded sample's draws do not depend on the rest of the batch and go on where they left off
@@ -35,7 +36,6 @@ class SequenceState:
 
     def update(self, d: CachedSequenceData) -> None:
         self.token_ids.extend(d.new_token_ids)
-        self.num_computed_tokens = d.num_computed_tokens
         if d.block_ids is not None:
             self.block_ids = d.block_ids
         elif d.new_block_ids:

@@ -52,8 +52,8 @@ def test_engine_blocks_tokens_and_stats_agree_with_the_planner():
         plan = kvmath.kv_bytes_per_token(kv_dtype="bf16" if name == "auto" else name, n_layers=m.num_layers,
                                          n_kv_heads=m.num_kv_heads, head_dim=m.head_dim)
         assert s.kv_cache_dtype == name and s.kv_bytes_per_token == plan
-        assert s.num_total_blocks == budget // (plan * eng.config.block_size) - 1    # and the null block
-        assert s.num_kv_tokens == s.num_total_blocks * eng.config.block_size
+        assert s.num_total_blocks == budget // (plan * eng.config.cache.block_size) - 1    # and the null block
+        assert s.num_kv_tokens == s.num_total_blocks * eng.config.cache.block_size
         got[name] = s.num_kv_tokens
     # stories260K has head_dim 8, so a 4-byte scale per row weighs: (8*2) / (8 + 4) = 1.33x bf16.
     assert got["int8"] == got["fp8_e4m3"]

@@ -155,5 +155,5 @@ def test_cache_aware_order_and_its_starvation_bound(max_wait_steps, first):
 
 def test_engines_here_run_on_the_cache_the_fixture_names(kv_cache_dtype):
     llm = LLM(str(STORIES_HF), block_size=4, num_kv_blocks=16)
-    assert llm.engine.config.kv_cache_dtype == kv_cache_dtype
+    assert llm.engine.config.cache.kv_cache_dtype == kv_cache_dtype
     assert isinstance(llm.engine.runner.kv_caches[0][0], tuple) == (kv_cache_dtype == "int8")

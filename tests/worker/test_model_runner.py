@@ -118,23 +118,25 @@ def test_tensor_parallel_ranks_receive_the_scheduler_output_as_data(model):
     driver, rank = TPDriverRunner(model, 8, BS, workers), ModelRunner(model, 8, BS)
     driver.init_sampling(model.cfg.vocab_size, 0)
     params = SamplingParams(temperature=0.0)
-    steps = [SchedulerOutput(new_seqs=[NewSequenceData("a", [1, 2, 3, 4, 5], 5, params, None, None),
-                                       NewSequenceData("b", [1], 1, params, None, None)],
-                             cached_seqs=[CachedSequenceData("a", [], 0, [], [1, 2]),
-                                          CachedSequenceData("b", [], 0, [], [3])],
-                             scheduled=[("a", 5), ("b", 1)])]
-    out = driver.execute_model(steps[0])
+    first = SchedulerOutput(new_seqs=[NewSequenceData("a", [1, 2, 3, 4, 5], 5, params, None, None),
+                                      NewSequenceData("b", [1], 1, params, None, None)],
+                            cached_seqs=[CachedSequenceData("a", [], [], [1, 2]),
+                                         CachedSequenceData("b", [], [], [3])],
+                            scheduled=[("a", 5, 0), ("b", 1, 0)])
+    out = driver.execute_model(first)
     ta, tb = out.sampled["a"][0].token_id, out.sampled["b"][0].token_id
-    steps.append(SchedulerOutput(cached_seqs=[CachedSequenceData("a", [ta], 5, [], None),
-                                              CachedSequenceData("b", [tb], 1, [], None)],
-                                 scheduled=[("a", 1), ("b", 1)], finished_seq_ids=[]))
-    driver.execute_model(steps[1])
-    assert driver.states["a"].token_ids == [1, 2, 3, 4, 5, ta] and driver.states["b"].block_ids == [3]
+    # a decode step sends no sequence data: the worker appended what it sampled
+    out = driver.execute_model(SchedulerOutput(scheduled=[("a", 1, 5), ("b", 1, 1)]))
+    assert driver.states["a"].token_ids == [1, 2, 3, 4, 5, ta, out.sampled["a"][0].token_id]
+    assert driver.states["b"].token_ids[:2] == [1, tb] and driver.states["b"].block_ids == [3]
+    driver.execute_model(SchedulerOutput(finished_seq_ids=["a", "b"]))       # the ranks forget them too
+    assert not driver.states
     for msg in workers.sent:
-        kind, so = pickle.loads(msg)
+        kind, sampled, so = pickle.loads(msg)
         assert kind == "step" and "torch" not in msg.decode("latin-1")    # data, no tensors
+        for sid, tokens in sampled.items():                              # as run_worker applies them
+            rank.states[sid].token_ids.extend(tokens)
         rank.execute_model(so, sample=False)
+    assert not rank.states
     for mine, theirs in zip(driver.kv_cache_tensors(), rank.kv_cache_tensors()):
         torch.testing.assert_close(mine, theirs)
-    driver.execute_model(SchedulerOutput(finished_seq_ids=["a", "b"]))
-    assert not driver.states

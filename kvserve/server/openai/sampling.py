@@ -11,7 +11,7 @@ def check_priority(state, req) -> None:
     """A request's `priority` only orders requests under `--scheduling-policy priority`; on any
     other server it would be ignored, so it is refused (vLLM's rule)."""
     priority = getattr(req, "priority", 0) or 0
-    policy = state.engine.config.scheduling_policy
+    policy = state.engine.config.scheduler.scheduling_policy
     if priority != 0 and policy != "priority":
         raise APIError(f"priority is only honoured with --scheduling-policy priority; this server "
                        f"schedules by {policy!r}: leave priority out or 0", param="priority", code=PRIORITY_CODE)

@@ -204,10 +204,10 @@ def install(app, state) -> None:
     async def model_card(request: Request, model_id: str = Path(pattern=r"^[^\n]*$")):
         # (the route matches no newline in the id: the schema says so)
         state.tenancy.authenticate(request, limit=False)
-        if model_id not in (state.model_name, state.engine.config.model):
+        if model_id not in (state.model_name, state.engine.config.model.model):
             raise APIError(f"The model {model_id!r} does not exist; this server serves "
                            f"{state.model_name!r}", 404, param="model", code="model_not_found")
-        return ModelCard(id=state.model_name, root=state.engine.config.model,
+        return ModelCard(id=state.model_name, root=state.engine.config.model.model,
                          max_model_len=state.max_model_len).model_dump()
 
 
