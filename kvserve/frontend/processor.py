@@ -2,8 +2,9 @@
 
 Tokenizing and every check a request needs before the core sees it happen here, once, each
 with one message (DESIGN.md: a ValueError saying what to change; the server answers 400): the
-prompt's form, empty prompts, token ids outside the vocabulary, a prompt at or over
-max_model_len (the core's served one: no more than the whole KV pool holds), n / beam_width
+prompt's form, empty prompts, token ids outside the vocabulary, the context window
+(`context_max_tokens`: max_model_len, the core's served one, no more than the whole KV pool
+holds, against the prompt, max_tokens and min_tokens; the server calls it too), n / beam_width
 against max_num_seqs, a beam search that may need more blocks than the pool has, a structured-outputs grammar that
 does not compile against the tokenizer, the cache salt and the scheduling fields. The core
 trusts what it gets (`CoreLimits` are its numbers).
@@ -17,6 +18,42 @@ from kvserve.engine.fairness import PROMPT_FIELDS, prompt_fields
 from kvserve.kv.manager import cdiv
 from kvserve.sample.params import SamplingParams
 from kvserve.structured import check_structured_outputs
+
+
+class ContextLengthError(ValueError):
+    """A request that does not fit the served context (`param`: the field to change); the server
+    answers it as OpenAI's 400 context_length_exceeded."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def context_max_tokens(lim: CoreLimits, prompt_len: int, requested: int | None, min_tokens: int = 0) -> int:
+    """The context-window rule (vLLM's and OpenAI's), the one check of max_model_len against a
+    generating request: the prompt must leave room for a token; `requested` max_tokens must fit
+    beside it; without one, the request gets what the context leaves, which must hold
+    min_tokens. Returns the max_tokens the request runs with."""
+    limit = lim.max_model_len
+    pool = (" (max_model_len is all the KV pool holds: raise kv_cache_memory / num_kv_blocks)"
+            if limit == lim.num_kv_blocks * lim.block_size else "")
+    if prompt_len >= limit:
+        raise ContextLengthError(f"This model's maximum context length is {limit} tokens{pool}. However, "
+                                 f"your prompt has {prompt_len} tokens. Please reduce the length of the "
+                                 "prompt.", "prompt")
+    if requested is None:
+        if prompt_len + min_tokens > limit:
+            raise ContextLengthError(
+                f"This model's maximum context length is {limit} tokens{pool}. However, you requested at "
+                f"least {prompt_len + min_tokens} tokens ({prompt_len} in the prompt, min_tokens "
+                f"{min_tokens}). Please reduce the prompt or min_tokens.", "min_tokens")
+        return limit - prompt_len
+    if prompt_len + requested > limit:
+        raise ContextLengthError(
+            f"This model's maximum context length is {limit} tokens{pool}. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
+            "completion). Please reduce the prompt or max_tokens.", "max_tokens")
+    return requested
 
 
 class Processor:
@@ -66,12 +103,8 @@ class Processor:
         n_prompt, max_len = len(token_ids), lim.max_model_len
         if n_prompt == 0:
             raise ValueError("the prompt is empty: give at least one token.")
-        if n_prompt >= max_len:
-            if max_len == lim.num_kv_blocks * lim.block_size:       # the pool, not the model, limits it
-                raise ValueError(f"the prompt has {n_prompt} tokens, but max_model_len is {max_len}, all "
-                                 "the KV pool holds: shorten the prompt or raise kv_cache_memory / num_kv_blocks.")
-            raise ValueError(f"the prompt has {n_prompt} tokens, but max_model_len is {max_len}: "
-                             "shorten the prompt or raise max_model_len.")
+        # offline, a max_tokens past the context is cut by it ("length"), as in vLLM's LLM
+        context_max_tokens(lim, n_prompt, None, params.min_tokens)
         vocab = lim.vocab_size
         bad = next((t for t in token_ids
                     if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)

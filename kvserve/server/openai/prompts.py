@@ -2,35 +2,21 @@
 
 `prompt_items` turns a /v1/completions request into engine prompts: the prompt count
 and each text's UTF-8 size are checked before anything is tokenized, and tokenizing runs off the
-event loop. `max_tokens_for` is vLLM's context-window rule for one prompt.
+event loop. `max_tokens_for` is the frontend's context-window rule, refused as an HTTP 400.
 """
 from __future__ import annotations
 
+from kvserve.frontend.processor import ContextLengthError, context_max_tokens
 from kvserve.server.openai.protocol import APIError, CompletionRequest
 
 
 def max_tokens_for(state, prompt_len: int, requested: int | None, min_tokens: int = 0) -> int:
-    """The request's max_tokens, checked against the context window (vLLM's rule); without
-    one, what the context leaves, which must hold min_tokens."""
-    limit = state.max_model_len
-    if prompt_len >= limit:
-        raise APIError(f"This model's maximum context length is {limit} tokens. However, your "
-                       f"prompt has {prompt_len} tokens. Please reduce the length of the prompt.",
-                       param="prompt", code="context_length_exceeded")
-    if requested is None:
-        if prompt_len + min_tokens > limit:
-            raise APIError(f"This model's maximum context length is {limit} tokens. However, you "
-                           f"requested at least {prompt_len + min_tokens} tokens ({prompt_len} in the "
-                           f"prompt, min_tokens {min_tokens}). Please reduce the prompt or min_tokens.",
-                           param="min_tokens", code="context_length_exceeded")
-        return limit - prompt_len
-    if prompt_len + requested > limit:
-        raise APIError(f"This model's maximum context length is {limit} tokens. However, you "
-                       f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
-                       f"{requested} for the completion). Please reduce the prompt or max_tokens.",
-                       param="max_tokens", code="context_length_exceeded")
-    return requested
-
+    """The request's max_tokens under the frontend's context-window rule
+    (frontend/processor.py's `context_max_tokens`), its refusal as OpenAI's 400."""
+    try:
+        return context_max_tokens(state.engine.limits, prompt_len, requested, min_tokens)
+    except ContextLengthError as e:
+        raise APIError(str(e), param=e.param, code="context_length_exceeded") from None
 
 
 async def prompt_items(state, req: CompletionRequest) -> list[dict]:
