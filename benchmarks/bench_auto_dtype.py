@@ -1,4 +1,4 @@
-"""What `dtype="auto"` picks on the CPU (kvserve/model/loader.py: resolve_dtype), measured: the
+"""What `dtype="auto"` picks on the CPU (kvserve/model/loaders/checkpoint.py: resolve_dtype), measured: the
 issue-2 ~100M random Llama saved as a bf16 and as an fp16 checkpoint, each run by the engine in
 its own dtype and in float32. One engine step each: a 256-token prefill and a decode step at
 batch 1 and 16 (context 64), medians over interleaved repeats (the two engines step in turn, so
@@ -88,8 +88,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     from kvserve import LLM
-    from kvserve.model.cpu_kernels import kernel_plan
-    from kvserve.model.loader import checkpoint_dtype, resolve_dtype
+    from kvserve.model.quant.cpu_paths import kernel_plan
+    from kvserve.model.loaders.checkpoint import checkpoint_dtype, resolve_dtype
 
     plan = kernel_plan()
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "

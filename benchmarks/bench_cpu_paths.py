@@ -1,6 +1,6 @@
-"""The quantized-matmul paths of kvserve/model/quant.py under each CPU capability, per matrix and
+"""The quantized-matmul paths of kvserve/model/quant/formats.py under each CPU capability, per matrix and
 step size, in microseconds (best of 5 timed loops, 2 threads): the source of the table in
-kvserve/model/cpu_kernels.py.
+kvserve/model/quant/cpu_paths.py.
 
 Each capability runs in a subprocess of its own with ATEN_CPU_CAPABILITY set, and with the BLAS
 libraries capped to the same ISA, so that an AVX-512 host stands in for an older CPU as a whole:
@@ -61,7 +61,7 @@ def measure(shapes: str, rows: list[int], threads: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from kvserve.model.quant import quantize
+    from kvserve.model.quant.formats import quantize
 
     torch.set_num_threads(threads)
     out: dict = {}
@@ -138,7 +138,7 @@ def main() -> None:
     results = {}
     for entry in args.entries.split(","):
         env = {**os.environ, **ENV[entry]}
-        probe = subprocess.run([sys.executable, "-c", "from kvserve.model.cpu_kernels import kernel_plan; "
+        probe = subprocess.run([sys.executable, "-c", "from kvserve.model.quant.cpu_paths import kernel_plan; "
                                 "print(kernel_plan().name)"], env=env, capture_output=True, text=True)
         plan = probe.stdout.strip()
         if plan != entry:

@@ -13,7 +13,7 @@ import time
 import torch
 
 from kvserve import kernels
-from kvserve.model.quant import Int4Weight, quantize_int4
+from kvserve.model.quant.formats import Int4Weight, quantize_int4
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head planes": (49152, 1152)}

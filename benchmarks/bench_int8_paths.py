@@ -1,4 +1,4 @@
-"""The int8 matmul paths of kvserve/model/quant.py, per matrix and step size: the weight-only
+"""The int8 matmul paths of kvserve/model/quant/formats.py, per matrix and step size: the weight-only
 kernel (`_weight_int8pack_mm`), the dequantize path (dequantize in row blocks + bf16 GEMM), W8A8
 (`Int8Weight.linear` after `use_w8a8()`: activation quantization included, 128-row blocks) and,
 for reference, the dense bfloat16 GEMM of an unquantized model, in microseconds (best of 5
@@ -15,7 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvserve.model.quant import quantize
+from kvserve.model.quant.formats import quantize
 
 
 def best_us(f, seconds: float = 0.05) -> float:

@@ -44,7 +44,7 @@ BLOCK_SIZE = 16
 CHILD = r"""
 import json, statistics, time, torch
 from kvserve.model.llama import LlamaModel
-from kvserve.model.loader import load_model_dir
+from kvserve.model.loaders.checkpoint import load_model_dir
 try:
     from kvserve.attention.torch_paged import TorchPagedAttention
 except ImportError:   # a tree from before kvserve/attention/

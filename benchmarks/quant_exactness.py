@@ -90,7 +90,7 @@ def chosen(entries, tokens):
 def child_kvserve(args, ref) -> dict:
     import torch
     from kvserve import LLM, SamplingParams, kernels
-    from kvserve.model.cpu_kernels import kernel_plan
+    from kvserve.model.quant.cpu_paths import kernel_plan
 
     kwargs, _ = PATHS[args.path]
     llm = LLM(args.model, max_model_len=512, kv_cache_memory=64 << 20, **kwargs)
@@ -237,7 +237,7 @@ def main() -> None:
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.model is None:
-        from kvserve.model.default import default_model_path
+        from kvserve.model.loaders.default_model import default_model_path
         args.model = default_model_path()
     if args.child:
         return child(args)

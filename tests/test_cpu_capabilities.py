@@ -1,4 +1,4 @@
-"""The quantized paths on torch's other CPU capabilities (kvserve/model/cpu_kernels.py).
+"""The quantized paths on torch's other CPU capabilities (kvserve/model/quant/cpu_paths.py).
 
 torch's CPU kernels, and the layout of their packed weights, change with the capability torch
 dispatches to. ATEN_CPU_CAPABILITY forces a lower one, so an AVX-512 host also runs the AVX2 and

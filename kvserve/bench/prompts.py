@@ -53,7 +53,7 @@ def load_tokenizer(path: str | None):
         return _gguf_tokenizer(p)
     if p.is_dir():
         if (p / "tokenizer.json").is_file():
-            from kvserve.model.tokenizer import HFTokenizer
+            from kvserve.model.tokenizers.tokenizer import HFTokenizer
 
             tok = HFTokenizer(p)
             vocab = tok._tok.get_vocab()
@@ -67,7 +67,7 @@ def load_tokenizer(path: str | None):
         if len(toks) == 1 and len(ckpts) == 1:
             import struct
 
-            from kvserve.model.tokenizer import Llama2cTokenizer
+            from kvserve.model.tokenizers.tokenizer import Llama2cTokenizer
 
             # llama2.c header: dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size, seq_len
             vocab_size = abs(struct.unpack("<7i", ckpts[0].open("rb").read(28))[5])
@@ -82,8 +82,8 @@ def _is_byte_piece(token: str) -> bool:
 
 
 def _gguf_tokenizer(path: Path):
-    from kvserve.model.gguf import open_gguf, read_metadata
-    from kvserve.model.gguf_tokenizer import NORMAL, build_gguf_tokenizer
+    from kvserve.model.loaders.gguf import open_gguf, read_metadata
+    from kvserve.model.tokenizers.gguf_tokenizer import NORMAL, build_gguf_tokenizer
 
     meta = read_metadata(open_gguf(path))
     tok = build_gguf_tokenizer(meta)

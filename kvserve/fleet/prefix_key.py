@@ -38,16 +38,16 @@ def load_tokenizer(model: str):
     no weights where the tokenizer is a file of its own."""
     root = Path(model)
     if root.is_dir() and (root / "tokenizer.json").is_file():
-        from kvserve.model.tokenizer import HFTokenizer
+        from kvserve.model.tokenizers.tokenizer import HFTokenizer
 
         return HFTokenizer(root)
     ggufs = [root] if root.is_file() else sorted(root.glob("*.gguf")) if root.is_dir() else []
     if len(ggufs) == 1 and ggufs[0].suffix == ".gguf":
-        from kvserve.model.gguf import open_gguf, read_metadata
-        from kvserve.model.gguf_tokenizer import build_gguf_tokenizer
+        from kvserve.model.loaders.gguf import open_gguf, read_metadata
+        from kvserve.model.tokenizers.gguf_tokenizer import build_gguf_tokenizer
 
         return build_gguf_tokenizer(read_metadata(open_gguf(ggufs[0])))
-    from kvserve.model.loader import load_model_dir      # llama2.c: the loader knows it
+    from kvserve.model.loaders.checkpoint import load_model_dir      # llama2.c: the loader knows it
 
     return load_model_dir(model)[2]
 

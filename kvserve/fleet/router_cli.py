@@ -144,7 +144,7 @@ def serve_data_parallel(args) -> int:
             replicas = LocalReplicas(n, argv, env=env)
         log.info("starting %d replicas: %s", n, ", ".join(replicas.urls))
         replicas.wait_healthy()
-        from kvserve.model.default import default_model_path
+        from kvserve.model.loaders.default_model import default_model_path
 
         hasher = build_hasher(args.model or default_model_path(), args.block_size, args.chat_template)
         ok = run_router(replicas.urls, hasher, args.router_policy, args.router_balance_threshold,

@@ -7,7 +7,7 @@ is held back until it is decided, so streamed text never has to be taken back.
 """
 from __future__ import annotations
 
-from kvserve.model.tokenizer import Tokenizer
+from kvserve.model.tokenizers.tokenizer import Tokenizer
 
 CONTEXT_TOKENS = 6  # prompt tokens kept as the window's left context (leading spaces, merges)
 

@@ -2,7 +2,7 @@
 the machine it runs on and cached, registered as `torch.ops.kvserve.*` ops (seed 000: a decode
 step reads every weight byte once; its host work is a few calls, not thousands).
 
-  linear_int4 / linear_int8 / linear_q8_0   GEMVs reading kvserve's packed layouts (quant.py)
+  linear_int4 / linear_int8 / linear_q8_0   GEMVs reading kvserve's packed layouts (model/quant/formats.py)
   decode_attention                          paged decode attention, split along the context
   silu_mul                                  SwiGLU
   decode_layers                             every decoder layer of a pure-decode step, one call

@@ -15,7 +15,7 @@ import logging
 import torch
 
 from kvserve import kernels
-from kvserve.model.quant import Int4Weight, Int8Weight
+from kvserve.model.quant.formats import Int4Weight, Int8Weight
 
 logger = logging.getLogger(__name__)
 DENSE, INT4, INT8, Q8_0 = 0, 1, 2, 3

@@ -1,14 +1,14 @@
 """The model's weights from a checkpoint's parts: q, k, v (and gate, up) fused row-wise into one
 matrix, each part in its format -- a float tensor, or already quantized by a GGUF file
-(quant_blocks.Int4Values, quant.Int8Weight, quant_blocks.Int8BlockWeight) -- and the result in
-the model dtype or quantized (quant.py)."""
+(quant/gguf_blocks.Int4Values, quant/formats.Int8Weight, quant/gguf_blocks.Int8BlockWeight) -- and the
+result in the model dtype or quantized (quant/formats.py)."""
 from __future__ import annotations
 
 import torch
 
-from kvserve.model.cpu_kernels import kernel_plan, warn_once
-from kvserve.model.quant import Int4Weight, Int8Weight, QuantizedWeight, keeps_quantized, quantize
-from kvserve.model.quant_blocks import Int4Values
+from kvserve.model.quant.cpu_paths import kernel_plan, warn_once
+from kvserve.model.quant.formats import Int4Weight, Int8Weight, QuantizedWeight, keeps_quantized, quantize
+from kvserve.model.quant.gguf_blocks import Int4Values
 
 
 def _format(w) -> tuple:
@@ -46,7 +46,7 @@ def _float(w) -> torch.Tensor:
 
 def resident(w, dtype: torch.dtype, device):
     """`w` as it is kept: a quantized weight stays quantized unless the CPU's plan keeps its
-    values dequantized (cpu_kernels: float_resident), then it is a tensor in `dtype` (one warning)."""
+    values dequantized (quant/cpu_paths: float_resident), then it is a tensor in `dtype` (one warning)."""
     if not isinstance(w, QuantizedWeight) or keeps_quantized(device):
         return w
     warn_once("CPU capability %s: torch's int4 / int8 kernels and dequantization run without SIMD "

@@ -13,11 +13,11 @@ import torch
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.model.config import ModelConfig
-from kvserve.model.cpu_kernels import kernel_plan
+from kvserve.model.quant.cpu_paths import kernel_plan
 from kvserve.model.fused_decode import FusedDecode
 from kvserve.model.fusion import embedding_rows, embedding_weight, linear_weight
 from kvserve.model.layers import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
-from kvserve.model.quant import Int8Weight, QuantizedWeight, linear, parse_quantization
+from kvserve.model.quant.formats import Int8Weight, QuantizedWeight, linear, parse_quantization
 
 logger = logging.getLogger(__name__)
 EMBED = "model.embed_tokens.weight"
@@ -44,10 +44,10 @@ class LlamaLayer:
 
 class LlamaModel:
     """`quantization` ("int8", "int4" or None) quantizes every linear weight and an untied
-    lm_head at load (kvserve/model/quant.py); the embedding and norms stay in `dtype`. With None,
-    weights that arrive quantized (a GGUF file, gguf_quant.py) keep their format, the embedding
+    lm_head at load (kvserve/model/quant/formats.py); the embedding and norms stay in `dtype`. With None,
+    weights that arrive quantized (a GGUF file, quant/gguf_types.py) keep their format, the embedding
     too (it is then also the tied lm_head); "dequant" turns them into `dtype`.
-    `quantize_activations`: int8 weights run W8A8 on steps of more than 8 rows (quant.py)."""
+    `quantize_activations`: int8 weights run W8A8 on steps of more than 8 rows (quant/formats.py)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict, attn: AttentionBackend,
                  device: torch.device, dtype: torch.dtype, quantization: str | None = None,
@@ -81,7 +81,7 @@ class LlamaModel:
         self.fused = FusedDecode.build(self)      # None: every step runs layer by layer
 
     def _use_w8a8(self) -> int:
-        """int8 linear weights run W8A8 on big steps (quant.Int8Weight.use_w8a8); returns how many."""
+        """int8 linear weights run W8A8 on big steps (formats.Int8Weight.use_w8a8); returns how many."""
         weights = {id(w): w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)}
         weights[id(self.lm_head)] = self.lm_head
         int8 = [w for w in weights.values() if isinstance(w, Int8Weight)]

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from kvserve.model.loader import checkpoint_dtype, resolve_dtype
-from kvserve.model.tokenizer import HFTokenizer
+from kvserve.model.loaders.checkpoint import checkpoint_dtype, resolve_dtype
+from kvserve.model.tokenizers.tokenizer import HFTokenizer
 from kvserve.pooling.rule import read_rule
 
 

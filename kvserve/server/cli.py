@@ -122,7 +122,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 def served_name(args) -> str:
     if args.served_model_name:
         return args.served_model_name
-    from kvserve.model.default import DEFAULT_MODEL_NAME, is_default_model
+    from kvserve.model.loaders.default_model import DEFAULT_MODEL_NAME, is_default_model
     from kvserve.pooling.models import known_name
 
     if is_default_model(args.model):

@@ -24,7 +24,7 @@ import torch
 from kvserve.config.resolved import ModelLoadConfig
 
 from kvserve.kv.manager import KVCacheManager
-from kvserve.model.loader import read_model_config
+from kvserve.model.loaders.checkpoint import read_model_config
 from kvserve.spec_decode.config import SELF_DRAFTS, SpeculativeConfig
 from kvserve.spec_decode.ngram import Proposer
 from kvserve.worker.build import build_model

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from kvserve.frontend.detokenizer import IncrementalDetokenizer, held_back
-from kvserve.model.loader import load_model_dir
+from kvserve.model.loaders.checkpoint import load_model_dir
 from tests.conftest import STORIES_C, STORIES_HF
 
 

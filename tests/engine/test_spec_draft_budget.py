@@ -9,7 +9,7 @@ import torch
 from kvserve import LLM
 from kvserve.config import EngineConfig
 from kvserve.engine.kv_sizing import kv_pool_sizes
-from kvserve.model.loader import read_model_config
+from kvserve.model.loaders.checkpoint import read_model_config
 from kvserve.worker.model_runner import ModelRunner
 from tests.conftest import STORIES_HF
 

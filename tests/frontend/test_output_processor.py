@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from kvserve.engine.core_io import BeamResult, EngineCoreOutput, Sampled, SequenceDelta
 from kvserve.frontend.detokenizer import IncrementalDetokenizer
 from kvserve.frontend.output_processor import OutputProcessor
-from kvserve.model.tokenizer import HFTokenizer
+from kvserve.model.tokenizers.tokenizer import HFTokenizer
 from kvserve.sample.params import SamplingParams
 from tests.conftest import STORIES_HF
 

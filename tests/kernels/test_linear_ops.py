@@ -21,7 +21,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvserve import kernels
-from kvserve.model.quant import Int4Weight, Int8Weight, quantize_int8
+from kvserve.model.quant.formats import Int4Weight, Int8Weight, quantize_int8
 from tests.kernels.isa import ISA_BITS, needs_kernels, on_isa
 
 pytestmark = needs_kernels

@@ -1,4 +1,4 @@
-"""dtype="auto" (kvserve/model/loader.py): the checkpoint's dtype read from its headers
+"""dtype="auto" (kvserve/model/loaders/checkpoint.py): the checkpoint's dtype read from its headers
 (`checkpoint_dtype`: safetensors, GGUF's non-quantized tensors, llama2.c), the rule that turns it
 into the model dtype on a GPU and on the CPU (`resolve_dtype`), and `read_model_config`, the
 loaded model's config without its tensors."""
@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kvserve.model import cpu_kernels
-from kvserve.model.loader import checkpoint_dtype, load_model_dir, read_model_config, resolve_dtype
+from kvserve.model.quant import cpu_paths
+from kvserve.model.loaders.checkpoint import checkpoint_dtype, load_model_dir, read_model_config, resolve_dtype
 from tests.conftest import STORIES_C, STORIES_HF, build_random_model
 from tests.model.gguf_files import STORIES_GGUF, write_hf_as_gguf
 
@@ -70,9 +70,9 @@ def test_auto_on_a_gpu_is_the_checkpoint_dtype():
 
 
 def test_auto_on_the_cpu_follows_the_measured_rule(monkeypatch):
-    plan = cpu_kernels.kernel_plan()
+    plan = cpu_paths.kernel_plan()
     for dense, want_bf16 in ((BF16, BF16), (F32, F32)):
-        monkeypatch.setattr(cpu_kernels, "kernel_plan", lambda: dataclasses.replace(plan, dense_dtype=dense))
+        monkeypatch.setattr(cpu_paths, "kernel_plan", lambda: dataclasses.replace(plan, dense_dtype=dense))
         assert resolve_dtype("auto", BF16, "cpu") == want_bf16       # bf16 only with bf16 instructions
         assert resolve_dtype("auto", F16, "cpu") == F32
         assert resolve_dtype("auto", F32, "cpu") == F32

@@ -1,4 +1,4 @@
-"""The CPU kernel plan (kvserve/model/cpu_kernels.py): the table entry each capability gets,
+"""The CPU kernel plan (kvserve/model/quant/cpu_paths.py): the table entry each capability gets,
 kernels switched off when they fail their probe, the float-resident plan, and portable detection.
 The whole quantization suite also runs under ATEN_CPU_CAPABILITY=default and =avx2 (.ci/run)."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.model import cpu_kernels
-from kvserve.model.cpu_kernels import TABLE, entry_for, kernel_plan, native_bf16
-from kvserve.model.quant import Int4Weight, quantize
+from kvserve.model.quant import cpu_paths
+from kvserve.model.quant.cpu_paths import TABLE, entry_for, kernel_plan, native_bf16
+from kvserve.model.quant.formats import Int4Weight, quantize
 from tests.conftest import STORIES_HF
 
 
@@ -19,7 +19,7 @@ from tests.conftest import STORIES_HF
 def fresh_plan():
     """kernel_plan() recomputed in the test, and this process's own plan restored after it."""
     kernel_plan.cache_clear()
-    cpu_kernels._warned.clear()
+    cpu_paths._warned.clear()
     yield
     kernel_plan.cache_clear()
 
@@ -61,13 +61,13 @@ def test_onednn_capped_below_bf16_is_not_native_bf16(monkeypatch):
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     assert not native_bf16()
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
-    assert native_bf16() == (cpu_kernels._flag("_is_avx512_bf16_supported")
-                             or cpu_kernels._flag("_is_amx_tile_supported"))
+    assert native_bf16() == (cpu_paths._flag("_is_avx512_bf16_supported")
+                             or cpu_paths._flag("_is_amx_tile_supported"))
 
 
 def test_missing_cpuinfo_query_reads_as_absent(monkeypatch):
     monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported")
-    assert cpu_kernels._flag("_is_avx512_bf16_supported") is False
+    assert cpu_paths._flag("_is_avx512_bf16_supported") is False
 
 
 @pytest.mark.parametrize("broken", ["raises", "wrong"])
@@ -78,7 +78,7 @@ def test_kernel_that_fails_its_probe_is_switched_off(monkeypatch, fresh_plan, ca
         if broken == "raises":
             raise RuntimeError("no such kernel on this build")
         return False
-    monkeypatch.setattr(cpu_kernels, "_int4_probe_ok", probe)
+    monkeypatch.setattr(cpu_paths, "_int4_probe_ok", probe)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     with caplog.at_level(logging.WARNING):
         plan = kernel_plan()

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.model.gguf import load_gguf
+from kvserve.model.loaders.gguf import load_gguf
 from kvserve.model.layers import rope_inv_freq
-from kvserve.model.loader import load_model_dir
+from kvserve.model.loaders.checkpoint import load_model_dir
 from tests.conftest import STORIES_HF
 from tests.model.gguf_files import (STORIES_GGUF, add_stories_tokenizer, llama3_rope_freqs,
                                     write_hf_as_gguf, write_mixed_types)
@@ -202,7 +202,7 @@ def test_unknown_tensor(tmp_path, no_dequantize):
 
 
 def test_metadata_rope_scaling_and_experts():
-    from kvserve.model.gguf import config_from_metadata
+    from kvserve.model.loaders.gguf import config_from_metadata
 
     meta = {"general.architecture": "llama", "llama.embedding_length": 64, "llama.block_count": 1,
             "llama.feed_forward_length": 128, "llama.attention.head_count": 4,

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from kvserve.model.gguf_check import check_gguf
+from kvserve.model.loaders.gguf_check import check_gguf
 from tests.model.gguf_files import STORIES_GGUF
 
 LOAD_TIMEOUT_S = 10.0              # a clean load of this 1 MB file takes ~15 ms
@@ -28,7 +28,7 @@ WORKER = """
 import json, resource, sys, time
 import torch
 torch.set_num_threads(1)
-from kvserve.model.gguf import load_gguf
+from kvserve.model.loaders.gguf import load_gguf
 load_gguf(sys.argv[1])                                    # warm: imports and first-load caches
 vm = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
 limit = vm + int(sys.argv[2])

@@ -1,4 +1,4 @@
-"""A GGUF file's tensors in their own types (kvserve/model/gguf_quant.py, the default on a .gguf
+"""A GGUF file's tensors in their own types (kvserve/model/quant/gguf_types.py, the default on a .gguf
 file): unpacked Q4_0/Q4_1/Q4_K/Q8_0 blocks give gguf's dequantized values bit for bit, on
 written and real files; native loads hold the dequantized load's values; engines on both agree;
 resident bytes; SmolLM2 Q4_1 answers natively."""
@@ -10,12 +10,12 @@ import torch
 
 from kvserve import LLM, kernels
 from kvserve.config import EngineConfig
-from kvserve.model.gguf import load_gguf
-from kvserve.model.gguf_quant import UNPACK_INT4, unpack_q4_k, unpack_q8_0
-from kvserve.model import cpu_kernels
-from kvserve.model.cpu_kernels import kernel_plan
-from kvserve.model.quant import Int4Weight, Int8Weight, keeps_quantized
-from kvserve.model.quant_blocks import Int4Values, Int8BlockWeight
+from kvserve.model.loaders.gguf import load_gguf
+from kvserve.model.quant.gguf_types import UNPACK_INT4, unpack_q4_k, unpack_q8_0
+from kvserve.model.quant import cpu_paths
+from kvserve.model.quant.cpu_paths import kernel_plan
+from kvserve.model.quant.formats import Int4Weight, Int8Weight, keeps_quantized
+from kvserve.model.quant.gguf_blocks import Int4Values, Int8BlockWeight
 from tests.model.gguf_files import quantize_q4_k, write_hf_as_gguf, write_mixed_types
 from tests.model.test_gguf_tokenizer import SMOLLM2, needs_smollm2
 from tests.model.test_quant import greedy, teacher_forced
@@ -253,7 +253,7 @@ def test_rows_the_int4_kernel_cannot_take_run_dequantized(caplog):
     a = sample_weights(72, 64)
     q, scale, zero = UNPACK_INT4["Q4_1"](gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q4_1), 72, 64)
     values = Int4Values(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(zero))
-    cpu_kernels._warned.clear()
+    cpu_paths._warned.clear()
     with caplog.at_level("WARNING"):
         w = values.pack(torch.float32, "cpu")
         values.pack(torch.float32, "cpu")

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.model.gguf import open_gguf, read_metadata
-from kvserve.model.gguf_tokenizer import build_gguf_tokenizer, sentencepiece_merges
-from kvserve.model.tokenizer import HFTokenizer
+from kvserve.model.loaders.gguf import open_gguf, read_metadata
+from kvserve.model.tokenizers.gguf_tokenizer import build_gguf_tokenizer, sentencepiece_merges
+from kvserve.model.tokenizers.tokenizer import HFTokenizer
 from tests.conftest import STORIES_HF
 from tests.model.gguf_files import STORIES_GGUF
 

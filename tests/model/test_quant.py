@@ -1,4 +1,4 @@
-"""Weight-only int8 / int4 quantization (kvserve/model/quant.py): round-trip error bounds, the
+"""Weight-only int8 / int4 quantization (kvserve/model/quant/formats.py): round-trip error bounds, the
 quantized matmul against x @ dequant(W).T on both kernel paths, already-quantized weights
 (the GGUF hook), an engine run against the unquantized model, resident bytes, bad input."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ from kvserve import LLM, kernels, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
 from kvserve.model.fusion import linear_weight
-from kvserve.model.cpu_kernels import kernel_plan
-from kvserve.model.quant import (Int4Weight, Int8Weight, QuantizedWeight, keeps_quantized, quantize,
+from kvserve.model.quant.cpu_paths import kernel_plan
+from kvserve.model.quant.formats import (Int4Weight, Int8Weight, QuantizedWeight, keeps_quantized, quantize,
                                  quantize_int4, quantize_int8, unpack_nibbles)
 from tests.conftest import STORIES_HF
 
@@ -92,7 +92,7 @@ def test_quantized_linear_equals_x_times_dequantized(dtype, method, rows, path):
     ref = x.double() @ wq.dequantize().double().T + bias.double()
     got = wq.linear(x, bias)
     assert got.shape == (rows, 192) and got.dtype == dtype
-    # The matmul runs in bfloat16 for every model dtype (quant.py: the kernels' only fast
+    # The matmul runs in bfloat16 for every model dtype (quant/formats.py: the kernels' only fast
     # dtype): the activations' and output's rounding (2^-9 relative each) and bfloat16 steps
     # inside the kernels; measured <= 4.3e-3 of the largest output. W8A8 also rounds each
     # activation to 1/254 of its row's largest: measured <= 7.6e-3.
@@ -102,12 +102,12 @@ def test_quantized_linear_equals_x_times_dequantized(dtype, method, rows, path):
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_dequantize_path_in_row_blocks(method, monkeypatch):
-    """Big matrices dequantize a block of rows at a time (quant.DEQUANT_CHUNK): same result."""
-    import kvserve.model.quant as quant
+    """Big matrices dequantize a block of rows at a time (formats.DEQUANT_CHUNK): same result."""
+    from kvserve.model.quant import formats
     wq = force_path(quantize(weights(192, 256), method, None, torch.bfloat16), "dequantize")
     x = torch.randn(40, 256).bfloat16()
     whole = wq.linear(x)
-    monkeypatch.setattr(quant, "DEQUANT_CHUNK", 64 * 256)          # three blocks of 64 rows
+    monkeypatch.setattr(formats, "DEQUANT_CHUNK", 64 * 256)          # three blocks of 64 rows
     assert torch.allclose(wq.linear(x).float(), whole.float(), rtol=1e-2, atol=1e-2 * whole.abs().max().item())
 
 
@@ -127,7 +127,7 @@ def test_path_follows_the_row_threshold(method, monkeypatch):
 def test_w8a8_path_follows_its_row_threshold(monkeypatch):
     """use_w8a8: up to the plan's w8a8_min_rows rows the weight-only kernel, then torch._int_mm
     in blocks of W8A8_ROWS rows; never a dense GEMM."""
-    import kvserve.model.quant as quant
+    from kvserve.model.quant import formats
     wq = quantize(weights(), "int8", None, torch.float32)
     wq.kernel_max_rows = 1 << 30            # as on a CPU whose plan has the kernel
     wq.use_w8a8()
@@ -140,7 +140,7 @@ def test_w8a8_path_follows_its_row_threshold(monkeypatch):
     assert calls == []
     wq.linear(torch.randn(rows + 1, 256))
     assert calls == ["_int_mm"]
-    wq.linear(torch.randn(2 * quant.W8A8_ROWS + 1, 256))
+    wq.linear(torch.randn(2 * formats.W8A8_ROWS + 1, 256))
     assert calls == ["_int_mm"] * 4
 
 
@@ -172,11 +172,11 @@ def test_already_quantized_parts_fuse_as_they_are(monkeypatch):
 
 
 def test_int4_packs_in_row_blocks(monkeypatch):
-    """Packed 64 rows at a time (quant.DEQUANT_CHUNK), the bytes are the same as packed at once."""
-    import kvserve.model.quant as quant
+    """Packed 64 rows at a time (formats.DEQUANT_CHUNK), the bytes are the same as packed at once."""
+    from kvserve.model.quant import formats
     q, scale = quantize_int4(weights(192, 256), 32, torch.bfloat16)
     whole = Int4Weight(q, scale)._torch_packed()
-    monkeypatch.setattr(quant, "DEQUANT_CHUNK", 64 * 256)
+    monkeypatch.setattr(formats, "DEQUANT_CHUNK", 64 * 256)
     assert torch.equal(Int4Weight(q, scale)._torch_packed(), whole)
 
 

@@ -1,4 +1,4 @@
-"""Quantized weights off the CPU (kvserve/model/quant.py: refuse_off_cpu): kvserve's quantized
+"""Quantized weights off the CPU (kvserve/model/quant/formats.py: refuse_off_cpu): kvserve's quantized
 matmuls are CPU kernels, so int8 / int4 / a GGUF file's quantized tensors on another device
 (CUDA) are refused with a ValueError that names the fix, instead of being dequantized on every
 call. No GPU here: torch.device("cuda") is only a name until a tensor is put there, and the
@@ -10,8 +10,8 @@ import torch
 
 from kvserve import LLM
 from kvserve.model.fusion import embedding_weight, linear_weight
-from kvserve.model.quant import Int4Weight, Int8Weight, quantize, quantize_int4, quantize_int8
-from kvserve.model.quant_blocks import Int4Values, Int8BlockWeight
+from kvserve.model.quant.formats import Int4Weight, Int8Weight, quantize, quantize_int4, quantize_int8
+from kvserve.model.quant.gguf_blocks import Int4Values, Int8BlockWeight
 from tests.conftest import STORIES_HF
 
 FIX = r"quantization='dequant'.*dtype='bfloat16'"

@@ -283,7 +283,7 @@ def test_a_reader_that_stops_reading_is_aborted_after_the_stall_timeout():
 
 
 def test_stop_string_found_by_the_frontend_aborts_its_sequence_in_the_core():
-    from kvserve.model.tokenizer import HFTokenizer
+    from kvserve.model.tokenizers.tokenizer import HFTokenizer
 
     tok = HFTokenizer(STORIES_HF)
     once = tok.encode("Once upon a time, there was a girl.", add_special_tokens=False)

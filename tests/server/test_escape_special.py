@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from kvserve.frontend.chat_escape import encode_escaped
 from kvserve.config import EngineConfig
 from kvserve.frontend.llm_engine import LLMEngine
-from kvserve.model.tokenizer import HFTokenizer
+from kvserve.model.tokenizers.tokenizer import HFTokenizer
 from kvserve.server.app import build_app
 from kvserve.server.openai.chat_renderer import ChatRenderer, escape_special_tokens
 from kvserve.server.cli import add_cli_args
@@ -35,9 +35,9 @@ ORDINARY = [
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from kvserve.model.default import default_model_path
-    from kvserve.model.gguf import open_gguf, read_metadata
-    from kvserve.model.gguf_tokenizer import build_gguf_tokenizer
+    from kvserve.model.loaders.default_model import default_model_path
+    from kvserve.model.loaders.gguf import open_gguf, read_metadata
+    from kvserve.model.tokenizers.gguf_tokenizer import build_gguf_tokenizer
 
     try:
         path = default_model_path()

@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from kvserve.frontend.chat_template import FALLBACK_CHAT_TEMPLATE, ChatRenderer
-from kvserve.model.tokenizer import HFTokenizer
+from kvserve.model.tokenizers.tokenizer import HFTokenizer
 
 from .live import ROOT, STORIES_HF, LiveServer, free_port, openai_client
 

@@ -12,7 +12,7 @@ import httpx
 import jsonschema
 import pytest
 
-from kvserve.model.tokenizer import HFTokenizer
+from kvserve.model.tokenizers.tokenizer import HFTokenizer
 from kvserve.server.openai.chat_renderer import ChatRenderer
 
 from .live import STORIES_HF, LiveServer

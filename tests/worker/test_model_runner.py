@@ -13,7 +13,7 @@ from kvserve.kv.manager import KVCacheManager, PendingKVOps
 from kvserve.kv.tiers import CpuStore
 from kvserve.attention.torch_paged import TorchPagedAttention
 from kvserve.model.llama import LlamaModel
-from kvserve.model.loader import load_model_dir
+from kvserve.model.loaders.checkpoint import load_model_dir
 from kvserve.worker.sequence import RunnerSequence as Seq
 from kvserve.worker.model_runner import ModelRunner
 from tests.conftest import STORIES_HF

@@ -91,7 +91,7 @@ class DetokenizeResponse(BaseModel):
 
 
 class TokenizerInfoResponse(BaseModel):
-    tokenizer_class: str                # kvserve's tokenizer (model/tokenizer.py, model/gguf_tokenizer.py)
+    tokenizer_class: str                # kvserve's tokenizer (model/tokenizers/: tokenizer.py, gguf_tokenizer.py)
     bos_token: Optional[str] = None
     eos_token: Optional[str] = None
     bos_token_id: Optional[int] = None

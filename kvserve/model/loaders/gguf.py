@@ -1,7 +1,7 @@
 """GGUF files (llama.cpp's one-file format), read with gguf-py's `GGUFReader` (memory-mapped):
 metadata -> ModelConfig, tensors -> weights under HF names, vocabulary -> tokenizer
-(gguf_tokenizer.py). Tensors come either in their own types (`native`: int4 / int8 / the model
-dtype, gguf_quant.py) or dequantized to float32 with `gguf.quants.dequantize`.
+(tokenizers/gguf_tokenizer.py). Tensors come either in their own types (`native`: int4 / int8 / the model
+dtype, quant/gguf_types.py) or dequantized to float32 with `gguf.quants.dequantize`.
 
 Everything is checked (every length and offset against the file size, gguf_check.py; then
 architecture, tensor names, types, shapes) before the first tensor is dequantized, so a bad file
@@ -19,8 +19,8 @@ import torch
 
 from kvserve.model.config import ModelConfig
 from kvserve.model.registry import ARCHITECTURES, gguf_architecture
-from kvserve.model.gguf_quant import native_weight, unpermute_rope_rows
-from kvserve.model.gguf_tokenizer import GGUFTokenizer, build_gguf_tokenizer
+from kvserve.model.quant.gguf_types import native_weight, unpermute_rope_rows
+from kvserve.model.tokenizers.gguf_tokenizer import GGUFTokenizer, build_gguf_tokenizer
 
 # general.architecture values whose q/k rows llama.cpp's converter permuted (the registry,
 # kvserve/model/registry.py, maps each GGUF name to its architecture)
@@ -58,7 +58,7 @@ def load_gguf(path: str | Path, native: bool = False, dtype: torch.dtype = torch
               device: torch.device | str = "cpu") -> tuple[ModelConfig, dict, GGUFTokenizer | None]:
     """(config, weights with HF names, tokenizer or None) from one .gguf file. Weights are
     float32 tensors, or with `native` each in its own type for a model of `dtype` on `device`
-    (gguf_quant.native_weight: Int4Values, Int8Weight, or a tensor in `dtype`)."""
+    (gguf_types.native_weight: Int4Values, Int8Weight, or a tensor in `dtype`)."""
     reader = open_gguf(path)
     meta = read_metadata(reader)
     cfg, permuted = config_from_metadata(meta, path)
@@ -88,7 +88,7 @@ def open_gguf(path: str | Path):
     file: gguf_check.check_gguf walks every length and offset first (GGUFReader trusts them)."""
     from gguf import GGUFReader
 
-    from kvserve.model.gguf_check import check_gguf
+    from kvserve.model.loaders.gguf_check import check_gguf
 
     check_gguf(path)
     try:

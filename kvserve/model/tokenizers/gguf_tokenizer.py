@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import warnings
 
-from kvserve.model.tokenizer import TokenizersBacked
+from kvserve.model.tokenizers.tokenizer import TokenizersBacked
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 

@@ -1,6 +1,6 @@
 """Find and load a model: an HF directory (config.json + safetensors, memory-mapped), Karpathy's
 llama2.c checkpoint (`*.bin` + `tok*.bin`, layout in stories260K/FORMAT.md), or a GGUF file
-(gguf.py), given directly or as the only `*.gguf` in a directory without config.json.
+(loaders/gguf.py), given directly or as the only `*.gguf` in a directory without config.json.
 `checkpoint_dtype` and `read_model_config` read what a checkpoint is without loading its
 tensors; `resolve_dtype` decides `dtype="auto"` from the first."""
 from __future__ import annotations
@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from kvserve.model.config import DTYPE_NAMES, ModelConfig
-from kvserve.model.gguf import load_gguf
-from kvserve.model.tokenizer import HFTokenizer, Llama2cTokenizer, Tokenizer
+from kvserve.model.loaders.gguf import load_gguf
+from kvserve.model.tokenizers.tokenizer import HFTokenizer, Llama2cTokenizer, Tokenizer
 
 # Checkpoint tensor types (safetensors' and GGUF's names) that are plain floating point.
 FLOAT_TYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -70,7 +70,7 @@ def checkpoint_dtype(path: str) -> torch.dtype:
                     part = st.get_slice(name)
                     counts[part.get_dtype()] += int(np.prod(part.get_shape()))
     elif kind == "gguf":
-        from kvserve.model.gguf import open_gguf
+        from kvserve.model.loaders.gguf import open_gguf
         for t in open_gguf(files[0]).tensors:
             counts[t.tensor_type.name] += int(t.n_elements)
     floats = [(n, t) for t, n in counts.most_common() if t in FLOAT_TYPES]
@@ -82,9 +82,9 @@ def resolve_dtype(config_dtype: str, checkpoint_dtype: torch.dtype, device) -> t
     "auto" is the checkpoint's dtype on a GPU (bf16 stays bf16, fp16 fp16, float32 float32). On
     the CPU it is what runs fastest there for that weight type (`python
     benchmarks/bench_auto_dtype.py --threads 1`, benchmarks/results/auto_dtype.json, AVX-512 BF16):
-    bf16 checkpoints run in bf16 where the CPU has bf16 instructions (cpu_kernels' plan computes
+    bf16 checkpoints run in bf16 where the CPU has bf16 instructions (quant/cpu_paths' plan computes
     in bf16; 1.1-2.2x float32 on prefill and decode), else in float32 (emulated bf16 GEMMs are
-    2-4x float32's, cpu_kernels' table); fp16 and float32 checkpoints run in float32 (fp16 decodes
+    2-4x float32's, quant/cpu_paths' table); fp16 and float32 checkpoints run in float32 (fp16 decodes
     one sequence 1.9x faster but prefills at 0.27x and decodes batch 16 at 0.49x)."""
     if config_dtype != "auto":
         if config_dtype not in DTYPE_NAMES:
@@ -92,7 +92,7 @@ def resolve_dtype(config_dtype: str, checkpoint_dtype: torch.dtype, device) -> t
         return getattr(torch, DTYPE_NAMES[config_dtype])
     if torch.device(device).type != "cpu":
         return checkpoint_dtype
-    from kvserve.model.cpu_kernels import kernel_plan
+    from kvserve.model.quant.cpu_paths import kernel_plan
     if checkpoint_dtype == torch.bfloat16 and kernel_plan().dense_dtype == torch.bfloat16:
         return torch.bfloat16
     return torch.float32
@@ -105,7 +105,7 @@ def read_model_config(path: str) -> ModelConfig:
     if kind == "hf":
         return _hf_config(files[0])
     if kind == "gguf":
-        from kvserve.model.gguf import _plan_tensors, config_from_metadata, open_gguf, read_metadata
+        from kvserve.model.loaders.gguf import _plan_tensors, config_from_metadata, open_gguf, read_metadata
         reader = open_gguf(files[0])
         cfg = config_from_metadata(read_metadata(reader), files[0])[0]
         _plan_tensors({t.name: t for t in reader.tensors}, cfg, files[0])    # vocabulary, tying

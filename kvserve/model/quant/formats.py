@@ -18,7 +18,7 @@ result back; the scales are stored in bfloat16 on the CPU on every capability, s
 the same values everywhere. Other devices (CUDA) have no kernel of kvserve's: quantized weights
 there are refused with a ValueError naming the fix (`refuse_off_cpu`), not dequantized per call.
 
-Which path a step takes is cpu_kernels.kernel_plan()'s, by CPU capability (measured there):
+Which path a step takes is cpu_paths.kernel_plan()'s, by CPU capability (measured there):
   int8: at most `int8_kernel_max_rows` rows (decode batches) run the weight-only kernel; a bigger
         step dequantizes (below). With `use_w8a8()` (`quantize_activations=True`) a step of more
         than `w8a8_min_rows` rows quantizes the activations too, per row
@@ -42,7 +42,7 @@ is stored as int8. The int4 kernel takes N a multiple of 16 and the int8 one K a
 (others crash or misread, torch 2.13): other shapes take the dequantize path, with one warning.
 Embeddings stay in the model dtype (a lookup reads a few rows, not the matrix); the lm_head is quantized like the layers unless it is tied
 to the embedding: at one row the int8 kernel reads the benchmark's 32000 x 768 lm_head in
-337 us against 2238 us for bfloat16. A GGUF file's own quantized weights (gguf_quant.py) keep
+337 us against 2238 us for bfloat16. A GGUF file's own quantized weights (gguf_types.py) keep
 their format, the embedding included (looked up row by row, and tied, the lm_head).
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve import kernels
-from kvserve.model.cpu_kernels import kernel_plan, warn_once
+from kvserve.model.quant.cpu_paths import kernel_plan, warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class QuantizedWeight:
     shape: tuple[int, int]
     dtype: torch.dtype                  # the model's: activations in, result out
     compute_dtype: torch.dtype          # the kernel's and the scales': bfloat16 on the CPU
-    dense_dtype: torch.dtype            # the dequantize path's GEMM (cpu_kernels.KernelPlan)
+    dense_dtype: torch.dtype            # the dequantize path's GEMM (cpu_paths.KernelPlan)
     kernel_max_rows: int                # -1: never the kernel
 
     def _setup(self, method: str, shape, dtype: torch.dtype, device: torch.device, why_not: str | None = None):
@@ -390,5 +390,5 @@ def quantize(w: torch.Tensor, method: str, group_size: int | None, dtype: torch.
 
 
 def keeps_quantized(device) -> bool:
-    """False where the plan keeps quantized weights dequantized (cpu_kernels: float_resident)."""
+    """False where the plan keeps quantized weights dequantized (cpu_paths: float_resident)."""
     return torch.device(device).type != "cpu" or not kernel_plan().float_resident

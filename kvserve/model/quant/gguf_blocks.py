@@ -1,17 +1,17 @@
-"""GGUF's block formats held on quant.py's kernels.
+"""GGUF's block formats held on formats.py's kernels.
 
-Int4Values: Q4_0 / Q4_1 / Q4_K unpacked (gguf_quant.py) and not yet packed, because the parts
+Int4Values: Q4_0 / Q4_1 / Q4_K unpacked (gguf_types.py) and not yet packed, because the parts
 of one fused matrix (q, k, v) are packed together once they are all read.
 
 Int8BlockWeight: Q8_0 (w = d q, a scale d per 32 weights) exactly. The int8 kernel takes one
-scale per row, and requantizing per row adds error (gguf_quant.py measures it); instead each q
+scale per row, and requantizing per row adds error (gguf_types.py measures it); instead each q
 is split into two nibbles, q = 16 hi + lo with hi in -8..7 and lo in 0..15, so that
     w = hi * 16 d + lo * d = ((hi + 8) - 8) * 16 d + ((lo - 8) * d + 8 d)
 is two int4 weights with groups of 32. Interleaved block by block they form one [N, 2K] int4
 matrix, and x @ W.T = x2 @ W2.T where x2 repeats each 32-wide block of x. 1.25 bytes a weight
 against 1.0 for per-row int8, and measured at one row (2 threads) 1.4 to 2.2 times the int8
 kernel's time ([3072, 576]: 56 against 30 us; [49152, 576]: 907 against 650 us; [4096, 4096]:
-417 against 189 us): gguf_quant.py uses it only for the embedding and the lm_head.
+417 against 189 us): gguf_types.py uses it only for the embedding and the lm_head.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from kvserve.model.quant import GROUP_SIZES, INT4_KERNEL_ROWS, Int4Weight, QuantizedWeight, quantize
+from kvserve.model.quant.formats import GROUP_SIZES, INT4_KERNEL_ROWS, Int4Weight, QuantizedWeight, quantize
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ forced with ATEN_CPU_CAPABILITY) and with the ISA the BLAS libraries find (oneDN
 need AVX-512 BF16; without it they fall back to slow code). So the thresholds come from a table
 keyed by the capability and native bf16, each entry measured with
 `python benchmarks/bench_cpu_paths.py` (2 threads, SmolLM2's matrices; the figures are beside
-the table), never from torch's private packed layouts: kvserve keeps its own values (quant.py)
+the table), never from torch's private packed layouts: kvserve keeps its own values (formats.py)
 and hands torch's kernels only the inputs their signatures document.
 
   path            what runs                                                  used for

@@ -1,5 +1,5 @@
 """GGUF tensors in their own types (the default, quantization=None, on a .gguf file): the raw
-blocks are decoded with numpy straight into quant.py's int4 and int8 forms, one tensor at a
+blocks are decoded with numpy straight into formats.py's int4 and int8 forms, one tensor at a
 time (Q4 tensors when they are fused and packed), so no float copy of the model is ever made.
 
   type  block of (bytes)                                  w =                 held as
@@ -26,7 +26,7 @@ are requantized per row (max |w| / 127.5): measured on SmolLM2-135M's Q8_0 embed
 mean block step), and made its greedy answer to "What is the capital of France?" a tie (the top
 two first tokens 0.1449 / 0.1449, against 0.1522 / 0.1402 dequantized). The embedding and the
 lm_head, whose errors reach the residual stream and the logits directly, therefore keep Q8_0
-exactly (quant_blocks.Int8BlockWeight: d in bfloat16, 0.16% RMS, 1.25 bytes a weight and a
+exactly (gguf_blocks.Int8BlockWeight: d in bfloat16, 0.16% RMS, 1.25 bytes a weight and a
 slower kernel); other Q8_0 matrices take the per-row int8 kernel.
 """
 from __future__ import annotations
@@ -34,8 +34,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvserve.model.quant import Int8Weight, quantize
-from kvserve.model.quant_blocks import Int4Values, Int8BlockWeight
+from kvserve.model.quant.formats import Int8Weight, quantize
+from kvserve.model.quant.gguf_blocks import Int4Values, Int8BlockWeight
 
 QK = 32          # weights per block of the legacy types (Q4_0, Q4_1, Q8_0)
 QK_K = 256       # weights per K-quant super-block
