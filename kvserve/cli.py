@@ -9,6 +9,8 @@ import argparse
 import importlib
 import sys
 
+from kvserve.config.cli_args import ArgumentParser
+
 # Modules that define `register(subparsers)`; each adds one or more subcommands.
 COMMAND_MODULES = [
     "kvserve.entrypoints.generate",     # generate, bench throughput
@@ -31,7 +33,7 @@ def kvserve_version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="kvserve", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"kvserve {kvserve_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:

@@ -66,7 +66,7 @@ ALLOWED: dict[str, set[str]] = {
     "quality": {"kvserve", "llm", "outputs", "sample", "config"},       # perplexity, KL divergence
     "entrypoints": {"kvserve", "llm", "outputs", "bench", "frontend", "config", "sample", "server",
                     "fleet"},                        # generate, chat, serve
-    "cli": {"entrypoints", "analysis", "quality", "fleet", "server"},
+    "cli": {"entrypoints", "analysis", "quality", "fleet", "server", "config"},    # config: the parser class
 }
 
 # The nodes that may import torch (lazily too): where tensors are computed. Not engine, config, kv,

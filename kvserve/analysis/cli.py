@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from kvserve.config.cli_args import ArgumentParser
+
 from . import kvmath, roofline
 from .specs import HARDWARE, MODELS, HardwareSpec, dtype_bytes, get_hardware, get_model, measure_hardware
 
@@ -274,7 +276,7 @@ def register(subparsers) -> None:
 
 def main(argv=None) -> int:
     """Run `plan` / `simulate` without the rest of the kvserve CLI (python -m kvserve.analysis.cli)."""
-    parser = argparse.ArgumentParser(prog="kvserve")
+    parser = ArgumentParser(prog="kvserve")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)

@@ -17,6 +17,16 @@ import typing
 from typing import Any
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """Every kvserve parser (sub-commands inherit the class): no abbreviated options, so an
+    unknown flag is an error, never a prefix of another one (argparse's default read llama-server's
+    `-t 2` as `-tp 2` and `--max-model 100` as `--max-model-len 100`)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+
 def flag(help: str, *, choices: typing.Sequence[str] | None = None, metavar: str | None = None,
          aliases: tuple[str, ...] = ()) -> dict:
     """The `metadata` of a dataclass field that is also a command-line flag."""

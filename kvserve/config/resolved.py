@@ -120,7 +120,7 @@ def resolve_config(engine: "EngineConfig", max_pos: int) -> Config:
         raise ValueError(f"max_model_len {max_len} exceeds the model's "
                          f"max_position_embeddings {max_pos}.")
     # "auto" comes here only from callers that did not read the checkpoint: the engine resolves
-    # it against the checkpoint before loading (model/loader.py `resolve_dtype`).
+    # it against the checkpoint before loading (model/loaders/checkpoint.py `resolve_dtype`).
     dtype = "float32" if engine.dtype == "auto" else DTYPE_NAMES[engine.dtype]
     return Config(
         model=_section(ModelLoadConfig, engine, dtype=dtype, max_model_len=max_len),

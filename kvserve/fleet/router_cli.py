@@ -28,6 +28,7 @@ import os
 import signal
 import sys
 
+from kvserve.config.cli_args import ArgumentParser
 from kvserve.fleet.breaker import DEFAULT_COOLDOWN_S, DEFAULT_FAILURE_THRESHOLD
 from kvserve.fleet.replicas import DEFAULT_BALANCE_THRESHOLD, DEFAULT_LRU_BLOCKS, POLICIES, ReplicaSet
 from kvserve.server.cli import add_cli_args
@@ -128,7 +129,7 @@ def serve_data_parallel(args) -> int:
     _logging(args.log_level)
     tenant_registry(args)       # before any replica starts: one salt secret file for all
     n = args.data_parallel_size
-    replica_flags = argparse.ArgumentParser()
+    replica_flags = ArgumentParser()
     add_cli_args(replica_flags)
     backend = args.distributed_executor_backend
     argv = replica_argv(args, replica_flags)
@@ -206,6 +207,6 @@ def register(subparsers) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="kvserve router")
+    parser = ArgumentParser(prog="kvserve router")
     add_router_args(parser)
     sys.exit(cmd_router(parser.parse_args()))

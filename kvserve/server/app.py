@@ -74,7 +74,8 @@ class ServerState:
                  max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
                  escape_special_tokens: bool = False, api_keys=None, answer_cache: dict | None = None,
                  tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER, log_requests: bool = True,
-                 log_stats_interval: float = 10.0, metrics_prefix: str = "kvserve", ui: bool = True):
+                 log_stats_interval: float = 10.0, metrics_prefix: str = "kvserve", ui: bool = True,
+                 generation_defaults: dict | None = None):
         tool_parser(tool_call_parser)           # an unknown name: ValueError before anything starts
         self.tool_call_parser = tool_call_parser
         self.model_name = served_model_name
@@ -98,6 +99,8 @@ class ServerState:
         bound = max_bytes_per_token(tok) if tok is not None else MIN_BYTES_PER_TOKEN_BOUND
         self.limits = ServerLimits(self.max_model_len, max_prompts_per_request, max_waiting, bound)
         self.tokenization = Tokenization()
+        # --generation-config: request defaults from the model's generation_config.json
+        self.generation_defaults = generation_defaults or {}
         self.engine_failure = EngineFailureReport()
         install_front(self, api_keys, answer_cache)    # tenants, answer caches (server/answers.py)
 
@@ -110,15 +113,16 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
               metrics_tenant_labels: bool = False, escape_special_tokens: bool = False,
               tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER, log_requests: bool = True,
               log_stats_interval: float = 10.0, metrics_prefix: str = "kvserve", ui: bool = True,
-              responses_store=None) -> FastAPI:
+              responses_store=None, generation_defaults: dict | None = None) -> FastAPI:
     """The FastAPI app serving `engine`: an `LLMEngine` or `EngineCore` (its core loop runs in
     a thread of this process) or a `CoreClient` (server/core_client.py). The engine loop starts
     with the app. `api_keys`: a keys file's path or a loaded `TenantRegistry` (server/answers.install).
-    `responses_store`: the Responses API's `ResponseStore` (default: its default bounds)."""
+    `responses_store`: the Responses API's `ResponseStore` (default: its default bounds).
+    `generation_defaults`: sampling defaults for fields a request leaves out (server/openai/sampling.py)."""
     state = ServerState(engine, served_model_name, api_key, max_waiting, chat_template,
                         stream_stall_timeout, max_prompts_per_request, escape_special_tokens,
                         api_keys, answer_cache, tool_call_parser, log_requests, log_stats_interval,
-                        metrics_prefix, ui)
+                        metrics_prefix, ui, generation_defaults)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -37,7 +37,7 @@ import signal
 import sys
 from dataclasses import dataclass, field
 
-from kvserve.config.cli_args import add_dataclass_args, flag
+from kvserve.config.cli_args import ArgumentParser, add_dataclass_args, flag
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,8 @@ class ServerArgs:
         "server process (--task embed: always a worker thread of the server process)",
         choices=("process", "thread")))
     engine_threads: int | None = field(default=None, metadata=flag(
-        "torch threads of the engine (default: torch's, which follows OMP_NUM_THREADS)"))
+        "torch threads of the engine (default: torch's, which follows OMP_NUM_THREADS; "
+        "llama-server's -t / --threads)", aliases=("-t", "--threads")))
     tool_call_parser: str = field(default="hermes", metadata=flag(
         "how tool_choice \"auto\" reads tool calls in the model's text (vLLM's names): hermes "
         "(<tool_call>{...}</tool_call>, Qwen's and kvserve's default tool prompt's), llama3_json, "
@@ -91,6 +92,23 @@ class ServerArgs:
     log_stats_interval: float = field(default=10.0, metadata=flag(
         "seconds between the INFO stats lines (throughput, running/waiting/swapped, KV use, prefix "
         "hit rate; 0 disables them)"))
+    disable_log_stats: bool = field(default=False, metadata=flag(
+        "no INFO stats lines (vLLM's name for --log-stats-interval 0)"))
+    uvicorn_log_level: str | None = field(default=None, metadata=flag(
+        "uvicorn's own log level (vLLM's flag; default: --log-level)",
+        choices=("critical", "error", "warning", "info", "debug", "trace")))
+    enable_auto_tool_choice: bool = field(default=False, metadata=flag(
+        "vLLM's switch for tool_choice \"auto\": kvserve always serves it (read with "
+        "--tool-call-parser), so this only lets vLLM's tool-calling command lines start"))
+    trust_remote_code: bool = field(default=False, metadata=flag(
+        "vLLM's flag, accepted: kvserve runs no code from a model's repository (its architectures "
+        "are built in), so there is nothing to trust"))
+    generation_config: str = field(default="auto", metadata=flag(
+        "vLLM's flag: request defaults (temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max_new_tokens) from the model's generation_config.json (auto), none (vllm), or a DIR's",
+        metavar="auto|vllm|DIR"))
+    jinja: bool = field(default=False, metadata=flag(
+        "llama-server's flag, accepted: kvserve always renders the model's own Jinja chat template"))
     metrics_prefix: str = field(default="kvserve", metadata=flag(
         "the prefix of /metrics names: kvserve (kvserve:...) or vllm (vLLM's names, for existing "
         "dashboards)", choices=("kvserve", "vllm")))
@@ -205,7 +223,11 @@ def cmd_serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tenants = tenant_registry(args)
     responses = response_store(args)            # bad bounds: ValueError before the model loads
+    from kvserve.server.openai.sampling import generation_defaults
+    gen_defaults = generation_defaults(args.generation_config, args.model)   # a bad DIR: before the model loads
     log = logging.getLogger("kvserve.server")
+    if args.trust_remote_code:
+        log.info("--trust-remote-code: kvserve runs no code from the model's repository; nothing to allow")
     task = serve_task(args)
     try:
         engine = embedding_client(args) if task == "embed" else generation_engine(args)
@@ -222,15 +244,17 @@ def cmd_serve(args) -> int:
                     escape_special_tokens=escape_special_tokens(args),
                     api_keys=tenants, answer_cache=answer_cache_options(args),
                     tool_call_parser=args.tool_call_parser,
-                    log_requests=not args.disable_log_requests, log_stats_interval=args.log_stats_interval,
+                    log_requests=not args.disable_log_requests,
+                    log_stats_interval=0 if args.disable_log_stats else args.log_stats_interval,
                     metrics_prefix=args.metrics_prefix, ui=not args.no_ui and task == "generate",
-                    responses_store=responses)
+                    responses_store=responses,
+                    generation_defaults=gen_defaults)
     from kvserve import memory_probe
     memory_probe.start("api", {"state": app.state.kvserve})     # only with KVSERVE_MEMORY_PROBE set
     log.info("serving %s as %r on http://%s:%d (max_model_len %d)", engine.config.model.model, name, args.host,
              args.port, engine.limits.max_model_len)
     # uvicorn's own deadline comes a little after ours: by then every handler has answered.
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout + ANSWER_GRACE_S,
                             access_log=False)
     server = DeadlineServer(config, app.state.kvserve.core_client, args.shutdown_timeout)
@@ -245,6 +269,6 @@ def cmd_serve(args) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="kvserve serve")
+    parser = ArgumentParser(prog="kvserve serve")
     add_cli_args(parser)
     sys.exit(cmd_serve(parser.parse_args()))

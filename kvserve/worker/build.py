@@ -23,10 +23,10 @@ import torch
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.selector import select_attention_backend
 from kvserve.model.config import ModelConfig
-from kvserve.model.loader import checkpoint_dtype, load_model_dir, resolve_dtype
+from kvserve.model.loaders.checkpoint import checkpoint_dtype, load_model_dir, resolve_dtype
 from kvserve.model.registry import architecture
 from kvserve.model.sharding import TPGroup, shard_config, shard_weights
-from kvserve.model.tokenizer import Tokenizer
+from kvserve.model.tokenizers.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from kvserve.config.engine_config import EngineConfig

@@ -62,6 +62,9 @@ async def prepare_chat(state, req: ChatCompletionRequest, renames: dict | None =
     plan, messages, text, ids = await chat_prompt(state, req)
     try:
         max_tokens = max_tokens_for(state, len(ids), req.requested_max_tokens(), req.min_tokens)
+        cap = state.generation_defaults.get("max_tokens")      # generation_config's max_new_tokens
+        if req.requested_max_tokens() is None and cap is not None:
+            max_tokens = max(min(max_tokens, cap), req.min_tokens)
     except APIError as e:
         for old, new in (renames or {}).items():
             e.param = new if e.param == old else e.param
@@ -70,7 +73,7 @@ async def prepare_chat(state, req: ChatCompletionRequest, renames: dict | None =
     k = req.top_logprobs or 0
     # A parser's markers may be special tokens: kept in the text, unless the request says.
     keep_special = plan.keeps_special_tokens and "skip_special_tokens" not in req.model_fields_set
-    params = sampling_params(req, max_tokens, k if req.logprobs else None, req.prompt_logprobs,
+    params = sampling_params(req, max_tokens, k if req.logprobs else None, req.prompt_logprobs, defaults=state.generation_defaults,
                              constraint=plan.constraint or req.constraint(), keep_special_tokens=keep_special)
     # vLLM's echo: an answer to a conversation ending in the assistant's own words starts with them.
     echo = messages[-1]["content"] if req.echo and messages[-1]["role"] == "assistant" else None

@@ -26,7 +26,8 @@ async def completions(state, req: CompletionRequest, request: Request):
     # echo with max_tokens=0 (vLLM's rule): generate one token, return none of it.
     constraint = req.constraint()
     asked = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
-    params = [sampling_params(req, max(m, 1), req.logprobs, max(asked) if asked else None, constraint)
+    params = [sampling_params(req, max(m, 1), req.logprobs, max(asked) if asked else None, constraint,
+                              defaults=state.generation_defaults)
               for m in max_tokens]
     rid_prefix = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
