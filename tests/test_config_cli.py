@@ -93,7 +93,7 @@ def test_cli_round_trips_to_the_same_engine_config():
     parsed = EngineConfig.from_cli_args(engine_parser().parse_args(argv))
     assert parsed == direct
     assert parsed.speculative == direct.speculative
-    assert parsed.kv_tiers == ["cpu:1MiB", "redis://127.0.0.1:6379"]
+    assert parsed.kv_tier_list == ("cpu:1MiB", "redis://127.0.0.1:6379")
 
 
 def test_replicas_are_started_with_the_same_engine_and_server_flags():

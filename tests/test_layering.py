@@ -86,9 +86,9 @@ DEBTS: set[tuple[str, str]] = {
     ("config.engine_config", "model.loaders.default_model"),
     # DTYPE_NAMES: goes when the dtype names live in config/ and model/config.py reads them there
     ("config.resolved", "model.config"),
-    # DTYPES, torch_dtype and the "auto" device probe: goes when config keeps names and the worker maps them
+    # DTYPES and torch_dtype: goes when config keeps names and the worker maps them
     ("config.engine_config", "torch"),
-    # ModelLoadConfig.torch_dtype: goes with the line above
+    # ModelLoadConfig.torch_dtype and the "auto" device probe (resolve_device): goes with the line above
     ("config.resolved", "torch"),
     # -- kv touches tensors
     # read_blocks/write_blocks copy blocks of the runner's pools: goes when the copy is the worker's (kv keeps

@@ -11,14 +11,12 @@ import torch
 
 from kvserve.config.cli_args import add_dataclass_args, dataclass_kwargs, flag
 from kvserve.config.resolved import DTYPE_NAMES, Config, resolve_config
-from kvserve.config.speculative import SpeculativeConfig
+from kvserve.config.speculative import CPU_SPEC_DISABLE_BY_BATCH_SIZE, SpeculativeConfig  # noqa: F401
 from kvserve.attention.kv_quant import KV_CACHE_DTYPES, check_kv_cache_dtype
 from kvserve.model.quant.formats import parse_quantization
 
 if TYPE_CHECKING:
     from kvserve.model.config import ModelConfig
-
-CPU_SPEC_DISABLE_BY_BATCH_SIZE = 4    # speculative decoding's default load threshold on CPU
 
 DTYPES = {spelling: getattr(torch, name) for spelling, name in DTYPE_NAMES.items()}   # "bf16" -> torch.bfloat16
 
@@ -165,33 +163,44 @@ class EngineConfig:
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError("distributed_executor_backend must be 'mp' or 'ray', got "
                              f"{self.distributed_executor_backend!r}.")
-        self.speculative = SpeculativeConfig.parse(self.speculative_config)   # None: off
+        # Validation only: the fields stay as given; what they decide is resolve()'s
+        # (config/resolved.py: the device, the parsed quantization and speculation, the tier list).
+        _ = self.speculative                       # a bad speculative_config raises here
         self._check_kv_tiers()
-        self.quantization, self.quantization_group_size = parse_quantization(
-            self.quantization, self.quantization_group_size)
-        if self.quantize_activations and self.quantization in ("int4", "dequant"):
+        quantization, _ = self.parsed_quantization
+        if self.quantize_activations and quantization in ("int4", "dequant"):
             raise ValueError(f"quantize_activations applies to int8 weights; quantization="
-                             f"{self.quantization!r} has none (use 'int8', or None on a GGUF file).")
-        if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        spec = self.speculative
-        if spec is not None and spec.disable_by_batch_size is None and self.device == "cpu":
-            # A CPU step is compute-bound from a few sequences on: verifying k + 1 rows each then
-            # costs more than it saves (benchmarks/results/spec.md: batch 8 at 0.74x, batch 1 up to 1.6x).
-            self.speculative = dataclasses.replace(spec, disable_by_batch_size=CPU_SPEC_DISABLE_BY_BATCH_SIZE)
+                             f"{quantization!r} has none (use 'int8', or None on a GGUF file).")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """`speculative_config` parsed (None: off); resolve() adds the CPU load threshold."""
+        return SpeculativeConfig.parse(self.speculative_config)
+
+    @property
+    def parsed_quantization(self) -> tuple[str | None, int | None]:
+        """(method, group size) of `quantization` and `quantization_group_size` ("int4-g32" ->
+        ("int4", 32)), checked."""
+        return parse_quantization(self.quantization, self.quantization_group_size)
+
+    @property
+    def kv_tier_list(self) -> tuple[str, ...]:
+        """`kv_tiers` (a list or one comma-separated string) as a tuple, top first; () for none."""
+        from kvserve.kv.tiers import split_tier_specs
+        return tuple(split_tier_specs(self.kv_tiers) or ())
 
     def _check_kv_tiers(self) -> None:
-        from kvserve.kv.tiers import parse_tier_spec, split_tier_specs
-        self.kv_tiers = split_tier_specs(self.kv_tiers) or None
+        from kvserve.kv.tiers import parse_tier_spec
+        tiers = self.kv_tier_list
         if self.kv_tier_reload not in ("auto", "always", "never"):
             raise ValueError(f"kv_tier_reload must be 'auto', 'always' or 'never', got {self.kv_tier_reload!r}.")
         if self.kv_role not in ("both", "prefill", "decode"):
             raise ValueError(f"kv_role must be 'both', 'prefill' or 'decode', got {self.kv_role!r}.")
-        if self.kv_role != "both" and not any(t.startswith(("disk:", "redis://")) for t in self.kv_tiers or ()):
+        if self.kv_role != "both" and not any(t.startswith(("disk:", "redis://")) for t in tiers):
             raise ValueError(f"kv_role={self.kv_role!r} needs a KV tier that both roles share: "
                              "--kv-tiers redis://HOST:PORT (or disk:/shared/path:SIZE on one machine).")
-        if self.kv_tiers:
-            for spec in self.kv_tiers:
+        if tiers:
+            for spec in tiers:
                 parse_tier_spec(spec, open_store=False)
             if self.prefix_cache_kind != "hash" or self.tensor_parallel_size > 1:
                 raise ValueError("kv_tiers needs the hash prefix cache (enable_prefix_caching, "

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvserve.config.speculative import SpeculativeConfig
+from kvserve.config.speculative import CPU_SPEC_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
 from kvserve.model.config import DTYPE_NAMES
 
 if TYPE_CHECKING:
@@ -112,9 +112,23 @@ def _section(cls, engine: "EngineConfig", **decided):
                   for f in dataclasses.fields(cls)})
 
 
+def resolve_device(name: str) -> str:
+    """The device a name means: "auto" is cuda when torch sees a GPU, else cpu."""
+    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+
+
+def resolve_speculative(spec: SpeculativeConfig | None, device: str) -> SpeculativeConfig | None:
+    """On CPU an unset `disable_by_batch_size` is CPU_SPEC_DISABLE_BY_BATCH_SIZE (config/speculative.py)."""
+    if spec is not None and spec.disable_by_batch_size is None and device == "cpu":
+        return dataclasses.replace(spec, disable_by_batch_size=CPU_SPEC_DISABLE_BY_BATCH_SIZE)
+    return spec
+
+
 def resolve_config(engine: "EngineConfig", max_pos: int) -> Config:
-    """Decide what depends on the model: max_model_len against its max_position_embeddings
-    (`max_pos`), and dtype."""
+    """Every decision, made once, from an EngineConfig that is never written: the device
+    ("auto"), the parsed quantization, speculation with its CPU threshold, the tier list, and
+    what depends on the model: max_model_len against its max_position_embeddings (`max_pos`),
+    and dtype."""
     max_len = engine.max_model_len or max_pos
     if max_len > max_pos:
         raise ValueError(f"max_model_len {max_len} exceeds the model's "
@@ -122,11 +136,14 @@ def resolve_config(engine: "EngineConfig", max_pos: int) -> Config:
     # "auto" comes here only from callers that did not read the checkpoint: the engine resolves
     # it against the checkpoint before loading (model/loaders/checkpoint.py `resolve_dtype`).
     dtype = "float32" if engine.dtype == "auto" else DTYPE_NAMES[engine.dtype]
+    device = resolve_device(engine.device)
+    quantization, group_size = engine.parsed_quantization
     return Config(
-        model=_section(ModelLoadConfig, engine, dtype=dtype, max_model_len=max_len),
+        model=_section(ModelLoadConfig, engine, dtype=dtype, max_model_len=max_len, device=device,
+                       quantization=quantization, quantization_group_size=group_size),
         cache=_section(CacheConfig, engine),
         scheduler=_section(SchedulerConfig, engine, cache_aware_scheduling=engine.use_cache_aware_scheduling),
         parallel=_section(ParallelConfig, engine),
-        speculative=engine.speculative,
-        tiers=_section(TierConfig, engine, kv_tiers=tuple(engine.kv_tiers or ())),
+        speculative=resolve_speculative(engine.speculative, device),
+        tiers=_section(TierConfig, engine, kv_tiers=engine.kv_tier_list),
         structured_outputs=_section(StructuredOutputsConfig, engine))

@@ -16,6 +16,10 @@ import json
 from dataclasses import dataclass
 
 METHODS = ("ngram", "draft_model")
+# The default load threshold on CPU (config/resolved.py applies it): a CPU step is compute-bound
+# from a few sequences on, so verifying k + 1 rows each then costs more than it saves
+# (benchmarks/results/spec.md: batch 8 at 0.74x, batch 1 up to 1.6x).
+CPU_SPEC_DISABLE_BY_BATCH_SIZE = 4
 SELF_DRAFTS = {"self": None, "self-int8": "int8", "self-int4": "int4"}   # model name -> quantization
 KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
         "disable_by_batch_size", "quantization", "max_backoff_steps"}

@@ -62,11 +62,11 @@ GRAMMAR_IDLE_WAIT_S = 0.01   # an engine with only grammars to wait for sleeps t
 
 class EngineCore:
     def __init__(self, config: EngineConfig):
-        self.device = config.device          # a name: the worker makes the torch device
         # Resolved once against the checkpoint (worker/build.py, config/resolved.py): every part of
         # the engine reads its section of the frozen Config; the caller's config is never written.
-        r, loaded = load_and_resolve(config, self.device)      # the file is read once
+        r, loaded = load_and_resolve(config)      # the file is read once
         self.config = r            # the resolved Config: the flat EngineConfig goes no further
+        self.device = r.model.device          # a name ("auto" decided): the worker makes the torch device
         tp = r.parallel.tensor_parallel_size
         # this process is rank 0 of tp (kvserve/distributed/): its slice, then the workers
         built = build_model(r.model, r.cache.block_size, r.cache.kv_cache_dtype, self.device, tp_size=tp,

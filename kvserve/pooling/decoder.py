@@ -33,8 +33,8 @@ class DecoderEmbedder:
     def __init__(self, config):
         if config.tensor_parallel_size > 1:
             raise ValueError("--task embed runs on one device: drop --tensor-parallel-size.")
-        self.device = torch.device(config.device)
-        r, loaded = load_and_resolve(config, self.device)      # the file is read once
+        r, loaded = load_and_resolve(config)      # the file is read once
+        self.device = torch.device(r.model.device)
         self.max_model_len = r.model.max_model_len
         built = build_model(r.model, r.cache.block_size, "auto", self.device, attention=PromptAttention,
                             loaded=loaded)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from kvserve.config.resolved import resolve_device
 from kvserve.model.loaders.checkpoint import checkpoint_dtype, resolve_dtype
 from kvserve.model.tokenizers.tokenizer import HFTokenizer
 from kvserve.pooling.rule import read_rule
@@ -37,7 +38,7 @@ class EncoderEmbedder:
 
         root = Path(config.model)
         self.rule = read_rule(root)
-        self.device = torch.device(config.device)
+        self.device = torch.device(resolve_device(config.device))
         dtype = resolve_dtype(config.dtype, checkpoint_dtype(str(root)), self.device)
         self.model = AutoModel.from_pretrained(str(root), local_files_only=True, dtype=dtype)
         self.model = self.model.to(self.device).eval()

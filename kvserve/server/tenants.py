@@ -193,7 +193,7 @@ class TenantMetrics:
         add, finished, abort = engine.add_request, metrics.observe_finished, engine.abort
 
         # Under fcfs the engine needs none of them: its prompts stay as they were.
-        fair = getattr(getattr(engine, "config", None), "scheduling_policy", "fcfs") != "fcfs"
+        fair = engine.config.scheduler.scheduling_policy != "fcfs"      # the resolved Config
 
         async def add_request(request_id, prompt, *args, **kwargs):
             tenant, fields = current_tenant.get(), current_fields.get()

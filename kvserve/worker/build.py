@@ -1,7 +1,7 @@
 """The one place a model is built (vLLM's model loader): the engine core, a tensor-parallel
 worker, the draft proposer and the embedder all call `build_model`.
 
-    load_and_resolve(engine_config, device) -> (Config, loaded)   the file read once; every "auto"
+    load_and_resolve(engine_config) -> (Config, loaded)             the file read once; every "auto"
                                                          decided: dtype, max_model_len, the
                                                          attention backend
     build_model(config.model, block_size, kv_cache_dtype, device, rank=, tp_size=, attention=, loaded=)
@@ -22,6 +22,7 @@ import torch
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.selector import select_attention_backend
+from kvserve.config.resolved import resolve_device
 from kvserve.model.config import ModelConfig
 from kvserve.model.loaders.checkpoint import checkpoint_dtype, load_model_dir, resolve_dtype
 from kvserve.model.registry import architecture
@@ -45,7 +46,7 @@ def with_checkpoint_dtype(config: "EngineConfig") -> "EngineConfig":
     (loader.resolve_dtype; reads the checkpoint's headers only)."""
     if config.dtype != "auto":
         return config
-    dtype = resolve_dtype("auto", checkpoint_dtype(config.model), torch.device(config.device))
+    dtype = resolve_dtype("auto", checkpoint_dtype(config.model), torch.device(resolve_device(config.device)))
     return dataclasses.replace(config, dtype=str(dtype).removeprefix("torch."))
 
 
@@ -53,17 +54,17 @@ def load_checkpoint(config, device: torch.device | str) -> tuple[ModelConfig, di
     """(model config, weights, tokenizer) of `config.model` in `config.dtype` (decided; an
     EngineConfig or its resolved ModelLoadConfig section): a GGUF
     file's tensors in their own types unless quantization "dequant" asks for the dtype."""
-    return load_model_dir(config.model, native=config.quantization != "dequant", dtype=config.torch_dtype,
+    return load_model_dir(config.model, native=config.quantization != "dequant", dtype=config.torch_dtype,   # (raw or parsed)
                           device=device)
 
 
-def load_and_resolve(config: "EngineConfig", device: torch.device | str) -> tuple["Config", tuple]:
-    """The checkpoint read once (`load_checkpoint`, dtype "auto" decided first), and `config`
-    resolved (config/resolved.py) against it: max_model_len the model's context unless asked for
-    less, the attention backend for this model's heads here. Returns (Config, what build_model
-    takes as `loaded`)."""
+def load_and_resolve(config: "EngineConfig") -> tuple["Config", tuple]:
+    """The checkpoint read once (`load_checkpoint`, on the device config/resolved.py decides,
+    dtype "auto" decided first), and `config` resolved against it: max_model_len the model's
+    context unless asked for less, the attention backend for this model's heads here. Returns
+    (Config, what build_model takes as `loaded`); `Config.model.device` is where it loaded."""
     config = with_checkpoint_dtype(config)
-    loaded = load_checkpoint(config, device)
+    loaded = load_checkpoint(config, resolve_device(config.device))
     model_cfg = loaded[0]
     r = config.resolve(model_cfg)
     tp = r.parallel.tensor_parallel_size

@@ -14,6 +14,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import CPU_SPEC_DISABLE_BY_BATCH_SIZE, EngineConfig
+from kvserve.config.resolved import resolve_config
 from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.ngram import ngram_lookup
 from kvserve.sample.rejection import accept_greedy, rejection_sample
@@ -56,11 +57,13 @@ def test_config_defaults_and_cli_flag():
     p = argparse.ArgumentParser()
     EngineConfig.add_cli_args(p)
     args = p.parse_args(["--model", str(STORIES_C), "--speculative-config", json.dumps(NGRAM)])
-    got = EngineConfig.from_cli_args(args).speculative
-    # on CPU an unset load threshold becomes CPU_SPEC_DISABLE_BY_BATCH_SIZE; the rest as given
+    cfg = EngineConfig.from_cli_args(args)
+    assert cfg.speculative == SpeculativeConfig.parse(NGRAM)          # the field is never rewritten
+    got = resolve_config(dataclasses.replace(cfg, device="cpu"), 2048).speculative
+    # resolved on CPU, an unset load threshold becomes CPU_SPEC_DISABLE_BY_BATCH_SIZE; the rest as given
     assert got == dataclasses.replace(SpeculativeConfig.parse(NGRAM), disable_by_batch_size=CPU_SPEC_DISABLE_BY_BATCH_SIZE)
     explicit = EngineConfig(model="m", device="cpu", speculative_config={**NGRAM, "disable_by_batch_size": 32})
-    assert explicit.speculative.disable_by_batch_size == 32
+    assert resolve_config(explicit, 2048).speculative.disable_by_batch_size == 32
 
 
 def test_draft_with_another_vocabulary_is_refused(tmp_path, random_model_dir):

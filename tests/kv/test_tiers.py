@@ -100,7 +100,7 @@ def test_tier_specs_and_config_errors(tmp_path):
         EngineConfig(model="x", kv_tiers="tape:1GiB")
     with pytest.raises(ValueError, match="hash prefix cache"):
         EngineConfig(model="x", kv_tiers="cpu:1GiB", prefix_cache="radix")
-    assert EngineConfig(model="x", kv_tiers="cpu:1GiB, disk:/tmp/x:2GiB").kv_tiers == ["cpu:1GiB", "disk:/tmp/x:2GiB"]
+    assert EngineConfig(model="x", kv_tiers="cpu:1GiB, disk:/tmp/x:2GiB").kv_tier_list == ("cpu:1GiB", "disk:/tmp/x:2GiB")
 
 
 def test_reload_rule_is_seed_003s_break_even():

@@ -380,10 +380,10 @@ def test_cli_flags():
     EngineConfig.add_cli_args(parser)
     model = ["--model", str(STORIES_HF)]
     cfg = EngineConfig.from_cli_args(parser.parse_args(model + ["--quantization", "int4-g32"]))
-    assert (cfg.quantization, cfg.quantization_group_size) == ("int4", 32)
+    assert cfg.parsed_quantization == ("int4", 32)
     cfg = EngineConfig.from_cli_args(parser.parse_args(model + ["--quantization", "int4",
                                                                 "--quantization-group-size", "128"]))
-    assert (cfg.quantization, cfg.quantization_group_size) == ("int4", 128)
+    assert cfg.parsed_quantization == ("int4", 128)
     cfg = EngineConfig.from_cli_args(parser.parse_args(model + ["--quantization", "int8",
                                                                 "--quantize-activations"]))
     assert cfg.quantize_activations and not EngineConfig(model=str(STORIES_HF)).quantize_activations
