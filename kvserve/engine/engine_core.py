@@ -232,9 +232,7 @@ class EngineCore:
         for req, n in sched.scheduled:     # the hand-off's invariant: every token has a slot
             assert self.kv.num_held_blocks(req.request_id) * bs >= req.num_computed_tokens + n, \
                 f"{req} scheduled without slots"
-        result = self.runner.execute_model(so)
-        for rid, why in so.grammar_errors.items():       # masked out before the step: their grammar failed
-            result.grammar_errors.setdefault(rid, why)
+        result = self.runner.execute_model(so)       # rows the core found without an allowed token: in its grammar_errors
         touched, deltas, prompt_entries = self.scheduler.update_from_output(sched, result)
         self.worker_view.note_sampled(result.sampled)
         if self.config.tiers.kv_role == "prefill":     # the prompt's KV is in the shared store before its answer

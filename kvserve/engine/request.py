@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvserve.sample.params import SamplingParams
+from kvserve.worker.sequence import PromptAndOutput
 
 
 # Request.error_code of a sequence its own grammar failed (a structured-outputs matcher error:
@@ -100,7 +101,7 @@ class RequestMetrics:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
 
-class Request:
+class Request(PromptAndOutput):
     """One sequence being generated. `n > 1` sampling makes one Request per sample, a beam
     search one per live beam; `parent_id` is the user's request id, shared by the group."""
 
@@ -159,18 +160,6 @@ class Request:
     @property
     def arrival_time(self) -> float:
         return self.metrics.arrival_time
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def must_compute_prompt(self) -> bool:

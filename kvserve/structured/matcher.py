@@ -53,6 +53,9 @@ class SequenceGrammar:
         return "the output left its grammar: " + (matcher_error(self.matcher) or "no reason given")
 
 
+NO_ALLOWED_TOKEN = "the grammar admits no token here"
+
+
 def grammar_bitmasks(grammars: list[SequenceGrammar]) -> tuple[np.ndarray, dict[int, str]]:
     """The allowed tokens of each grammar's next position: [R, ceil(V / 32)] int32, bit j of word
     w allows token 32 w + j (little-endian words, least significant bit first), filled by
@@ -70,5 +73,5 @@ def grammar_bitmasks(grammars: list[SequenceGrammar]) -> tuple[np.ndarray, dict[
         if g.matcher.is_error():
             failed[i] = g.error
         elif not bitmask[i].any():
-            failed[i] = "the grammar admits no token here"
+            failed[i] = NO_ALLOWED_TOKEN
     return bitmask, failed

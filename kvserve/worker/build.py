@@ -63,8 +63,8 @@ def load_and_resolve(config: "EngineConfig") -> tuple["Config", tuple]:
     dtype "auto" decided first), and `config` resolved against it: max_model_len the model's
     context unless asked for less, the attention backend for this model's heads here. Returns
     (Config, what build_model takes as `loaded`); `Config.model.device` is where it loaded."""
-    config = with_checkpoint_dtype(config)
-    loaded = load_checkpoint(config, resolve_device(config.device))
+    config = with_checkpoint_dtype(dataclasses.replace(config, device=resolve_device(config.device)))
+    loaded = load_checkpoint(config, config.device)
     model_cfg = loaded[0]
     r = config.resolve(model_cfg)
     tp = r.parallel.tensor_parallel_size

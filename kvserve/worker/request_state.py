@@ -15,10 +15,11 @@ import torch
 
 from kvserve.sample.params import SamplingParams
 from kvserve.worker.scheduler_output import CachedSequenceData, NewSequenceData
+from kvserve.worker.sequence import PromptAndOutput
 
 
 @dataclass
-class SequenceState:
+class SequenceState(PromptAndOutput):
     request_id: str                  # the sequence id (the sampler and the input batch read this name)
     token_ids: list[int]
     num_prompt_tokens: int
@@ -42,17 +43,5 @@ class SequenceState:
             self.block_ids.extend(d.new_block_ids)
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
     def prompt_token_ids(self) -> list[int]:
         return self.token_ids[:self.num_prompt_tokens]
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens

@@ -20,6 +20,7 @@ import torch
 
 from kvserve.sample.grammar_mask import apply_grammar_bitmask
 from kvserve.sample.sampler import Sampler, beam_candidates, prompt_entries
+from kvserve.structured.matcher import NO_ALLOWED_TOKEN
 from kvserve.worker.output import ModelRunnerOutput
 from kvserve.worker.scheduler_output import SchedulerOutput
 
@@ -74,7 +75,7 @@ class StepSampler:
             bitmask = np.stack([bitmasks[reqs[j].request_id] for j in constrained])     # [C, W]
             bad = {constrained[i] for i in apply_grammar_bitmask(x, constrained, bitmask)}
             for j in bad:
-                out.grammar_errors[reqs[j].request_id] = "the grammar admits no token here"
+                out.grammar_errors[reqs[j].request_id] = NO_ALLOWED_TOKEN
             if bad:
                 keep = [j for j in range(len(reqs)) if j not in bad]
                 x, reqs = x[keep], [reqs[j] for j in keep]

@@ -59,7 +59,3 @@ class SchedulerOutput:
     grammar_bitmask: dict[str, np.ndarray] = field(default_factory=dict)    # seq id -> [ceil(V/32)] int32
     grammar_errors: dict[str, str] = field(default_factory=dict)            # seq id -> why
     finished_seq_ids: list[str] = field(default_factory=list)
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(n for _, n, _ in self.scheduled)

@@ -1,5 +1,5 @@
 """What the model runner reads of a sequence (the scheduler's Request satisfies it; a draft
-model's own sequences are these)."""
+model's own sequences are these), and the token counts a prompt + output sequence derives."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -16,3 +16,22 @@ class RunnerSequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+
+class PromptAndOutput:
+    """What follows from a sequence's `token_ids` (prompt + output) and `num_prompt_tokens`: the
+    scheduler's Request and the worker's SequenceState (worker/request_state.py) both read so."""
+
+    __slots__ = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
