@@ -52,3 +52,48 @@ def test_generation_config_gives_the_defaults_a_request_leaves_out(tmp_path):
     req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], top_p=0.5)
     p = sampling_params(req, 10, None, defaults=d)
     assert (p.temperature, p.top_p, p.max_tokens) == (0.6, 0.5, 10)      # the request's own top_p wins
+
+
+def serve_args(*argv: str):
+    from kvserve.server.cli import apply_llama_server_flags
+
+    args = parse(*argv)
+    apply_llama_server_flags(args)
+    return args
+
+
+def test_llama_server_context_gpu_layers_and_embeddings_flags():
+    args = serve_args("-m", "x.gguf", "-c", "1000", "--block-size", "16", "-ngl", "0", "-n", "64")
+    assert (args.num_kv_blocks, args.max_model_len, args.device, args.n_predict) == (63, 1000, "cpu", 64)
+    assert serve_args("--ctx-size", "32", "--block-size", "16").num_kv_blocks == 2
+    assert serve_args("--embeddings").task == "embed"
+    for argv, message in ((("-ngl", "99"), "does not split"), (("-c", "64", "--num-kv-blocks", "4"), "give one"),
+                          (("-c", "64", "--max-model-len", "32"), "disagree"), (("-ngl", "0", "--device", "cuda"), "disagree"),
+                          (("--embeddings", "--task", "generate"), "disagree"), (("-n", "-5"), "-n / --n-predict")):
+        with pytest.raises(ValueError, match=message):
+            serve_args(*argv)
+
+
+def test_foreign_flags_are_refused_naming_kvserves(capsys):
+    for flag_, instead in (("-b", "--max-num-batched-tokens"), ("--flash-attn", "--attention-backend"),
+                           ("--alias", "--served-model-name"), ("-hf", "--model PATH")):
+        with pytest.raises(SystemExit):
+            parse(flag_, "1")
+        err = capsys.readouterr().err
+        assert "unrecognized arguments" in err and f"{flag_} is not kvserve's: give {instead}" in err
+
+
+def test_n_predict_is_chats_default_max_tokens():
+    """-n 5: a chat request without max_tokens generates at most 5 tokens; one with max_tokens its own."""
+    from fastapi.testclient import TestClient
+
+    from kvserve.config import EngineConfig
+    from kvserve.engine.engine_core import EngineCore
+    from kvserve.server.app import build_app
+    from tests.server.live import STORIES_HF
+
+    app = build_app(EngineCore(EngineConfig(model=str(STORIES_HF))), "m", generation_defaults={"max_tokens": 5})
+    body = {"messages": [{"role": "user", "content": "Once upon a time"}], "temperature": 0, "ignore_eos": True}
+    with TestClient(app) as client:
+        assert client.post("/v1/chat/completions", json=body).json()["usage"]["completion_tokens"] == 5
+        assert client.post("/v1/chat/completions", json={**body, "max_tokens": 9}).json()["usage"]["completion_tokens"] == 9

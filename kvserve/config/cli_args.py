@@ -17,14 +17,56 @@ import typing
 from typing import Any
 
 
+# llama-server's and vLLM's flags that kvserve spells another way (or has no use for): the
+# refusal of one names what to give instead.
+FOREIGN_FLAGS = {
+    ("-b", "--batch-size", "-ub", "--ubatch-size"): "--max-num-batched-tokens N",
+    ("-tb", "--threads-batch", "--threads-http"): "--engine-threads N (-t)",
+    ("-ctk", "--cache-type-k", "-ctv", "--cache-type-v"): "--kv-cache-dtype auto|int8|fp8_e4m3|fp8_e5m2",
+    ("-fa", "--flash-attn"): "--attention-backend NAME",
+    ("-a", "--alias"): "--served-model-name NAME",
+    ("--chat-template-file",): "--chat-template FILE",
+    ("--no-webui",): "--no-ui",
+    ("-md", "--model-draft", "--draft-max", "--draft-min", "--draft"): "--speculative-config JSON",
+    ("-sm", "--split-mode", "-ts", "--tensor-split"): "--tensor-parallel-size N",
+    ("-hf", "--hf-repo", "-hff", "--hf-file"): "--model PATH (kvserve downloads nothing; the default model comes from PyPI)",
+    ("--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "-s", "--seed"):
+        "the request's own field (temperature, top_k, ...), or --generation-config DIR for server defaults",
+    ("-cb", "--cont-batching"): "nothing: kvserve always batches continuously",
+    ("--mlock", "--no-mmap", "--numa"): "nothing: kvserve has no such setting",
+}
+
+_FOREIGN_NAMES = frozenset(name for names in FOREIGN_FLAGS for name in names)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """Every kvserve parser (sub-commands inherit the class): no abbreviated options, so an
     unknown flag is an error, never a prefix of another one (argparse's default read llama-server's
-    `-t 2` as `-tp 2` and `--max-model 100` as `--max-model-len 100`)."""
+    `-t 2` as `-tp 2` and `--max-model 100` as `--max-model-len 100`); an unknown flag that is
+    llama-server's or vLLM's is refused with the kvserve flag to give instead (FOREIGN_FLAGS)."""
 
     def __init__(self, *args, **kwargs):
         kwargs["allow_abbrev"] = False
         super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        # Ahead of argparse, which reads "-hf" as "-h f" and "-sm" as "-s m" before any error.
+        import sys
+
+        for arg in (sys.argv[1:] if args is None else args):
+            name = arg.split("=")[0] if isinstance(arg, str) else None
+            if name in _FOREIGN_NAMES and name not in self._option_string_actions:
+                self.error(f"unrecognized arguments: {name}")
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str):
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            hints = [f"{arg} is not kvserve's: give {instead}" for arg in message[len(prefix):].split()
+                     for names, instead in FOREIGN_FLAGS.items() if arg.split("=")[0] in names]
+            if hints:
+                message += "\n  " + "\n  ".join(hints)
+        super().error(message)
 
 
 def flag(help: str, *, choices: typing.Sequence[str] | None = None, metavar: str | None = None,

@@ -109,6 +109,19 @@ class ServerArgs:
         metavar="auto|vllm|DIR"))
     jinja: bool = field(default=False, metadata=flag(
         "llama-server's flag, accepted: kvserve always renders the model's own Jinja chat template"))
+    ctx_size: int | None = field(default=None, metadata=flag(
+        "llama-server's -c / --ctx-size: the KV cache holds N tokens, every slot's together "
+        "(--num-kv-blocks N / --block-size, rounded up), and one request's context is at most N "
+        "(--max-model-len N), as llama-server's unified KV cache", aliases=("-c",)))
+    n_predict: int | None = field(default=None, metadata=flag(
+        "llama-server's -n / --n-predict: the max_tokens of a chat request that gives none "
+        "(-1: as many as the context allows, the default)", aliases=("-n",)))
+    n_gpu_layers: int | None = field(default=None, metadata=flag(
+        "llama-server's -ngl: 0 runs every layer on the CPU (--device cpu); kvserve does not split "
+        "layers between devices, so other values are refused (--device cuda puts all on the GPU)",
+        aliases=("-ngl", "--gpu-layers")))
+    embeddings: bool = field(default=False, metadata=flag(
+        "llama-server's --embeddings: serve embeddings (= --task embed)"))
     metrics_prefix: str = field(default="kvserve", metadata=flag(
         "the prefix of /metrics names: kvserve (kvserve:...) or vllm (vLLM's names, for existing "
         "dashboards)", choices=("kvserve", "vllm")))
@@ -146,6 +159,33 @@ def served_name(args) -> str:
     if is_default_model(args.model):
         return DEFAULT_MODEL_NAME
     return known_name(args.model) or os.path.basename(os.path.normpath(args.model))
+
+
+def apply_llama_server_flags(args) -> None:
+    """llama-server's -c, -ngl and --embeddings as the kvserve flags they mean, in place
+    (ValueError where they disagree with kvserve's own)."""
+    if args.ctx_size is not None:
+        if args.ctx_size < 1:
+            raise ValueError(f"-c / --ctx-size must be >= 1, got {args.ctx_size}.")
+        if args.num_kv_blocks is not None:
+            raise ValueError("-c / --ctx-size and --num-kv-blocks both size the KV cache: give one of them.")
+        if args.max_model_len not in (None, args.ctx_size):
+            raise ValueError(f"-c {args.ctx_size} and --max-model-len {args.max_model_len} disagree: give one of them.")
+        args.num_kv_blocks = -(-args.ctx_size // args.block_size)
+        args.max_model_len = args.ctx_size
+    if args.n_gpu_layers is not None:
+        if args.n_gpu_layers != 0:
+            raise ValueError(f"-ngl {args.n_gpu_layers}: kvserve does not split a model's layers between "
+                             "devices; --device cuda runs all of them on the GPU, --device cpu (or -ngl 0) none.")
+        if args.device not in ("auto", "cpu"):
+            raise ValueError(f"-ngl 0 (no layer on a GPU) and --device {args.device} disagree: give one of them.")
+        args.device = "cpu"
+    if args.n_predict is not None and args.n_predict < -1:
+        raise ValueError(f"-n / --n-predict must be -1 (no limit) or >= 0, got {args.n_predict}.")
+    if args.embeddings:
+        if serve_task(args) != "embed" and (args.task or getattr(args, "runner", None)):
+            raise ValueError("--embeddings (serve embeddings) and --task generate disagree: give one of them.")
+        args.task = "embed"
 
 
 def serve_task(args) -> str:
@@ -221,10 +261,15 @@ def cmd_serve(args) -> int:
     from kvserve.server.shutdown import ANSWER_GRACE_S, DeadlineServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    apply_llama_server_flags(args)
     tenants = tenant_registry(args)
     responses = response_store(args)            # bad bounds: ValueError before the model loads
     from kvserve.server.openai.sampling import generation_defaults
     gen_defaults = generation_defaults(args.generation_config, args.model)   # a bad DIR: before the model loads
+    if args.n_predict is not None:      # llama-server's -n: the default max_tokens; -1 none
+        gen_defaults = {k: v for k, v in gen_defaults.items() if k != "max_tokens"}
+        if args.n_predict >= 0:
+            gen_defaults["max_tokens"] = args.n_predict
     log = logging.getLogger("kvserve.server")
     if args.trust_remote_code:
         log.info("--trust-remote-code: kvserve runs no code from the model's repository; nothing to allow")
