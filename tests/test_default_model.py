@@ -109,7 +109,8 @@ def test_perplexity_of_the_default_model_natively_and_dequantized(capsys, tmp_pa
     """`kvserve perplexity` with the default model (SmolLM2 Q4_1 in its own types) on the text
     the repository ships, against the same file dequantized to float32. Measured (ctx 128,
     7 chunks, 441 scored tokens): dequantized 11.568, native 11.541 (-0.23%), mean KL 0.00068,
-    same top token 97.3%; llama-perplexity gives 11.575 on the same tokens (README)."""
+    same top token 97.3%; llama-perplexity gives 11.575 on the same tokens
+    (docs/performance/quantization.md)."""
     import re
 
     base = str(tmp_path / "dequant.npz")

@@ -24,7 +24,7 @@ Which path a step takes is cpu_paths.kernel_plan()'s, by CPU capability (measure
         than `w8a8_min_rows` rows quantizes the activations too, per row
         (symmetric int8; llama.cpp's Q8_0 matmuls quantize theirs in blocks of 32) and runs the
         integer GEMM `torch._int_mm`, `W8A8_ROWS` rows at a time, scaling the int32 sums in
-        float32, at a measured cost in perplexity (README, Quantization).
+        float32, at a measured cost in perplexity (docs/models/quantization.md).
   int4: at most `int4_kernel_max_rows` rows run the kernel.
 A bigger step (prefill, big batches) dequantizes the weight for that one call, from kvserve's own
 values, and runs the dense GEMM in the plan's `dense_dtype` (bfloat16 where the CPU has bf16

@@ -68,7 +68,7 @@ NonEmpty = Annotated[T, Field(min_length=1)]
 
 
 # The codes of the 4xx whose check needs the tokenizer, the model, the server's settings or two
-# numbers at once, which no request schema can state (README, "Request validation"): a body
+# numbers at once, which no request schema can state (docs/serving/fields.md): a body
 # the served schema admits gets no other 4xx.
 PRIORITY_CODE = "priority_not_supported"  # priority on a server whose scheduling policy ignores it
 ENGINE_REJECTED = "engine_rejected"     # add_request refused it: a token id outside the vocabulary,

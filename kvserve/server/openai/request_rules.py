@@ -3,8 +3,8 @@
 `Implies` (`top_logprobs` needs `logprobs: true`) is one definition for two uses: the served
 schema's JSON Schema `if`/`then` (in the request model's `allOf`) and the check run once the
 fields validated, so /openapi.json and the server cannot disagree on it. `min_tokens` against
-`max_tokens` compares two numbers, which JSON Schema cannot: it is one of the README's
-semantic 400s, with its own error code.
+`max_tokens` compares two numbers, which JSON Schema cannot: it is one of the
+semantic 400s of docs/serving/fields.md, with its own error code.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def rules_schema(rules: tuple[Implies, ...]):
 
 
 def min_tokens_error(min_tokens: int, max_tokens: int) -> PydanticCustomError:
-    """min_tokens > max_tokens: two fields no JSON Schema can compare (README: semantic 400s)."""
+    """min_tokens > max_tokens: two fields no JSON Schema can compare (docs/serving/fields.md)."""
     return PydanticCustomError(MIN_TOKENS_CODE, "min_tokens ({min_tokens}) must not exceed max_tokens "
                                "({max_tokens})", {"param": "min_tokens", "min_tokens": min_tokens,
                                                   "max_tokens": max_tokens})
@@ -61,6 +61,6 @@ def min_tokens_error(min_tokens: int, max_tokens: int) -> PydanticCustomError:
 def conflicting_constraints_error(given: list[str]) -> PydanticCustomError:
     """Two output constraints at once (server/openai/structured_fields.py). A rule over eight nullable
     fields, which JSON Schema can state but its generators (schemathesis) cannot take: one of
-    the README's semantic 400s, with its own error code."""
+    docs/serving/fields.md's semantic 400s, with its own error code."""
     return PydanticCustomError(CONSTRAINTS_CODE, "give at most one output constraint: got {given}",
                                {"param": given[1], "given": " and ".join(given)})
