@@ -6,7 +6,8 @@ prompt's form, empty prompts, token ids outside the vocabulary, the context wind
 (`context_max_tokens`: max_model_len, the core's served one, no more than the whole KV pool
 holds, against the prompt, max_tokens and min_tokens; the server calls it too), n / beam_width
 against max_num_seqs, a beam search that may need more blocks than the pool has, a structured-outputs grammar that
-does not compile against the tokenizer, the cache salt and the scheduling fields. The core
+does not compile against the tokenizer, truncate_prompt_tokens (the prompt's last k tokens) and
+bad_words as token ids (`SamplingParams.update_from_tokenizer`), the cache salt and the scheduling fields. The core
 trusts what it gets (`CoreLimits` are its numbers).
 """
 from __future__ import annotations
@@ -56,6 +57,15 @@ def context_max_tokens(lim: CoreLimits, prompt_len: int, requested: int | None, 
     return requested
 
 
+def truncated(token_ids: list, keep: int | None, max_model_len: int) -> list:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len; None:
+    all of them)."""
+    if keep is None:
+        return token_ids
+    keep = max_model_len if keep == -1 else keep
+    return token_ids[-keep:] if len(token_ids) > keep else token_ids
+
+
 class Processor:
     def __init__(self, tokenizer, limits: CoreLimits):
         self.tokenizer = tokenizer
@@ -75,6 +85,10 @@ class Processor:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string.")
         prompt_text, token_ids = self._tokenize(prompt, prompt_text)
+        kept = truncated(token_ids, params.truncate_prompt_tokens, self.limits.max_model_len)
+        if len(kept) < len(token_ids):
+            prompt_text, token_ids = None, kept      # the text is no longer the prompt's
+        params.update_from_tokenizer(self.tokenizer)     # bad_words as token ids
         self.check(token_ids, params)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         return EngineCoreRequest(request_id, token_ids, params, arrival, cache_salt,

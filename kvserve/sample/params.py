@@ -21,6 +21,9 @@ MAX_TEMPERATURE = 100.0           # as the OpenAI server's schema
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 MAX_ABS_LENGTH_PENALTY = 10.0     # seq_len ** length_penalty stays a finite, non-zero float
 MAX_LOGIT_BIAS = 300              # OpenAI's limit on logit_bias entries
+MAX_BAD_WORDS = 256               # bad_words strings (each checked against the output every step)
+MAX_BAD_WORD_CHARS = 256
+MAX_ALLOWED_TOKEN_IDS = 1 << 20   # allowed_token_ids entries (a mask over the vocabulary)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 
 
@@ -61,13 +64,22 @@ class SamplingParams:
     # cumulative logprob / len ** length_penalty; returns the best `n`. Uses raw log-probabilities.
     use_beam_search: bool = False
     beam_width: int | None = None       # default: max(n, 2)
-    length_penalty: float = 1.0
+    length_penalty: float = 1.0         # beams only (vLLM's rule: any other value needs use_beam_search)
+    # vLLM's: words never written. Each word's token sequences, with and without a leading space
+    # (`update_from_tokenizer`), are banned: the last token's logit is -inf when the output ends
+    # with the ones before it.
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None   # vLLM's: every other token's logit is -inf
+    typical_p: float = 1.0              # locally typical sampling (HF's TypicalLogitsWarper); 1: off
+    truncate_prompt_tokens: int | None = None    # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
     # The output must match a JSON schema, regex, choice or grammar (kvserve/structured/).
     structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False)
     # stop_token_ids as a frozenset, kept in step with every assignment to stop_token_ids: the
     # per-step stop check (engine/output.py) is O(1) however many ids a request names.
     stop_token_id_set: frozenset = field(init=False, repr=False, compare=False)
+    # bad_words as token-id sequences: set by `update_from_tokenizer` (the frontend's processor)
+    bad_words_token_ids: list[list[int]] | None = field(init=False, default=None, repr=False)
 
     def __setattr__(self, name, value):
         object.__setattr__(self, name, value)
@@ -153,23 +165,71 @@ class SamplingParams:
         if bad is not None:
             self._fail(f"stop_token_ids must be non-negative integers (token ids), got {bad!r}.")
         self._check_logit_bias()
+        self._check_vocabulary_masks()
+        self._check_real("typical_p", 0.0, 1.0, lo_open=True, rule=" (1 disables it)")
+        t = self.truncate_prompt_tokens
+        if t is not None and (not _is_int(t) or not (t == -1 or 1 <= t <= INT64_MAX)):
+            self._fail(f"truncate_prompt_tokens must be an integer >= 1, or -1 for max_model_len, got {t!r}.")
         if self.use_beam_search:
             if not _is_int(self.beam_width) or self.beam_width < 1:
                 self._fail(f"beam_width must be an integer >= 1, got {self.beam_width!r}.")
             if self.n > self.beam_width:
                 self._fail(f"n ({self.n}) must not exceed beam_width ({self.beam_width}).")
             if (self.top_k or self.top_p < 1.0 or self.min_p or self.uses_penalties or self.min_tokens
-                    or self.stop_strings or self.logit_bias):
-                self._fail("beam search ranks raw log-probabilities: top_k, top_p, min_p, penalties, "
-                           "logit_bias, min_tokens and stop strings are not supported with use_beam_search.")
+                    or self.stop_strings or self.logit_bias or self.typical_p < 1.0 or self.bad_words
+                    or self.allowed_token_ids is not None):
+                self._fail("beam search ranks raw log-probabilities: top_k, top_p, min_p, typical_p, "
+                           "penalties, logit_bias, bad_words, allowed_token_ids, min_tokens and stop "
+                           "strings are not supported with use_beam_search.")
         elif self.beam_width is not None:
             self._fail("beam_width needs use_beam_search=True.")
+        elif self.length_penalty != 1.0:
+            self._fail(f"length_penalty ({self.length_penalty!r}) only ranks beams: it needs "
+                       "use_beam_search=True (vLLM's rule).")
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             self._fail(f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}.")
         if so is not None and self.use_beam_search:
             self._fail("structured_outputs is not supported with beam search (use_beam_search): "
                        "sample or decode greedily instead.")
+        if so is not None and self.allowed_token_ids is not None:
+            self._fail("allowed_token_ids and structured_outputs cannot be combined: give the allowed "
+                       "tokens as the grammar (a choice or regex) instead.")
+
+    def _check_vocabulary_masks(self) -> None:
+        words = self.bad_words
+        if words is not None:
+            if not isinstance(words, (list, tuple)) or len(words) > MAX_BAD_WORDS:
+                self._fail(f"bad_words must be a list of at most {MAX_BAD_WORDS} strings, got {words!r:.80}.")
+            if any(not isinstance(w, str) or not w.strip() or len(w) > MAX_BAD_WORD_CHARS for w in words):
+                self._fail(f"bad_words must be non-blank strings of at most {MAX_BAD_WORD_CHARS} characters.")
+            self.bad_words = list(words)
+        ids = self.allowed_token_ids
+        if ids is not None:
+            if not isinstance(ids, (list, tuple)) or not ids or len(ids) > MAX_ALLOWED_TOKEN_IDS:
+                self._fail(f"allowed_token_ids must be a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} "
+                           f"token ids, got {ids!r:.80}.")
+            if any(not _is_int(t) or not 0 <= t <= INT64_MAX for t in ids):
+                self._fail("allowed_token_ids must be non-negative integers (token ids).")
+            self.allowed_token_ids = list(ids)
+
+    def update_from_tokenizer(self, tokenizer) -> None:
+        """bad_words as token ids (vLLM's rule): each word stripped of leading spaces, and again
+        with one leading space when that gives a different first token and as many tokens (the
+        word inside a text rather than at its start)."""
+        if not self.bad_words:
+            return
+        if tokenizer is None:
+            self._fail("bad_words needs a tokenizer: this model has none (use logit_bias with token ids).")
+        seqs: list[list[int]] = []
+        for word in self.bad_words:
+            plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if plain:
+                seqs.append(plain)
+            if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+                seqs.append(spaced)
+        self.bad_words_token_ids = seqs
 
     def _check_logit_bias(self) -> None:
         bias = self.logit_bias
@@ -198,6 +258,16 @@ class SamplingParams:
         bad = sorted(t for t in self.logit_bias or () if t >= vocab_size)
         if bad:
             self._fail(f"logit_bias token ids {bad[:8]} are outside the vocabulary [0, {vocab_size}).")
+        bad = sorted({t for t in self.allowed_token_ids or () if t >= vocab_size})
+        if bad:
+            self._fail(f"allowed_token_ids {bad[:8]} are outside the vocabulary [0, {vocab_size}).")
+        bad = sorted({t for seq in self.bad_words_token_ids or () for t in seq if not 0 <= t < vocab_size})
+        if bad:
+            self._fail(f"bad_words tokenize to ids {bad[:8]} outside the vocabulary [0, {vocab_size}).")
+        if self.allowed_token_ids is not None and self.bad_words_token_ids:
+            banned = {seq[0] for seq in self.bad_words_token_ids if len(seq) == 1}
+            if banned.issuperset(self.allowed_token_ids):
+                self._fail("bad_words ban every token of allowed_token_ids: no token is left to sample.")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and v > vocab_size:
@@ -206,6 +276,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def masks_vocabulary(self) -> bool:
+        """allowed_token_ids or bad_words: -inf on some tokens before anything else."""
+        return self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
 
     @property
     def uses_penalties(self) -> bool:

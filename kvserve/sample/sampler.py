@@ -1,8 +1,9 @@
 """Turn one step's logits into one token per sampling sequence (seed 000, "Prefill and decode").
 
-Order, as in vLLM v0 and transformers' generate: OpenAI's logit_bias added, penalties (repetition on prompt + output,
+Order, as in vLLM v0 and transformers' generate: vLLM's vocabulary masks first (allowed_token_ids,
+bad_words: -inf), OpenAI's logit_bias added, penalties (repetition on prompt + output,
 presence and frequency on output), min_tokens masking of stop tokens, then greedy argmax, or
-temperature, top-k, top-p, min-p and a draw. (vLLM v1 applies min-p before top-k/top-p; the two
+temperature, top-k, top-p, min-p, typical-p (transformers' warper order) and a draw. (vLLM v1 applies min-p before top-k/top-p; the two
 orders differ when top-p and min-p are combined.) `process_logits` / `processed_logprobs` give
 the distribution each row is chosen from. Each seeded request draws from its own generator, so
 its tokens do not depend on what else is in the batch. Logprobs are those of the raw model
@@ -31,6 +32,7 @@ def process_logits(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tenso
     never written to; when no row changes it is returned as is.
     """
     x = logits.clone() if any(_changes_logits(r) for r in reqs) else logits
+    _apply_vocabulary_masks(x, reqs)
     _apply_logit_bias(x, reqs)
     _apply_penalties(x, reqs)
     _mask_early_stops(x, reqs)
@@ -39,7 +41,28 @@ def process_logits(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tenso
         params = [reqs[i].params for i in rows]
         temps = torch.tensor([p.temperature for p in params], device=x.device).unsqueeze(1)
         x[torch.tensor(rows, device=x.device)] = apply_top_k_top_p_min_p(x[rows] / temps, params)
+        typical = [j for j, p in enumerate(params) if p.typical_p < 1.0]
+        if typical:
+            idx = torch.tensor([rows[j] for j in typical], device=x.device)
+            x[idx] = apply_typical_p(x[idx], [params[j].typical_p for j in typical])
     return x
+
+
+def apply_typical_p(x: torch.Tensor, mass: list[float]) -> torch.Tensor:
+    """Locally typical sampling (Meister et al. 2022; transformers' TypicalLogitsWarper,
+    llama.cpp's typ_p): keep the tokens whose surprisal -log p is closest to the entropy, in
+    that order, until their mass reaches the row's `mass` (at least one token). x [R, V]."""
+    logp = torch.log_softmax(x, dim=-1)
+    probs = logp.exp()
+    entropy = -(logp * probs).nansum(dim=-1, keepdim=True)          # -inf * 0: nan, left out
+    shifted = (-logp - entropy).abs()
+    sorted_shift, order = shifted.sort(dim=-1)
+    cum = probs.gather(1, order).cumsum(dim=-1)
+    m = torch.tensor(mass, device=x.device, dtype=cum.dtype).unsqueeze(1)
+    last = (cum < m).sum(dim=1).clamp_(max=x.shape[1] - 1)            # the token that reaches the mass
+    drop = sorted_shift > sorted_shift.gather(1, last.unsqueeze(1))
+    drop[:, 0] = False
+    return x.masked_fill(drop.scatter(1, order, drop), float("-inf"))
 
 
 def processed_logprobs(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
@@ -79,7 +102,30 @@ def apply_top_k_top_p_min_p(x: torch.Tensor, params) -> torch.Tensor:
 
 def _changes_logits(r: Request) -> bool:
     p = r.params
-    return p.uses_penalties or r.num_output_tokens < p.min_tokens or not p.greedy or bool(p.logit_bias)
+    return (p.uses_penalties or r.num_output_tokens < p.min_tokens or not p.greedy or bool(p.logit_bias)
+            or p.masks_vocabulary)
+
+
+def _apply_vocabulary_masks(logits: torch.Tensor, reqs: Sequence[Request]) -> None:
+    """In place: -inf on every token outside allowed_token_ids, and on each bad word's last token
+    where the output ends with the tokens before it (vLLM's rule; a one-token word always). A
+    row left with no token raises ValueError (its sequence fails alone: worker/sampling.py)."""
+    for i, r in enumerate(reqs):
+        p = r.params
+        if not p.masks_vocabulary:
+            continue
+        row = logits[i]
+        if p.allowed_token_ids is not None:
+            keep = torch.zeros(row.shape[0], dtype=torch.bool, device=row.device)
+            keep[torch.tensor(p.allowed_token_ids, dtype=torch.long, device=row.device)] = True
+            row.masked_fill_(~keep, float("-inf"))
+        out = list(r.output_token_ids) if p.bad_words_token_ids else []
+        banned = [seq[-1] for seq in p.bad_words_token_ids or ()
+                  if len(seq) - 1 <= len(out) and out[len(out) - len(seq) + 1:] == seq[:-1]]
+        if banned:
+            row[torch.tensor(banned, dtype=torch.long, device=row.device)] = float("-inf")
+        if bool(torch.isneginf(row).all()):
+            raise ValueError("allowed_token_ids and bad_words leave no token to sample")
 
 
 def _apply_logit_bias(logits: torch.Tensor, reqs: Sequence[Request]) -> None:
@@ -116,8 +162,8 @@ def _apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> None:
 def _mask_early_stops(logits: torch.Tensor, reqs: Sequence[Request]) -> None:
     """In place: -inf on the stop token ids (and EOS unless ignored) of every request that has
     fewer than min_tokens output tokens. Ids outside the vocabulary can never be sampled, so
-    they need no mask and are skipped. A complete grammar that allows only a stop token wins
-    over min_tokens (a constrained row is never left with no token)."""
+    they need no mask and are skipped. A complete grammar, or allowed_token_ids / bad_words, that
+    leave only stop tokens win over min_tokens (a constrained row is never left with no token)."""
     V = logits.shape[1]
     for i, r in enumerate(reqs):
         p = r.params
@@ -129,7 +175,8 @@ def _mask_early_stops(logits: torch.Tensor, reqs: Sequence[Request]) -> None:
             if stops:
                 kept = logits[i, stops].clone()
                 logits[i, stops] = float("-inf")
-                if getattr(r, "grammar", None) is not None and bool(torch.isneginf(logits[i]).all()):
+                masked = getattr(r, "grammar", None) is not None or p.masks_vocabulary
+                if masked and bool(torch.isneginf(logits[i]).all()):    # only stops were left
                     logits[i, stops] = kept
 
 

@@ -183,7 +183,7 @@ def test_bad_values_raise_a_clear_value_error(bad, field):
 @pytest.mark.parametrize("ok", [dict(top_k=2**63 - 1), dict(top_k=10**6), dict(seed=2**64 - 1),
                                 dict(seed=2**64 - 2, n=2), dict(seed=0), dict(temperature=100.0),
                                 dict(repetition_penalty=0.01), dict(repetition_penalty=100.0),
-                                dict(length_penalty=-10.0), dict(logprobs=20),
+                                dict(length_penalty=-10.0, use_beam_search=True), dict(logprobs=20),
                                 dict(stop_token_ids=list(range(1024))), dict(temperature=0)])
 def test_boundary_values_are_accepted(ok):
     SamplingParams(**ok)
