@@ -114,6 +114,8 @@ class CoreClient:
         requests whose reader fell `stall_timeout` s behind."""
         self.metrics, self.max_waiting, self.stall_timeout = metrics, max_waiting, stall_timeout
         metrics.update_stats(self.last_stats)
+        if self.limits.num_kv_blocks:       # (an embedding core has no KV cache)
+            metrics.set_cache_config(self.config.cache, self.limits.num_kv_blocks)
 
     # -- lifecycle (event loop) ---------------------------------------------------------------
     def start(self) -> None:
@@ -197,6 +199,7 @@ class CoreClient:
                 self._pending_adds -= 1
             raise self._refusal() from None
         await accepted
+        self.metrics.observe_params(req.params)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (from the event loop; for any id, any number of times)."""

@@ -44,6 +44,15 @@ kvserve:num_requests_waiting_for_grammar.
 Memory, at scrape time (memory_metrics.py): kvserve:resident_memory_bytes (the server and its
 engine processes); on CUDA kvserve:cuda_memory_used_bytes and kvserve:cuda_memory_total_bytes.
 
+Per engine step and per request (vLLM's): kvserve:iteration_tokens_total (histogram: the prompt
+and generated tokens one engine step counted, from consecutive step snapshots);
+kvserve:request_params_n and kvserve:request_params_max_tokens (histograms: a request's `n` and
+`max_tokens`, observed when the engine accepts it); kvserve:request_max_num_generation_tokens
+(histogram: the most tokens one of a finished request's sequences generated). kvserve:cache_config_info
+(gauge 1, vLLM's info metric): the KV cache's block_size, num_gpu_blocks (the pool's blocks, on
+whatever device), cache_dtype, enable_prefix_caching, prefix_cache, swap_space (GiB) and
+gpu_memory_utilization, from the resolved config and the engine's stats.
+
 Server: kvserve:http_requests_rejected_total{reason=overloaded|bad_request|unauthorized}.
 Tenants and answer caches register theirs in the same registry (server/tenants.py:
 kvserve:tenant_{requests,prompt_tokens,generation_tokens,rate_limited}_total{tenant};
@@ -82,6 +91,7 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.02, 0.04, 0.06, 0.08, 
 _REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
                     20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+_N_BUCKETS = (1, 2, 5, 10, 20)      # vLLM's request_params_n buckets
 
 # engine.stats() attribute -> (metric name, kind, help)
 _STATS_METRICS = (
@@ -119,9 +129,15 @@ class _EngineStatsCollector:
     def __init__(self, model_name: str):
         self.model_name = model_name
         self.snapshot = None
+        self.cache_info: dict[str, str] | None = None      # ServerMetrics.set_cache_config
 
     def collect(self):
         snap = self.snapshot
+        if self.cache_info is not None:
+            info = GaugeMetricFamily("kvserve:cache_config_info", "Information of the KV cache's configuration.",
+                                     labels=["model_name", *self.cache_info])
+            info.add_metric([self.model_name, *self.cache_info.values()], 1.0)
+            yield info
         for attr, name, kind, doc in _STATS_METRICS:
             value = getattr(snap, attr, None) if snap is not None else None
             if value is None:
@@ -216,6 +232,21 @@ class ServerMetrics:
                                            buckets=_TOKEN_BUCKETS, registry=r)
         self.success = Counter("kvserve:request_success", "Finished requests by finish reason.",
                                labels + ["finished_reason"], registry=r)
+        self.iteration_tokens = Histogram("kvserve:iteration_tokens_total",
+                                          "Prompt and generated tokens counted in one engine step.",
+                                          labels, buckets=_TOKEN_BUCKETS, registry=r)
+        self.params_n = Histogram("kvserve:request_params_n", "The n (samples) of each request.",
+                                  labels, buckets=_N_BUCKETS, registry=r)
+        self.params_max_tokens = Histogram("kvserve:request_params_max_tokens",
+                                           "The max_tokens of each request.", labels,
+                                           buckets=_TOKEN_BUCKETS, registry=r)
+        self.max_generation_tokens = Histogram(
+            "kvserve:request_max_num_generation_tokens",
+            "The most tokens one sequence of a finished request generated.", labels,
+            buckets=_TOKEN_BUCKETS, registry=r)
+        for hist in (self.iteration_tokens, self.params_n, self.params_max_tokens, self.max_generation_tokens):
+            hist.labels(model_name)         # served (empty) from the start, as vLLM does
+        self._last_step: tuple[int, int] | None = None      # (num_steps, prompt + generated tokens)
         self.rejected = Counter("kvserve:http_requests_rejected", "HTTP requests refused, by reason.",
                                 labels + ["reason"], registry=r)
         self.set_prefix(prefix)                 # "vllm" renames on the way out
@@ -230,7 +261,32 @@ class ServerMetrics:
         self.prefix = prefix
 
     def update_stats(self, snapshot) -> None:
+        """A new engine-stats snapshot; one taken exactly one step after the last gives that
+        step's token count to kvserve:iteration_tokens_total."""
         self.stats.snapshot = snapshot
+        steps = getattr(snapshot, "num_steps", None)
+        if steps is None:
+            return
+        tokens = snapshot.prompt_tokens_total + snapshot.generation_tokens_total
+        last, self._last_step = self._last_step, (steps, tokens)
+        if last is not None and steps == last[0] + 1:
+            self.iteration_tokens.labels(self.model_name).observe(tokens - last[1])
+
+    def set_cache_config(self, cache_config, num_blocks: int) -> None:
+        """kvserve:cache_config_info from the resolved `CacheConfig` and the pool's block count."""
+        self.stats.cache_info = {
+            "block_size": str(cache_config.block_size), "num_gpu_blocks": str(num_blocks),
+            "cache_dtype": str(cache_config.kv_cache_dtype),
+            "enable_prefix_caching": str(cache_config.enable_prefix_caching),
+            "prefix_cache": str(cache_config.prefix_cache_kind),
+            "swap_space": str(cache_config.swap_space),
+            "gpu_memory_utilization": str(cache_config.gpu_memory_utilization)}
+
+    def observe_params(self, params) -> None:
+        """A request the engine accepted: its `n` and `max_tokens`."""
+        self.params_n.labels(self.model_name).observe(params.n)
+        if params.max_tokens is not None:
+            self.params_max_tokens.labels(self.model_name).observe(params.max_tokens)
 
     def observe_finished(self, output) -> None:
         """Record one finished `RequestOutput` (called once per engine request)."""
@@ -254,6 +310,8 @@ class ServerMetrics:
                 if gap is not None and math.isfinite(gap) and gap >= 0:
                     hist.observe(gap)
         self.prompt_tokens.labels(name).observe(len(output.prompt_token_ids or ()))
+        if output.outputs:
+            self.max_generation_tokens.labels(name).observe(max(len(c.token_ids) for c in output.outputs))
         for c in output.outputs:
             self.generation_tokens.labels(name).observe(len(c.token_ids))
             reason = "grammar_error" if c.error_code == "grammar_error" else c.finish_reason or "abort"
@@ -319,6 +377,11 @@ _VLLM_NAMES = {
     "kvserve:spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
     "kvserve:spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
     "kvserve:spec_decode_num_accepted_tokens_per_pos": ("vllm:spec_decode_num_accepted_tokens_per_pos",),
+    "kvserve:iteration_tokens_total": ("vllm:iteration_tokens_total",),
+    "kvserve:request_params_n": ("vllm:request_params_n",),
+    "kvserve:request_params_max_tokens": ("vllm:request_params_max_tokens",),
+    "kvserve:request_max_num_generation_tokens": ("vllm:request_max_num_generation_tokens",),
+    "kvserve:cache_config_info": ("vllm:cache_config_info",),
 }
 
 

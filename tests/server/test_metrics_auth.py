@@ -89,3 +89,43 @@ def test_serve_flags():
     assert (args.metrics_public, args.metrics_tenant_labels) == (False, False)
     args = p.parse_args(["--metrics-public", "--metrics-tenant-labels"])
     assert (args.metrics_public, args.metrics_tenant_labels) == (True, True)
+
+
+def _samples(text: str) -> dict[str, float]:
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def test_vllm_step_request_and_cache_config_series():
+    """vLLM's iteration_tokens_total, request_params_n / _max_tokens,
+    request_max_num_generation_tokens and cache_config_info, measured on real requests."""
+    engine = LLMEngine(EngineConfig(model=str(STORIES_HF), block_size=16))
+    with TestClient(build_app(engine, "stories", metrics_prefix="vllm")) as c:
+        before = _samples(c.get("/metrics").text)
+        assert before['vllm:iteration_tokens_total_count{model_name="stories"}'] == 0
+        r = c.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 7, "n": 3,
+                                            "temperature": 1.0, "seed": 5, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        r2 = c.post("/v1/completions", json={"prompt": "Tim", "max_tokens": 2, "temperature": 0})
+        assert r2.status_code == 200, r2.text
+        prompt_lens = [r.json()["usage"]["prompt_tokens"], r2.json()["usage"]["prompt_tokens"]]
+        m = _samples(c.get("/metrics").text)
+    label = '{model_name="stories"}'
+    # every token the engine counted falls in exactly one step's sample
+    assert m[f"vllm:iteration_tokens_total_sum{label}"] == \
+        m[f"vllm:prompt_tokens_total{label}"] + m[f"vllm:generation_tokens_total{label}"]
+    assert m[f"vllm:iteration_tokens_total_sum{label}"] == sum(prompt_lens) + 3 * 7 + 2
+    assert m[f"vllm:iteration_tokens_total_count{label}"] >= 7      # at least one step per token
+    assert m[f"vllm:request_params_n_count{label}"] == 2
+    assert m[f"vllm:request_params_n_sum{label}"] == 3 + 1
+    assert m['vllm:request_params_n_bucket{le="1.0",model_name="stories"}'] == 1
+    assert m[f"vllm:request_params_max_tokens_sum{label}"] == 7 + 2
+    assert m[f"vllm:request_max_num_generation_tokens_count{label}"] == 2
+    assert m[f"vllm:request_max_num_generation_tokens_sum{label}"] == 7 + 2
+    info = [k for k in m if k.startswith("vllm:cache_config_info{")]
+    assert len(info) == 1 and m[info[0]] == 1
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', info[0]))
+    assert labels["block_size"] == "16"
+    assert int(labels["num_gpu_blocks"]) == engine.core.limits.num_kv_blocks > 0
+    assert labels["enable_prefix_caching"] == str(engine.core.config.cache.enable_prefix_caching)
+    assert not any(k.startswith("kvserve:iteration_tokens") for k in m)
