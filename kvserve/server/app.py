@@ -40,6 +40,8 @@ from kvserve.server.answers import install as install_front
 from kvserve.server.body import IgnoredFieldsHeader, api_key_bytes
 from kvserve.server.core_client import CoreClient
 from kvserve.server.errors import EngineFailureReport, install_error_handlers
+from kvserve.server.llama_routes import ROUTES as LLAMA_ROUTES
+from kvserve.server.llama_routes import install as install_llama_routes
 from kvserve.server.limits import (
     DEFAULT_MAX_PROMPTS_PER_REQUEST, MIN_BYTES_PER_TOKEN_BOUND, ServerLimits, Tokenization,
     max_bytes_per_token)
@@ -145,7 +147,7 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
     app.state.kvserve = state
     app.add_middleware(IgnoredFieldsHeader)     # names the unknown fields a request sent (body.py)
     install_error_handlers(app, state)
-    install_openapi(app, {**ROUTES, **TOKENIZER_ROUTES, **RESPONSES_ROUTES, **EMBEDDING_ROUTES})
+    install_openapi(app, {**ROUTES, **TOKENIZER_ROUTES, **RESPONSES_ROUTES, **EMBEDDING_ROUTES, **LLAMA_ROUTES})
 
     @app.get("/health")
     async def health():
@@ -177,6 +179,7 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
     # Each feature's routes (and background tasks) in its own module.
     install_tokenizer_routes(app, state)    # /tokenize, /detokenize, /tokenizer_info, /version, /v1/models/{id}
     install_embeddings(app, state)          # /v1/embeddings
+    install_llama_routes(app, state)        # /completion, /infill, /props, /slots, /ping (llama_routes.py)
     install_responses(app, state, responses_store)     # /v1/responses
     install_request_log(app, state)         # a line per request, a stats line every few seconds
     install_page(app, state)                # the chat page at /
