@@ -44,14 +44,11 @@ kvserve:num_requests_waiting_for_grammar.
 Memory, at scrape time (memory_metrics.py): kvserve:resident_memory_bytes (the server and its
 engine processes); on CUDA kvserve:cuda_memory_used_bytes and kvserve:cuda_memory_total_bytes.
 
-Per engine step and per request (vLLM's): kvserve:iteration_tokens_total (histogram: the prompt
-and generated tokens one engine step counted, from consecutive step snapshots);
-kvserve:request_params_n and kvserve:request_params_max_tokens (histograms: a request's `n` and
-`max_tokens`, observed when the engine accepts it); kvserve:request_max_num_generation_tokens
-(histogram: the most tokens one of a finished request's sequences generated). kvserve:cache_config_info
-(gauge 1, vLLM's info metric): the KV cache's block_size, num_gpu_blocks (the pool's blocks, on
-whatever device), cache_dtype, enable_prefix_caching, prefix_cache, swap_space (GiB) and
-gpu_memory_utilization, from the resolved config and the engine's stats.
+vLLM's per-step and per-request histograms: kvserve:iteration_tokens_total (prompt and generated
+tokens per engine step, from consecutive step snapshots), kvserve:request_params_n and
+kvserve:request_params_max_tokens (at acceptance), kvserve:request_max_num_generation_tokens (the
+longest sequence of a finished request); kvserve:cache_config_info (1, labelled with the resolved
+cache config and the pool's block count as num_gpu_blocks, whatever the device).
 
 Server: kvserve:http_requests_rejected_total{reason=overloaded|bad_request|unauthorized}.
 Tenants and answer caches register theirs in the same registry (server/tenants.py:
@@ -232,18 +229,14 @@ class ServerMetrics:
                                            buckets=_TOKEN_BUCKETS, registry=r)
         self.success = Counter("kvserve:request_success", "Finished requests by finish reason.",
                                labels + ["finished_reason"], registry=r)
-        self.iteration_tokens = Histogram("kvserve:iteration_tokens_total",
-                                          "Prompt and generated tokens counted in one engine step.",
+        self.iteration_tokens = Histogram("kvserve:iteration_tokens_total", "Tokens counted in one engine step.",
                                           labels, buckets=_TOKEN_BUCKETS, registry=r)
-        self.params_n = Histogram("kvserve:request_params_n", "The n (samples) of each request.",
-                                  labels, buckets=_N_BUCKETS, registry=r)
-        self.params_max_tokens = Histogram("kvserve:request_params_max_tokens",
-                                           "The max_tokens of each request.", labels,
-                                           buckets=_TOKEN_BUCKETS, registry=r)
-        self.max_generation_tokens = Histogram(
-            "kvserve:request_max_num_generation_tokens",
-            "The most tokens one sequence of a finished request generated.", labels,
-            buckets=_TOKEN_BUCKETS, registry=r)
+        self.params_n = Histogram("kvserve:request_params_n", "The n of each request.", labels, buckets=_N_BUCKETS, registry=r)
+        self.params_max_tokens = Histogram("kvserve:request_params_max_tokens", "The max_tokens of each request.",
+                                           labels, buckets=_TOKEN_BUCKETS, registry=r)
+        self.max_generation_tokens = Histogram("kvserve:request_max_num_generation_tokens", "The most tokens "
+                                               "a sequence of a finished request generated.", labels,
+                                               buckets=_TOKEN_BUCKETS, registry=r)
         for hist in (self.iteration_tokens, self.params_n, self.params_max_tokens, self.max_generation_tokens):
             hist.labels(model_name)         # served (empty) from the start, as vLLM does
         self._last_step: tuple[int, int] | None = None      # (num_steps, prompt + generated tokens)
@@ -261,8 +254,7 @@ class ServerMetrics:
         self.prefix = prefix
 
     def update_stats(self, snapshot) -> None:
-        """A new engine-stats snapshot; one taken exactly one step after the last gives that
-        step's token count to kvserve:iteration_tokens_total."""
+        """A new snapshot; one taken a step after the last gives iteration_tokens that step's tokens."""
         self.stats.snapshot = snapshot
         steps = getattr(snapshot, "num_steps", None)
         if steps is None:
