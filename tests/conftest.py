@@ -16,12 +16,13 @@ STORIES_HF = SHARED / "models" / "stories260K-hf"
 STORIES_C = SHARED / "models" / "stories260K"
 
 
-def build_random_model(arch: str, out_dir: Path, seed: int = 0) -> Path:
+def build_random_model(arch: str, out_dir: Path, seed: int = 0, added_tokens: tuple[str, ...] = ()) -> Path:
     """Save a small random-weight model of `arch` with transformers, plus the stories260K
-    tokenizer (vocab 512), so kvserve and transformers can run the same weights."""
+    tokenizer (vocab 512), so kvserve and transformers can run the same weights. `added_tokens`:
+    text tokens added to the tokenizer (ids 512, 513, ...; not special), the vocabulary grown to hold them."""
     import transformers as tf
 
-    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    common = dict(vocab_size=512 + -(-len(added_tokens) // 8) * 8, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   rms_norm_eps=1e-5, initializer_range=0.15, bos_token_id=1, eos_token_id=2,
                   tie_word_embeddings=False)
@@ -45,6 +46,12 @@ def build_random_model(arch: str, out_dir: Path, seed: int = 0) -> Path:
     model.save_pretrained(out_dir, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(STORIES_HF / name, out_dir / name)
+    if added_tokens:
+        from tokenizers import AddedToken, Tokenizer
+
+        tok = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
+        tok.save(str(out_dir / "tokenizer.json"))
     return out_dir
 
 

@@ -55,6 +55,7 @@ from kvserve.server.openai.completions import completions as _completions
 from kvserve.server.openai.embeddings import ROUTES as EMBEDDING_ROUTES
 from kvserve.server.openai.embeddings import install as install_embeddings
 from kvserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from kvserve.server.openai.reasoning import reasoning_parser as reasoning_parser_of
 from kvserve.server.openai.responses.routes import ROUTES as RESPONSES_ROUTES
 from kvserve.server.openai.responses.routes import install as install_responses
 from kvserve.server.openai.tokenizer_routes import ROUTES as TOKENIZER_ROUTES
@@ -77,8 +78,10 @@ class ServerState:
                  escape_special_tokens: bool = False, api_keys=None, answer_cache: dict | None = None,
                  tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER, log_requests: bool = True,
                  log_stats_interval: float = 10.0, metrics_prefix: str = "kvserve", ui: bool = True,
-                 generation_defaults: dict | None = None):
-        tool_parser(tool_call_parser)           # an unknown name: ValueError before anything starts
+                 generation_defaults: dict | None = None, reasoning_parser: str | None = None):
+        self.reasoning = reasoning_parser_of(reasoning_parser)     # an unknown name: ValueError
+        if tool_call_parser is not None:        # None: tool_choice "auto" refused (no --enable-auto-tool-choice)
+            tool_parser(tool_call_parser)       # an unknown name: ValueError before anything starts
         self.tool_call_parser = tool_call_parser
         self.model_name = served_model_name
         self.log_requests = log_requests            # server/request_log.py
@@ -115,16 +118,19 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
               metrics_tenant_labels: bool = False, escape_special_tokens: bool = False,
               tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER, log_requests: bool = True,
               log_stats_interval: float = 10.0, metrics_prefix: str = "kvserve", ui: bool = True,
-              responses_store=None, generation_defaults: dict | None = None) -> FastAPI:
+              responses_store=None, generation_defaults: dict | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine`: an `LLMEngine` or `EngineCore` (its core loop runs in
     a thread of this process) or a `CoreClient` (server/core_client.py). The engine loop starts
     with the app. `api_keys`: a keys file's path or a loaded `TenantRegistry` (server/answers.install).
     `responses_store`: the Responses API's `ResponseStore` (default: its default bounds).
-    `generation_defaults`: sampling defaults for fields a request leaves out (server/openai/sampling.py)."""
+    `generation_defaults`: sampling defaults for fields a request leaves out (server/openai/sampling.py).
+    `reasoning_parser`: "deepseek_r1" or "qwen3" splits a reasoning model's thought from its answer
+    (server/openai/reasoning.py). `tool_call_parser` None refuses tool_choice "auto"."""
     state = ServerState(engine, served_model_name, api_key, max_waiting, chat_template,
                         stream_stall_timeout, max_prompts_per_request, escape_special_tokens,
                         api_keys, answer_cache, tool_call_parser, log_requests, log_stats_interval,
-                        metrics_prefix, ui, generation_defaults)
+                        metrics_prefix, ui, generation_defaults, reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

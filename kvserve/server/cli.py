@@ -98,8 +98,8 @@ class ServerArgs:
         "uvicorn's own log level (vLLM's flag; default: --log-level)",
         choices=("critical", "error", "warning", "info", "debug", "trace")))
     enable_auto_tool_choice: bool = field(default=False, metadata=flag(
-        "vLLM's switch for tool_choice \"auto\": kvserve always serves it (read with "
-        "--tool-call-parser), so this only lets vLLM's tool-calling command lines start"))
+        "vLLM's switch for tool_choice \"auto\" (the model's tool calls read with --tool-call-parser); "
+        "without it a request with tools and tool_choice \"auto\" (the default with tools) is a 400"))
     trust_remote_code: bool = field(default=False, metadata=flag(
         "vLLM's flag, accepted: kvserve runs no code from a model's repository (its architectures "
         "are built in), so there is nothing to trust"))
@@ -109,6 +109,11 @@ class ServerArgs:
         metavar="auto|vllm|DIR"))
     jinja: bool = field(default=False, metadata=flag(
         "llama-server's flag, accepted: kvserve always renders the model's own Jinja chat template"))
+    reasoning_parser: str | None = field(default=None, metadata=flag(
+        "vLLM's flag: split a reasoning model's <think>...</think> text from its answer, into chat's "
+        "reasoning_content (streamed as delta.reasoning_content) and the Responses API's reasoning "
+        "items, with structured outputs applied after the reasoning ends (server/openai/reasoning.py)",
+        choices=("deepseek_r1", "qwen3")))
     ctx_size: int | None = field(default=None, metadata=flag(
         "llama-server's -c / --ctx-size: the KV cache holds N tokens, every slot's together "
         "(--num-kv-blocks N / --block-size, rounded up), and one request's context is at most N "
@@ -288,12 +293,12 @@ def cmd_serve(args) -> int:
                     metrics_public=args.metrics_public, metrics_tenant_labels=args.metrics_tenant_labels,
                     escape_special_tokens=escape_special_tokens(args),
                     api_keys=tenants, answer_cache=answer_cache_options(args),
-                    tool_call_parser=args.tool_call_parser,
+                    tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                     log_requests=not args.disable_log_requests,
                     log_stats_interval=0 if args.disable_log_stats else args.log_stats_interval,
                     metrics_prefix=args.metrics_prefix, ui=not args.no_ui and task == "generate",
                     responses_store=responses,
-                    generation_defaults=gen_defaults)
+                    generation_defaults=gen_defaults, reasoning_parser=args.reasoning_parser)
     from kvserve import memory_probe
     memory_probe.start("api", {"state": app.state.kvserve})     # only with KVSERVE_MEMORY_PROBE set
     log.info("serving %s as %r on http://%s:%d (max_model_len %d)", engine.config.model.model, name, args.host,

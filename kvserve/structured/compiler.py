@@ -22,6 +22,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance as llg
 
+from kvserve.structured.reasoning_grammar import after_reasoning, marker_tokens
+
 # Compile-time histogram bounds, in seconds (kvserve:grammar_compile_time_seconds).
 COMPILE_TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                         2.5, 5.0, 10.0, 30.0, 60.0)
@@ -67,20 +69,22 @@ def ll_tokenizer(tokenizer, vocab_size: int | None = None, eos_token_id: int | N
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def grammar_text(params) -> str:
+def grammar_text(params, ll_tok=None) -> str:
     """llguidance's grammar for StructuredOutputsParams `params` (no validity check yet)."""
-    fmt, text = params.key
+    fmt, text, reasoning = params.key
     try:
         if fmt == "json_schema":
-            return llg.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
-        return llg.grammar_from(fmt, text)
+            grammar = llg.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
+        else:
+            grammar = llg.grammar_from(fmt, text)
+        return after_reasoning(grammar, reasoning, marker_tokens(ll_tok)) if reasoning else grammar
     except ValueError as e:            # a GBNF grammar that does not convert, a bad JSON text
         raise ValueError(f"structured_outputs.{params.kind}: {e}") from None
 
 
 def compile_matcher(params, ll_tok: llg.LLTokenizer) -> llg.LLMatcher:
     """A matcher at the start of `params`' grammar; ValueError with llguidance's message."""
-    m = llg.LLMatcher(ll_tok, grammar_text(params), log_level=0)
+    m = llg.LLMatcher(ll_tok, grammar_text(params, ll_tok), log_level=0)
     if m.is_error():
         raise ValueError(f"structured_outputs.{params.kind} does not compile: {matcher_error(m)}")
     return m

@@ -4,7 +4,7 @@ Exactly one field is set. The request is checked here for what needs no tokenize
 text that parses, the size bound, and the rule, reference and depth bounds of bounds.py); the
 grammar itself is checked by compiling it against the
 model's tokenizer (`kvserve.structured.check_structured_outputs`, called by the frontend's
-Processor). `key` is the canonical (format, text) pair grammars are compiled and cached by.
+Processor). `key` is the canonical (format, text, after_reasoning) grammars are compiled and cached by.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import json as _json
 from dataclasses import dataclass, field
 
 from kvserve.structured.bounds import check_bounds
+from kvserve.structured.reasoning_grammar import LEADS as REASONING_LEADS
 
 # The largest spec a request may give, in bytes of its canonical text (a JSON schema, a regex,
 # a grammar, the JSON list of choices): compile time and matcher memory grow with it.
@@ -32,19 +33,26 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    key: tuple[str, str] = field(init=False, repr=False, compare=False)
+    # "deepseek_r1" or "qwen3": the constraint starts after the model's <think>...</think>
+    # (--reasoning-parser; structured/reasoning_grammar.py)
+    after_reasoning: str | None = None
+    key: tuple[str, str, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         given = [name for name in FIELDS if getattr(self, name) is not None]
         if len(given) != 1:
             raise ValueError("structured_outputs needs exactly one of json, regex, choice, grammar, "
                              f"json_object; got {given or 'none'}.")
-        object.__setattr__(self, "key", _canonical(given[0], getattr(self, given[0])))
-        size = len(self.key[1].encode("utf-8"))
+        if self.after_reasoning not in (None, *REASONING_LEADS):
+            raise ValueError(f"structured_outputs.after_reasoning must be one of {', '.join(REASONING_LEADS)} "
+                             f"(or None), got {self.after_reasoning!r}.")
+        fmt, text = _canonical(given[0], getattr(self, given[0]))
+        object.__setattr__(self, "key", (fmt, text, self.after_reasoning or ""))
+        size = len(text.encode("utf-8"))
         if size > MAX_STRUCTURED_SPEC_BYTES:
             raise ValueError(f"structured_outputs.{given[0]} is {size} bytes; the limit is "
                              f"{MAX_STRUCTURED_SPEC_BYTES}: give a smaller schema or grammar.")
-        check_bounds(given[0], *self.key)
+        check_bounds(given[0], fmt, text)
 
     @property
     def kind(self) -> str:

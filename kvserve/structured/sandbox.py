@@ -265,8 +265,9 @@ class GrammarSandbox:
                 return (f"{where}: the grammar checker could not start ({w.death()}); "
                         "retry, or report it"), False
             w.ready = True
-        fmt, text = params.key
-        if not w.send({"format": fmt, "text": text, "kind": params.kind, "max_forced_tokens": max_forced}):
+        fmt, text, reasoning = params.key
+        if not w.send({"format": fmt, "text": text, "kind": params.kind, "max_forced_tokens": max_forced,
+                       "after_reasoning": reasoning}):
             w.kill()
             return f"{where}: the grammar checker's worker died; retry", False
         answer = w.read(time.monotonic() + max_compile_s)

@@ -1,13 +1,14 @@
 """A grammar-check worker process (structured/sandbox.py starts it): llguidance alone, no kvserve.
 
-Run as a script (`python sandbox_worker.py`), so it imports nothing but llguidance and the
-standard library: it starts in a few tens of milliseconds and holds a few tens of MiB. It reads
+Run as a script (`python sandbox_worker.py`), so it imports nothing but llguidance, the
+standard library and its sibling reasoning_grammar.py (standard library only): it starts in a
+few tens of milliseconds and holds a few tens of MiB. It reads
 one JSON message per line on stdin and answers one per line on stdout:
 
     {"tokenizer": <tokenizers JSON>, "n_vocab": V, "eos": id, "json_options": {...}}
         -> {"ready": true}                        (once, first)
     {"format": "json_schema" | "lark" | "gbnf" | "regex" | "choice", "text": ..., "kind": ...,
-     "max_forced_tokens": N}
+     "max_forced_tokens": N, "after_reasoning": "" | "deepseek_r1" | "qwen3"}
         -> {"ok": true} | {"error": "<what is wrong, naming structured_outputs.<kind>>"}
 
 A check is the whole compile a sequence's matcher needs (the grammar's conversion, llguidance's
@@ -25,18 +26,21 @@ import sys
 import threading
 
 import llguidance as llg
+from reasoning_grammar import after_reasoning, marker_tokens      # (this script's folder: standard library only)
 
 # The check's stack: a check that passes here passes in the engine, whose compile threads have
 # ENGINE_STACK_BYTES (structured/compiler.py), eight times more, for the same input.
 STACK_BYTES = 8 * 1024 * 1024
 
 
-def check(ll_tok, opts: dict, fmt: str, text: str, kind: str, max_forced: int) -> str | None:
+def check(ll_tok, opts: dict, fmt: str, text: str, kind: str, max_forced: int, reasoning: str = "") -> str | None:
     """None if the spec compiles to a grammar with some finite output; else what is wrong."""
     where = f"structured_outputs.{kind}"
     try:
         grammar = (llg.LLMatcher.grammar_from_json_schema(text, defaults=opts) if fmt == "json_schema"
                    else llg.grammar_from(fmt, text))
+        if reasoning:
+            grammar = after_reasoning(grammar, reasoning, marker_tokens(ll_tok))
     except ValueError as e:              # a GBNF grammar that does not convert, a bad JSON text
         return f"{where}: {e}"
     m = llg.LLMatcher(ll_tok, grammar, log_level=0)
@@ -65,7 +69,8 @@ def first_line(message: str) -> str:
 
 def guarded(ll_tok, opts: dict, job: dict) -> str | None:
     try:
-        return check(ll_tok, opts, job["format"], job["text"], job["kind"], job["max_forced_tokens"])
+        return check(ll_tok, opts, job["format"], job["text"], job["kind"], job["max_forced_tokens"],
+                     job.get("after_reasoning", ""))
     except Exception as e:  # noqa: BLE001 -- llguidance's own errors are the spec's
         return f"structured_outputs.{job['kind']} does not compile: {type(e).__name__}: {e}"
 

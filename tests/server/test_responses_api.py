@@ -53,7 +53,7 @@ class Pet(BaseModel):
 
 @pytest.fixture(scope="module")
 def server():
-    srv = LiveServer("--max-num-seqs", "8", "--chat-template", TEMPLATE)
+    srv = LiveServer("--enable-auto-tool-choice", "--max-num-seqs", "8", "--chat-template", TEMPLATE)
     yield srv
     assert srv.stop() == 0, srv.log()
 

@@ -28,7 +28,7 @@ PROMPT = "Once upon a time"
 
 @pytest.fixture(scope="module")
 def server():
-    srv = LiveServer("--max-num-seqs", "32", "--max-model-len", "128")   # short answers: a bounded run
+    srv = LiveServer("--enable-auto-tool-choice", "--max-num-seqs", "32", "--max-model-len", "128")   # short answers: a bounded run
     yield srv
     assert srv.stop() == 0, srv.log()
 

@@ -36,7 +36,7 @@ NAME = "stories260K-hf"            # LiveServer's served name: the directory's b
 
 @pytest.fixture(scope="module")
 def server():
-    srv = LiveServer()
+    srv = LiveServer("--enable-auto-tool-choice")
     yield srv
     assert srv.stop() == 0, srv.log()
 

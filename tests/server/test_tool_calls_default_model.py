@@ -38,7 +38,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 @pytest.fixture(scope="module")
 def client():
-    srv = LiveServer("--model", default_model.default_model_path(), "--max-num-seqs", "4", startup_timeout=180)
+    srv = LiveServer("--enable-auto-tool-choice", "--model", default_model.default_model_path(), "--max-num-seqs", "4", startup_timeout=180)
     c = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=180,
                       http_client=httpx.Client(trust_env=False, timeout=180))
     yield c

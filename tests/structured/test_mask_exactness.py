@@ -60,7 +60,7 @@ def reference(model_dir, spec: dict, prompt: list[int], eos: int, V: int):
     allowed set before each token (each checked against brute force)."""
     model, tb = load_hf(str(model_dir)), token_bytes(model_dir)
     ll = llg.LLTokenizer((Path(model_dir) / "tokenizer.json").read_text(), n_vocab=V, eos_token=eos)
-    fmt, text = SO(**spec).key
+    fmt, text, _ = SO(**spec).key
     m = llg.LLMatcher(ll, llg.grammar_from(fmt, text))
     ids, text, out, masks = list(prompt), b"", [], []
     for _ in range(MAX_TOKENS):

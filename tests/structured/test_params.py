@@ -35,9 +35,9 @@ def test_key_is_canonical_and_params_travel():
     b = SO(json='{"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}')
     # one text for a dict and its JSON; properties stay in the schema's order (the output's order)
     assert a.key == b.key == ("json_schema", '{"type":"object","properties":{"b":{"type":"integer"},'
-                                             '"a":{"type":"string"}}}')
-    assert SO(json=True).key == SO(json_object=True).key == ("json_schema", '{"type":"object"}')
-    assert SO(choice=["yes", "no"]).key == ("choice", '["yes","no"]') and SO(regex="a+").kind == "regex"
+                                             '"a":{"type":"string"}}}', "")
+    assert SO(json=True).key == SO(json_object=True).key == ("json_schema", '{"type":"object"}', "")
+    assert SO(choice=["yes", "no"]).key == ("choice", '["yes","no"]', "") and SO(regex="a+").kind == "regex"
     c = pickle.loads(pickle.dumps(a))           # the core may be in another process
     assert c == a and c.key == a.key
 
@@ -47,5 +47,5 @@ def test_sampling_params_take_only_structured_outputs_params_and_no_beams():
         SamplingParams(structured_outputs={"regex": "a"})
     with pytest.raises(ValueError, match="not supported with beam search"):
         SamplingParams(use_beam_search=True, structured_outputs=SO(regex="a"))
-    assert SamplingParams(structured_outputs=SO(regex="a")).structured_outputs.key == ("regex", "a")
+    assert SamplingParams(structured_outputs=SO(regex="a")).structured_outputs.key == ("regex", "a", "")
 

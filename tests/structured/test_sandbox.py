@@ -40,7 +40,7 @@ def slow_gbnf(n: int = 900) -> str:     # GBNF -> Lark is Python: ~0.4 s here fo
 
 def raw(fmt: str, text: str, kind: str = "grammar"):
     """A spec past the cheap bounds (what StructuredOutputsParams would refuse), for the sandbox."""
-    return SimpleNamespace(key=(fmt, text), kind=kind)
+    return SimpleNamespace(key=(fmt, text, ""), kind=kind)
 
 
 @pytest.fixture()

@@ -7,34 +7,58 @@ out, as it is when they are skipped: `stop_text(token_id)` gives it."""
 from __future__ import annotations
 
 from kvserve.server.openai.protocol import ChatMessage, DeltaMessage
+from kvserve.server.openai.reasoning import ReasoningSplitter
 from kvserve.server.openai.tool_fields import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 from kvserve.tool_calls.base import Update, assemble
 
 
 class ChoiceOutput:
-    def __init__(self, reader=None, stop_text=None):
+    """`reasoning`: the server's --reasoning-parser (server/openai/reasoning.py), or None: its
+    thought becomes `reasoning_content`, and the reader sees only the answer after it."""
+
+    def __init__(self, reader=None, stop_text=None, reasoning=None):
         self.reader = reader
         self.stop_text = stop_text
+        self.splitter = ReasoningSplitter(reasoning) if reasoning is not None else None
         self.made_calls = False
 
     def delta(self, text: str, finish_reason: str | None, token_ids=()) -> tuple[DeltaMessage, str | None]:
         """The delta of one step's text (the last step's: with the reader's rest)."""
+        text = self._without_stop(text, finish_reason, token_ids)
+        thought, text = self._split(text, finish_reason is not None)
         if self.reader is None:
-            return DeltaMessage(content=text), finish_reason
-        u = self._update(self._without_stop(text, finish_reason, token_ids), finish_reason is not None)
+            if self.splitter is None:
+                return DeltaMessage(content=text), finish_reason
+            return DeltaMessage(content=text or None, reasoning_content=thought or None), finish_reason
+        u = self._update(text, finish_reason is not None)
         calls = [DeltaToolCall(index=d.index, id=d.id, type="function" if d.id else None,
                                function=DeltaFunctionCall(name=d.name, arguments=d.arguments))
                  for d in u.calls]
-        return DeltaMessage(content=u.content or None, tool_calls=calls or None), self._finish(finish_reason)
+        return DeltaMessage(content=u.content or None, reasoning_content=thought or None,
+                            tool_calls=calls or None), self._finish(finish_reason)
 
     def message(self, text: str, finish_reason: str | None, token_ids=()) -> tuple[ChatMessage, str | None]:
         """The whole answer's message."""
+        text = self._without_stop(text, finish_reason, token_ids)
+        thought, text = self._split(text, True)
         if self.reader is None:
-            return ChatMessage(content=text), finish_reason
-        content, calls = assemble([self._update(self._without_stop(text, finish_reason, token_ids), True)])
-        return ChatMessage(content=content or None, tool_calls=[
+            if self.splitter is None:
+                return ChatMessage(content=text), finish_reason
+            return ChatMessage(content=text or None, reasoning_content=thought or None), finish_reason
+        content, calls = assemble([self._update(text, True)])
+        return ChatMessage(content=content or None, reasoning_content=thought or None, tool_calls=[
             ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls
         ] or None), self._finish(finish_reason)
+
+    def _split(self, text: str, last: bool) -> tuple[str, str]:
+        """(thought, answer) of a piece of text; ("", text) without a reasoning parser."""
+        if self.splitter is None:
+            return "", text
+        thought, answer = self.splitter.feed(text)
+        if last:
+            more_thought, more_answer = self.splitter.finish()
+            thought, answer = thought + more_thought, answer + more_answer
+        return thought, answer
 
     def _without_stop(self, text: str, finish_reason: str | None, token_ids) -> str:
         if finish_reason == "stop" and token_ids and self.stop_text is not None:

@@ -2,12 +2,14 @@
 usage) and its output items, and a conversation's items as the chat messages the template reads.
 
     one choice's ChatMessage (server/openai/tool_output.py)  ->  output items:
+        reasoning   {"type": "reasoning", "content": [{"type": "reasoning_text", "text"}]} (--reasoning-parser)
         content     {"type": "message", "role": "assistant", "content": [{"type": "output_text", ...}]}
         tool calls  {"type": "function_call", "call_id", "name", "arguments"} each
     items  ->  chat messages:
         message               {"role", "content"}           (its text parts joined)
         function_call         an assistant message's tool_calls (calls in a row: one message)
         function_call_output  {"role": "tool", "tool_call_id", "content"}
+        reasoning             left out (reasoning models' templates drop earlier thoughts)
 
 A finish of "length" is status "incomplete" (`incomplete_details.reason` "max_output_tokens"),
 an aborted one "cancelled"; every output item carries the response's status."""
@@ -44,6 +46,20 @@ class OutputMessage(BaseModel):
     content: list[OutputTextPart]
 
 
+class ReasoningTextPart(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    """The model's thought (--reasoning-parser, server/openai/reasoning.py), ahead of its answer."""
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    status: str
+    summary: list = Field(default_factory=list)
+    content: list[ReasoningTextPart]
+
+
 class OutputFunctionCall(BaseModel):
     id: str
     type: Literal["function_call"] = "function_call"
@@ -71,7 +87,7 @@ class ResponseObject(BaseModel):
     error: Optional[dict] = None                    # {"code", "message"} when failed
     incomplete_details: Optional[dict] = None       # {"reason": "max_output_tokens"}
     model: str
-    output: list[Union[OutputMessage, OutputFunctionCall]] = Field(default_factory=list)
+    output: list[Union[OutputReasoning, OutputMessage, OutputFunctionCall]] = Field(default_factory=list)
     usage: Optional[ResponseUsage] = None
     # the request's settings
     instructions: Optional[str] = None
@@ -128,9 +144,11 @@ def finish(resp: ResponseObject, finish_reason: str | None, output: list, use: R
                                    "usage": use, "completed_at": int(time.time()) if status == "completed" else None})
 
 
-def output_items(content: str | None, calls, status: str) -> list:
-    """The output items of one answer: its content as a message, then each tool call."""
+def output_items(content: str | None, calls, status: str, reasoning: str | None = None) -> list:
+    """The output items of one answer: its thought, its content as a message, then each tool call."""
     items: list = []
+    if reasoning:
+        items.append(OutputReasoning(id=new_id("rs"), status=status, content=[ReasoningTextPart(text=reasoning)]))
     if content:
         items.append(OutputMessage(id=new_id("msg"), status=status, content=[OutputTextPart(text=content)]))
     for c in calls or ():

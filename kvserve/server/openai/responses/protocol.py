@@ -78,6 +78,22 @@ class FunctionCallOutputItem(Strict):
     status: ItemStatus = None
 
 
+class ReasoningTextPart(Strict):
+    type: Literal["reasoning_text"]
+    text: Text
+
+
+class ReasoningItem(Strict):
+    """A thought of a previous response (--reasoning-parser), sent back: accepted, and left out of
+    the next prompt, as reasoning models' chat templates leave out earlier turns' thoughts."""
+    type: Literal["reasoning"]
+    id: Optional[Id] = None
+    summary: Annotated[list, Field(max_length=MAX_CONTENT_PARTS)] = []
+    content: Optional[Annotated[list[ReasoningTextPart], Field(max_length=MAX_CONTENT_PARTS)]] = None
+    encrypted_content: Optional[Text] = None
+    status: ItemStatus = None
+
+
 def _item_kind(value) -> str | None:
     if isinstance(value, dict):
         return value.get("type") or "message"
@@ -86,7 +102,8 @@ def _item_kind(value) -> str | None:
 
 InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")],
                             Annotated[FunctionCallItem, Tag("function_call")],
-                            Annotated[FunctionCallOutputItem, Tag("function_call_output")]],
+                            Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+                            Annotated[ReasoningItem, Tag("reasoning")]],
                       Discriminator(_item_kind)]
 
 
@@ -198,7 +215,7 @@ class ResponsesRequest(Strict):
 # ---------------------------------------------------------------- errors
 
 _UNSUPPORTED = {
-    "reasoning": "not supported (kvserve's models have no separate reasoning)",
+    "reasoning": "not supported (the effort is the model's own; a server started with --reasoning-parser returns its thought as a reasoning item)",
     "include": "not supported (no extra output data is available: send [] or leave it out)",
     "background": "not supported (responses run in the foreground: send false or leave it out)",
     "truncation": 'only "disabled" is supported: kvserve never drops input; a conversation '

@@ -154,7 +154,8 @@ async def create_response(state, store: ResponseStore, req: ResponsesRequest, re
     c = out.outputs[0]
     message, _ = output.message(c.text, c.finish_reason, c.token_ids)
     status, _ = status_of(c.finish_reason)
-    resp = finish(shell, c.finish_reason, output_items(message.content, message.tool_calls, status),
+    resp = finish(shell, c.finish_reason, output_items(message.content, message.tool_calls, status,
+                                                       message.reasoning_content),
                   usage(len(out.prompt_token_ids), len(c.token_ids), out.num_cached_tokens or 0))
     done(resp)
     return JSONResponse(resp.model_dump(), headers={RESPONSE_ID_HEADER: rid})

@@ -6,9 +6,11 @@ its JSON, with `type` and a `sequence_number` from 0):
         message:       response.output_item.added, response.content_part.added,
                        response.output_text.delta ...
         function_call: response.output_item.added, response.function_call_arguments.delta ...
+        reasoning:     response.output_item.added, response.reasoning_text.delta ... (--reasoning-parser)
     at the end, per item in order:
         message:       response.output_text.done, response.content_part.done, response.output_item.done
         function_call: response.function_call_arguments.done, response.output_item.done
+        reasoning:     response.reasoning_text.done, response.output_item.done
     response.completed (status "completed") or response.incomplete (any other), whose response
     is what the same request gets unstreamed; a failure in the engine ends with response.failed.
 
@@ -22,7 +24,8 @@ from typing import Callable
 
 from kvserve.server.openai.protocol import APIError
 from kvserve.server.openai.responses.items import (
-    OutputFunctionCall, OutputMessage, OutputTextPart, ResponseObject, finish, new_id, status_of, usage)
+    OutputFunctionCall, OutputMessage, OutputReasoning, OutputTextPart, ReasoningTextPart, ResponseObject, finish,
+    new_id, status_of, usage)
 
 
 class _Events:
@@ -43,6 +46,7 @@ async def stream_response(sub, shell: ResponseObject, output, done: Callable[[Re
     yield ev("response.in_progress", response=shell.model_dump())
     items: list = []                            # OutputMessage | OutputFunctionCall, in order
     message: OutputMessage | None = None
+    thought: OutputReasoning | None = None
     calls: dict[int, OutputFunctionCall] = {}   # the reader's call index -> its item
     prompt = cached = completion = 0
     finish_reason = None
@@ -53,6 +57,15 @@ async def stream_response(sub, shell: ResponseObject, output, done: Callable[[Re
                 completion += len(c.token_ids)
                 finish_reason = c.finish_reason or finish_reason
                 delta, _ = output.delta(c.text, c.finish_reason, c.token_ids)
+                if delta.reasoning_content:
+                    if thought is None:
+                        thought = OutputReasoning(id=new_id("rs"), status="in_progress", content=[])
+                        items.append(thought)
+                        yield ev("response.output_item.added", output_index=len(items) - 1, item=thought.model_dump())
+                        thought.content.append(ReasoningTextPart(text=""))
+                    thought.content[0].text += delta.reasoning_content
+                    yield ev("response.reasoning_text.delta", item_id=thought.id, output_index=items.index(thought),
+                             content_index=0, delta=delta.reasoning_content)
                 if delta.content:
                     if message is None:
                         message = OutputMessage(id=new_id("msg"), status="in_progress", content=[])
@@ -80,7 +93,10 @@ async def stream_response(sub, shell: ResponseObject, output, done: Callable[[Re
         status, _ = status_of(finish_reason)
         for i, item in enumerate(items):
             item.status = status
-            if isinstance(item, OutputMessage):
+            if isinstance(item, OutputReasoning):
+                yield ev("response.reasoning_text.done", item_id=item.id, output_index=i, content_index=0,
+                         text=item.content[0].text)
+            elif isinstance(item, OutputMessage):
                 text = item.content[0].text
                 yield ev("response.output_text.done", item_id=item.id, output_index=i, content_index=0,
                          text=text, logprobs=[])
