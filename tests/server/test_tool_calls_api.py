@@ -41,7 +41,7 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 @pytest.fixture(scope="module")
 def server():
-    srv = LiveServer("--max-num-seqs", "16", "--chat-template", TEMPLATE)
+    srv = LiveServer("--enable-auto-tool-choice", "--max-num-seqs", "16", "--chat-template", TEMPLATE)
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -164,7 +164,8 @@ BAD = [
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not in tools", "invalid_tools"),
     ({"tools": [], "tool_choice": "required"}, "needs at least one function", "invalid_tools"),
     ({"tools": TOOLS + TOOLS[:1]}, "two tools are named 'get_weather'", "invalid_tools"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, "strict", "invalid_tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}],
+      "response_format": {"type": "json_object"}}, "cannot constrain the same answer", "invalid_tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
      "must be a JSON Schema of an object", None),
     ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools.0.function.name", None),
