@@ -57,6 +57,8 @@ from kvserve.server.openai.embeddings import install as install_embeddings
 from kvserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from kvserve.server.openai.reasoning import reasoning_parser as reasoning_parser_of
 from kvserve.server.openai.responses.routes import ROUTES as RESPONSES_ROUTES
+from kvserve.server.openai.scoring import ROUTES as SCORING_ROUTES
+from kvserve.server.openai.scoring import install as install_scoring
 from kvserve.server.openai.responses.routes import install as install_responses
 from kvserve.server.openai.tokenizer_routes import ROUTES as TOKENIZER_ROUTES
 from kvserve.server.openai.tokenizer_routes import install as install_tokenizer_routes
@@ -153,7 +155,8 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
     app.state.kvserve = state
     app.add_middleware(IgnoredFieldsHeader)     # names the unknown fields a request sent (body.py)
     install_error_handlers(app, state)
-    install_openapi(app, {**ROUTES, **TOKENIZER_ROUTES, **RESPONSES_ROUTES, **EMBEDDING_ROUTES, **LLAMA_ROUTES})
+    install_openapi(app, {**ROUTES, **TOKENIZER_ROUTES, **RESPONSES_ROUTES, **EMBEDDING_ROUTES, **LLAMA_ROUTES,
+                         **SCORING_ROUTES})
 
     @app.get("/health")
     async def health():
@@ -185,6 +188,7 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
     # Each feature's routes (and background tasks) in its own module.
     install_tokenizer_routes(app, state)    # /tokenize, /detokenize, /tokenizer_info, /version, /v1/models/{id}
     install_embeddings(app, state)          # /v1/embeddings
+    install_scoring(app, state)             # /pooling, /score, /rerank (embed servers; openai/scoring.py)
     install_llama_routes(app, state)        # /completion, /infill, /props, /slots, /ping (llama_routes.py)
     install_responses(app, state, responses_store)     # /v1/responses
     install_request_log(app, state)         # a line per request, a stats line every few seconds
