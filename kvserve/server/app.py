@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse, Response
 from kvserve.server.answers import install as install_front
 from kvserve.server.body import IgnoredFieldsHeader, api_key_bytes
 from kvserve.server.core_client import CoreClient
+from kvserve.server.docs_page import install as install_docs
 from kvserve.server.errors import EngineFailureReport, install_error_handlers
 from kvserve.server.llama_routes import ROUTES as LLAMA_ROUTES
 from kvserve.server.llama_routes import install as install_llama_routes
@@ -193,4 +194,5 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
     install_responses(app, state, responses_store)     # /v1/responses
     install_request_log(app, state)         # a line per request, a stats line every few seconds
     install_page(app, state)                # the chat page at /
+    install_docs(app, state)                # Swagger UI at /docs, its assets from this server
     return app
