@@ -205,8 +205,16 @@ async def _complete(state, req: LlamaCompletionRequest, request: Request, tenant
     except BaseException:
         sub.abort_unfinished()
         raise
-    prompt_text = item.get("prompt") or (state.tokenizer.decode(item["prompt_token_ids"], skip_special_tokens=False)
-                                         if state.tokenizer is not None else "")
+    tok = state.tokenizer
+    prompt_text = item.get("prompt")
+    if prompt_text is None:         # token ids (and /infill's prompt): decoded off the event loop
+        try:
+            prompt_text = (await state.tokenization.run_many(
+                lambda ids: tok.decode(ids, skip_special_tokens=False), [item["prompt_token_ids"]]))[0] \
+                if tok is not None else ""
+        except BaseException:
+            sub.abort_unfinished()
+            raise
     settings = _settings(params, req)
 
     def final(out, c, content: str, tokens: list[int], probs) -> dict:

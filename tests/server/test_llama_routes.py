@@ -78,6 +78,12 @@ def test_completion_stream_chunks_join_to_the_answer(client):
     assert "[DONE]" not in r.text
     assert all(e["stop"] is False for e in events[:-1]) and events[-1]["stop"] is True
     assert "".join(e["content"] for e in events) == whole["content"]
+    probs = client.post("/completion", json={"prompt": PROMPT, "n_predict": 10, "temperature": 0, "stream": True,
+                                             "n_probs": 3, "return_tokens": True})
+    chunks = [json.loads(line[len("data: "):]) for line in probs.text.splitlines() if line.startswith("data: ")]
+    ids = [p["id"] for e in chunks[:-1] for p in e["completion_probabilities"]]
+    assert ids == [t for e in chunks[:-1] for t in e["tokens"]] and len(ids) == whole["tokens_predicted"]
+    assert all(len(p["top_logprobs"]) == 3 for e in chunks[:-1] for p in e["completion_probabilities"])
     last = events[-1]
     assert last["content"] == "" and last["tokens_predicted"] == whole["tokens_predicted"]
     assert last["stop_type"] == whole["stop_type"] and "timings" in last
@@ -192,6 +198,7 @@ def test_infill_builds_llama_servers_fim_prompt(fim_dir):
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["tokens_evaluated"] == len(expected)
+        assert body["prompt"].index("<fim_prefix>") < body["prompt"].index("<fim_suffix>") < body["prompt"].index("<fim_middle>")
         same = openai_greedy(c, expected, 8, ignore_eos=True)
         assert body["content"] == same["choices"][0]["text"] and body["tokens_predicted"] == 8
         r = c.post("/infill", json={"input_prefix": prefix, "input_extra": [{"filename": "a.py", "text": "x"}]})
