@@ -20,7 +20,8 @@ from typing import Annotated, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, RootModel, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from kvserve.sample.params import INT64_MAX, LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_TEMPERATURE
+from kvserve.sample.params import (
+    INT64_MAX, LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_TEMPERATURE, REPETITION_PENALTY_RANGE)
 from kvserve.server.openai.protocol import MAX_SEED, NonEmpty, StopString, TokenId
 from kvserve.server.openai.request_rules import RULE_ERROR
 from kvserve.server.openai.wire_types import Strict, Text
@@ -72,11 +73,6 @@ REFUSED_LISTS = {
     "response_fields": "response field selection", "image_data": "images",
     "multimodal_data": "multimodal input",
 }
-# Only meaningful with a refused sampler on (as in llama-server): accepted, with no effect.
-INERT_WITHOUT = {"mirostat_tau": "mirostat", "mirostat_eta": "mirostat", "dynatemp_exponent": "dynatemp_range",
-                 "xtc_threshold": "xtc_probability", "dry_base": "dry_multiplier",
-                 "dry_allowed_length": "dry_multiplier", "dry_penalty_last_n": "dry_multiplier",
-                 "dry_sequence_breakers": "dry_multiplier"}
 _REPEAT_RULE = {"if": {"properties": {"repeat_penalty": {"not": {"const": 1}}}, "required": ["repeat_penalty"]},
                 "then": {"properties": {"repeat_last_n": {"const": -1}}, "required": ["repeat_last_n"]}}
 
@@ -101,7 +97,7 @@ class LlamaCompletionRequest(Strict):
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     min_p: Optional[float] = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     seed: Optional[int] = Field(None, ge=-1, le=MAX_SEED)
-    stop: Optional[Union[StopString, Annotated[list[StopString], Field(max_length=16)]]] = None
+    stop: Optional[Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]]] = None
     stream: bool = False
     n_probs: int = Field(0, ge=0, le=MAX_LOGPROBS)
     cache_prompt: bool = True
@@ -109,8 +105,10 @@ class LlamaCompletionRequest(Strict):
     logit_bias: Optional[Union[Annotated[dict[Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,17})$")], LogitBias],
                                          Field(max_length=MAX_LOGIT_BIAS)],
                                Annotated[list[LogitBiasPair], Field(max_length=MAX_LOGIT_BIAS)]]] = None
-    repeat_penalty: Optional[float] = Field(None, ge=0.01, le=100.0, allow_inf_nan=False)
-    repeat_last_n: Optional[Literal[-1, 0, 64]] = None
+    repeat_penalty: Optional[float] = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1],
+                                            allow_inf_nan=False)
+    repeat_last_n: Optional[Literal[-1, 0, 64]] = None     # -1 only with a penalty (_repeat_window); 0 and 64
+                                                           # (llama-server's default) sent with none do nothing
     grammar: Optional[Text] = None
     json_schema: Optional[dict] = None
     return_tokens: bool = False

@@ -116,7 +116,7 @@ def _openai_request(state, req: LlamaCompletionRequest, prompt) -> CompletionReq
     if req.n_probs:
         fields["logprobs"] = req.n_probs
     if req.repeat_penalty is not None:
-        fields["repetition_penalty"] = req.repeat_penalty if req.repeat_last_n != 0 else 1.0
+        fields["repetition_penalty"] = req.repeat_penalty     # (over the whole context: repeat_last_n -1)
     if req.logit_bias:
         pairs = req.logit_bias.items() if isinstance(req.logit_bias, dict) else req.logit_bias
         fields["logit_bias"] = {str(t): float(b) for t, b in pairs}
