@@ -80,7 +80,10 @@ def _version() -> str:
 
 
 def fim_token_ids(tok) -> tuple[int, int, int] | None:
-    """The tokenizer's (prefix, suffix, middle) FIM token ids, or None when it has none."""
+    """The tokenizer's (prefix, suffix, middle) FIM token ids, or None when it has none: a GGUF
+    file's own (tokenizer.ggml.fim_*_token_id), else special tokens spelled as llama.cpp knows them."""
+    if getattr(tok, "fim_ids", None) is not None:
+        return tok.fim_ids
     special = getattr(tok, "special_tokens", None) or {}
     for spellings in FIM_SPELLINGS:
         if all(s in special for s in spellings):

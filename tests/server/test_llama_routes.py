@@ -218,3 +218,26 @@ def test_the_routes_are_in_the_served_schema(client):
         assert validator.is_valid(case) == served, (case, served)
     assert "/infill" in doc["paths"] and "get" in doc["paths"]["/ping"]
     assert doc["paths"]["/props"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+
+
+def test_infill_uses_a_gguf_files_fim_token_ids(tmp_path):
+    """stories260K's GGUF with llama.cpp's tokenizer.ggml.fim_{pre,suf,mid}_token_id set (gguf-py's
+    gguf_new_metadata): /infill builds its prompt around those ids."""
+    import subprocess
+    import sys
+
+    src = STORIES_HF.parent / "stories260K" / "stories260K-f32.gguf"
+    path = tmp_path / "stories-fim.gguf"
+    subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_new_metadata", str(src), str(path), "--force",
+                    "--special-token-by-id", "fim_pre", "300", "--special-token-by-id", "fim_suf", "301",
+                    "--special-token-by-id", "fim_mid", "302"], check=True, capture_output=True)
+    with TestClient(build_app(LLMEngine(EngineConfig(model=str(path))), "gguf")) as c:
+        def ids(text):
+            return c.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+        prefix, suffix = "Once upon a time", " The end."
+        expected = [1, 300] + ids(prefix) + [301] + ids(suffix) + [302]
+        r = c.post("/infill", json={"input_prefix": prefix, "input_suffix": suffix, "n_predict": 6,
+                                    "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens_evaluated"] == len(expected)
+        assert r.json()["content"] == openai_greedy(c, expected, 6, ignore_eos=True)["choices"][0]["text"]

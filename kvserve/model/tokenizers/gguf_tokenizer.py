@@ -41,6 +41,8 @@ PRE_TOKENIZERS = {
 class GGUFTokenizer(TokenizersBacked):
     """kvserve's Tokenizer interface over a `tokenizers.Tokenizer` built from GGUF metadata."""
 
+    fim_ids: tuple[int, int, int] | None = None     # (prefix, suffix, middle), when the file names them
+
     def __init__(self, tok, tokens: list[str], special_ids: set[int], bos_id: int | None,
                  eos_id: int | None, add_bos: bool, chat_template: str | None):
         self._tok = tok
@@ -102,8 +104,14 @@ def build_gguf_tokenizer(meta: dict) -> GGUFTokenizer | None:
                     for i, t in enumerate(types) if t == USER_DEFINED])
     add_eos = meta.get("tokenizer.ggml.add_eos_token", False)
     tok.post_processor = _bos_eos_template(tokens, bos if add_bos else None, eos if add_eos else None)
-    return GGUFTokenizer(tok, tokens, special, bos, eos, bool(add_bos and bos is not None),
-                         meta.get("tokenizer.chat_template"))
+    out = GGUFTokenizer(tok, tokens, special, bos, eos, bool(add_bos and bos is not None),
+                        meta.get("tokenizer.chat_template"))
+    for names in (("fim_pre", "fim_suf", "fim_mid"), ("prefix", "suffix", "middle")):   # llama.cpp's keys, new and old
+        fim = tuple(token_id(n) for n in names)
+        if None not in fim:
+            out.fim_ids = fim           # fill-in-the-middle (the server's /infill)
+            break
+    return out
 
 
 def _sentencepiece_parts(meta, tokens, types, unk):
