@@ -1,6 +1,6 @@
 """llama-server's native routes, over the server's one completion path.
 
-    POST /completion      llama-server's completion API: `prompt` (text or token ids), its
+    POST /completion      (and /completions) llama-server's completion API: `prompt` (text or token ids), its
                           sampling fields, `stream` (SSE `data: {"content", "stop", ...}` chunks,
                           no [DONE]); answers {"content", "tokens_predicted", "tokens_evaluated",
                           "stop", "stop_type", "stopping_word", "tokens_cached", "truncated",
@@ -60,8 +60,9 @@ FIM_SPELLINGS = (
 )
 
 
+COMPLETION_PATHS = ("/completion", "/completions")      # llama-server serves both
 ROUTES = {      # for server/openapi.py
-    ("post", "/completion"): (LlamaCompletionRequest, LlamaCompletionResponse, True),
+    **{("post", p): (LlamaCompletionRequest, LlamaCompletionResponse, True) for p in COMPLETION_PATHS},
     ("post", "/infill"): (LlamaInfillRequest, LlamaCompletionResponse, True),
     ("get", "/props"): (None, PropsResponse, False),
     ("get", "/slots"): (None, SlotsResponse, False),
@@ -291,11 +292,13 @@ def install(app, state) -> None:
     async def ping_post():
         return health()
 
-    @app.post("/completion")
     async def completion(request: Request):
         tenant = state.tenancy.authenticate(request)
         req = await parse_body(state, request, LlamaCompletionRequest)
         return await _complete(state, req, request, tenant, req.prompt)
+
+    for path in COMPLETION_PATHS:
+        app.add_api_route(path, completion, methods=["POST"], operation_id=f"llama{path.replace('/', '_')}")
 
     @app.post("/infill")
     async def infill(request: Request):

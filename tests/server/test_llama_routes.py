@@ -217,6 +217,10 @@ def test_the_routes_are_in_the_served_schema(client):
         served = client.post("/completion", json=case).status_code == 200
         assert validator.is_valid(case) == served, (case, served)
     assert "/infill" in doc["paths"] and "get" in doc["paths"]["/ping"]
+    assert doc["paths"]["/completions"]["post"]["requestBody"] == doc["paths"]["/completion"]["post"]["requestBody"]
+    alias = client.post("/completions", json={"prompt": PROMPT, "n_predict": 5, "temperature": 0}).json()
+    assert alias["content"] == client.post("/completion", json={"prompt": PROMPT, "n_predict": 5,
+                                                                "temperature": 0}).json()["content"]
     assert doc["paths"]["/props"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
 
 

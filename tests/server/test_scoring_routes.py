@@ -44,7 +44,7 @@ def test_rerank_orders_documents_by_cosine_of_their_embeddings(client):
     vecs = embeddings(client, [QUERY] + DOCS)
     expected = cosines(vecs[0], vecs[1:])
     order = list(np.argsort(-expected))
-    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank", "/reranking", "/v1/reranking"):
         r = client.post(path, json={"query": QUERY, "documents": DOCS})
         assert r.status_code == 200, r.text
         body = r.json()
@@ -103,7 +103,7 @@ def test_bad_requests_are_refused(client, path, body, param):
 
 def test_a_generation_server_refuses_them():
     with TestClient(build_app(LLMEngine(EngineConfig(model=str(STORIES_HF))), "stories")) as c:
-        for path in ("/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"):
+        for path in ("/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/v1/reranking"):
             r = c.post(path, json={"query": QUERY, "documents": DOCS})
             assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_task", (path, r.text)
             assert "--task embed" in r.json()["error"]["message"]

@@ -5,7 +5,7 @@ score the cosine similarity of its two embeddings, as vLLM scores with an embedd
     POST /pooling                 {"input", "encoding_format"} -> data[i] = {"index", "object": "pooling", "data": vector}
     POST /score, /v1/score        {"text_1": str | [str], "text_2": str | [str]} -> data[i] = {"index", "object":
                                   "score", "score"}: text_1 against each text_2 (one text_1), or pair by pair
-    POST /rerank, /v1/rerank, /v2/rerank
+    POST /rerank, /v1/rerank, /v2/rerank (vLLM's), /reranking, /v1/reranking (llama-server's)
                                   {"query", "documents": [str], "top_n", "return_documents"} (vLLM's, Jina's,
                                   Cohere's and llama-server's shape) -> results = [{"index", "relevance_score",
                                   "document": {"text"}}], best first; top_n 0 or left out: all of them
@@ -120,7 +120,7 @@ class RerankResponse(BaseModel):
     usage: RerankUsage
 
 
-RERANK_PATHS = ("/rerank", "/v1/rerank", "/v2/rerank")
+RERANK_PATHS = ("/rerank", "/v1/rerank", "/v2/rerank", "/reranking", "/v1/reranking")    # vLLM's, llama-server's
 SCORE_PATHS = ("/score", "/v1/score")
 ROUTES = {      # for server/openapi.py (served only by an embed server)
     ("post", "/pooling"): (PoolingRequest, PoolingResponse, False),
