@@ -36,6 +36,8 @@ flipping each repeat) on fresh servers and the ratios tree / baseline are printe
         --out benchmarks/results/host_overhead.json
     python benchmarks/bench_host_overhead.py --tree /tmp/kvserve-base \\
         --out benchmarks/results/host_overhead_baseline.json        # one tree alone
+    python benchmarks/bench_host_overhead.py --tree /tmp/kv --baseline-tree /tmp/kv \
+        --server-args --async-scheduling                            # one tree, a flag on and off
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ import bisect
 import json
 import os
 import random
+import shlex
 import shutil
 import socket
 import statistics
@@ -99,7 +102,7 @@ def free_port() -> int:
 class Server:
     """`kvserve serve` from `tree` (its kvserve first on PYTHONPATH, then the hook's folder)."""
 
-    def __init__(self, tree: Path, model: Path, max_num_seqs: int, num_kv_blocks: int, args):
+    def __init__(self, tree: Path, model: Path, max_num_seqs: int, num_kv_blocks: int, args, extra=()):
         self.log_dir = Path(tempfile.mkdtemp(prefix="kvserve-host-overhead-"))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -111,6 +114,7 @@ class Server:
                "--block-size", str(BLOCK_SIZE), "--no-enable-prefix-caching"]
         if args.engine_threads:
             cmd += ["--engine-threads", str(args.engine_threads)]
+        cmd += list(extra)
         self.proc = subprocess.Popen(cmd, cwd=tree, env=env)
         deadline = time.monotonic() + 300
         while True:
@@ -247,11 +251,11 @@ def run_batch(server: Server, batch: int, args, seed: int) -> tuple[dict, float,
     return fig, t_start, t_end
 
 
-def one_server(tree: Path, model: Path, args, rep: int) -> dict[int, dict]:
+def one_server(tree: Path, model: Path, args, rep: int, extra=()) -> dict[int, dict]:
     """A fresh server on `tree`: warm up, then each batch in turn; figures per batch."""
     max_b = max(args.batches)
     blocks = max_b * -(-(args.prompt_len + args.output_len + 1) // BLOCK_SIZE) + 64
-    server = Server(tree, model, max_b, blocks, args)
+    server = Server(tree, model, max_b, blocks, args, extra)
     windows, figs = {}, {}
     try:
         asyncio.run(stream_all(server.url, prompts_for(min(max_b, 16), args, 10_000 + rep), 32))
@@ -323,6 +327,8 @@ def main() -> None:
     ap.add_argument("--tree", type=Path, default=HERE.parent, help="checkout to measure (default: this one)")
     ap.add_argument("--baseline-tree", type=Path, default=None,
                     help="a second checkout (e.g. a git worktree of the baseline commit), run interleaved")
+    ap.add_argument("--server-args", default="", help="more `kvserve serve` flags for --tree (e.g. --async-scheduling)")
+    ap.add_argument("--baseline-server-args", default="", help="more `kvserve serve` flags for --baseline-tree")
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--output-len", type=int, default=1024)
     ap.add_argument("--prompt-len", type=int, default=32)
@@ -342,9 +348,12 @@ def main() -> None:
     args.batches = [int(b) for b in args.batches.split(",")]
     model = model_dir(args.model_dir)
     trees = {}
-    for path in [args.tree] + ([args.baseline_tree] if args.baseline_tree else []):
+    for path, extra in [(args.tree, args.server_args)] + ([(args.baseline_tree, args.baseline_server_args)]
+                                                         if args.baseline_tree else []):
         info = tree_info(path.resolve())
-        trees[info["label"] if info["label"] not in trees else info["label"] + "'"] = info
+        info["server_args"] = shlex.split(extra)
+        label = info["label"] + (f" {extra}" if extra else "")
+        trees[label if label not in trees else label + "'"] = info
     labels = list(trees)
     meta = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpus": os.cpu_count(),
             "load_at_start": os.getloadavg(), "model": MODEL_CONFIG, "prompt_len": args.prompt_len,
@@ -357,7 +366,7 @@ def main() -> None:
     for rep in range(args.repeats):
         for label in (labels if rep % 2 == 0 else labels[::-1]):
             print(f"[{rep}] {label}", flush=True)
-            for b, fig in one_server(Path(trees[label]["path"]), model, args, rep).items():
+            for b, fig in one_server(Path(trees[label]["path"]), model, args, rep, trees[label]["server_args"]).items():
                 runs[label].setdefault(b, []).append(fig)
     medians = {k: {b: median_figs(v) for b, v in sorted(per.items())} for k, per in runs.items()}
     text = (f"host time per step, {args.prompt_len}-token prompts, {args.output_len}-token streamed outputs, "

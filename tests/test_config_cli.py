@@ -38,6 +38,7 @@ NON_DEFAULTS = {
     "swap_space": (1 << 20, ["--swap-space", str(1 << 20)]),
     "share_blocks": (False, ["--no-share-blocks"]),
     "preemption_warn_threshold": (5, ["--preemption-warn-threshold", "5"]),
+    "async_scheduling": (False, []),               # speculative_config needs it off (tests/engine/test_async_scheduling.py)
     "quantization": ("int8", ["--quantization", "int8"]),
     "quantization_group_size": (None, []),
     "quantize_activations": (True, ["--quantize-activations"]),

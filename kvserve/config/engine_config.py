@@ -68,6 +68,10 @@ class EngineConfig:
         "n > 1 samples and beams share their prompt's KV blocks (copy on write)"))
     preemption_warn_threshold: int = field(default=3, metadata=flag(
         "preemptions of one request that count as thrashing (a warning and a metric)"))
+    async_scheduling: bool = field(default=False, metadata=flag(
+        "vLLM's flag: plan step N+1 while step N's forward pass runs (on a worker thread), its "
+        "sampled tokens placeholders until they land (engine/engine_core.py); steps that need "
+        "a token first (beams, grammars, n > 1 forks, speculation, admission) run in turn"))
     # Weight-only quantization at load (kvserve/model/quant/formats.py)
     quantization: str | None = field(default=None, metadata=flag(
         "quantize linear weights at load: int8 (per channel) or int4 (groups of 128 where they "
@@ -160,6 +164,10 @@ class EngineConfig:
         check_kv_cache_dtype(self.kv_cache_dtype)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}.")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling with tensor_parallel_size > 1 is not built: drop one of them.")
+        if self.async_scheduling and self.speculative_config is not None:
+            raise ValueError("async_scheduling with speculative decoding is not built: drop one of them.")
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError("distributed_executor_backend must be 'mp' or 'ray', got "
                              f"{self.distributed_executor_backend!r}.")

@@ -73,6 +73,7 @@ class SchedulerConfig:
     scheduling_policy: str
     preemption_mode: str
     preemption_warn_threshold: int
+    async_scheduling: bool              # plan a step ahead while the forward pass runs
 
 
 @dataclass(frozen=True)

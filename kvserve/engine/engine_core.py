@@ -33,6 +33,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from kvserve.config import EngineConfig
 from kvserve.distributed.executor import TPDriverRunner, TPWorkers
@@ -132,6 +133,11 @@ class EngineCore:
         self.grammars = GrammarWaitList(GrammarCompiler(self.tokenizer, model_cfg.vocab_size, eos),
                                         r.structured_outputs.max_grammar_compile_s)
         self.worker_view = WorkerView()                 # what the worker holds (engine/worker_view.py)
+        # --async-scheduling: the worker's steps run in turn on one thread of their own; the step
+        # started ahead, while the previous one ran: (its plan, its future), or None
+        self._worker = (ThreadPoolExecutor(1, thread_name_prefix="kvserve-worker")
+                        if r.scheduler.async_scheduling else None)
+        self._inflight = None
         self.groups: dict[str, list[Request]] = {}      # user request id -> its sequences
         self._finish_sent: dict[str, set[int]] = {}     # user request id -> samples whose end went out
         self._arrivals = itertools.count()
@@ -219,7 +225,23 @@ class EngineCore:
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        """One step: schedule, the forward pass and sampling (the worker), then the outputs.
+        With async scheduling the worker runs on its own thread, and while it runs step N the
+        next step is planned (`_ahead`); N's outputs are made while N + 1 runs."""
         t0 = time.perf_counter()
+        if self._worker is None:
+            ended, sched, so = self._plan()
+            return self._finish(ended, sched, self.runner.execute_model(so), t0)
+        if self._inflight is None:
+            ended, sched, so = self._plan()
+            running = self._submit(so)
+        else:                                   # planned and started during the last call
+            ended, (sched, running) = [], self._inflight
+        self._inflight = self._ahead(sched)
+        return self._finish(ended, sched, running.result(), t0)
+
+    def _plan(self):
+        """(requests that ended waiting for a grammar, the step's plan, its SchedulerOutput)."""
         if len(self.grammars) and not self.scheduler.has_unfinished():
             self.grammars.wait(GRAMMAR_IDLE_WAIT_S)    # nothing else to run: wait, do not spin
         ended = self._take_grammars()
@@ -232,7 +254,33 @@ class EngineCore:
         for req, n in sched.scheduled:     # the hand-off's invariant: every token has a slot
             assert self.kv.num_held_blocks(req.request_id) * bs >= req.num_computed_tokens + n, \
                 f"{req} scheduled without slots"
-        result = self.runner.execute_model(so)       # rows the core found without an allowed token: in its grammar_errors
+        return ended, sched, so
+
+    def _submit(self, so, ops=None):
+        """The step on the worker thread, after the one before it (and `ops`, copy-on-write
+        copies of the slots it writes, before it)."""
+        def run():
+            if ops:
+                self.runner.apply_kv_ops(ops)
+            return self.runner.execute_model(so)
+        return self._worker.submit(run)
+
+    def _ahead(self, prev):
+        """Async scheduling: the step after `prev` planned and started while `prev` runs, or
+        None where it must wait for `prev` (Scheduler.schedule_ahead; the grammar wait list,
+        KV tiers and speculation always wait)."""
+        if len(self.grammars) or self.kv.connector is not None or self.spec is not None:
+            return None
+        plan = self.scheduler.schedule_ahead(prev)
+        if plan is None:
+            return None
+        ops = self.kv.take_pending()
+        so = self.worker_view.build(plan, self.kv, self.scheduler, ahead=True)
+        self._stats.num_async_steps += 1
+        return plan, self._submit(so, ops)
+
+    def _finish(self, ended: list[str], sched, result, t0: float) -> list[EngineCoreOutput]:
+        """A step's result applied: the scheduler's update, the outputs, finished requests retired."""
         touched, deltas, prompt_entries = self.scheduler.update_from_output(sched, result)
         self.worker_view.note_sampled(result.sampled)
         if self.config.tiers.kv_role == "prefill":     # the prompt's KV is in the shared store before its answer
@@ -300,6 +348,9 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent)."""
+        if getattr(self, "_worker", None) is not None:
+            self._worker.shutdown(wait=True)         # the step started ahead runs out
+            self._worker = None
         if getattr(self, "tp_workers", None) is not None:
             self.tp_workers.close()
         if getattr(self, "kv", None) is not None and self.kv.connector is not None:

@@ -31,6 +31,7 @@ class EngineStats:
     num_repeatedly_preempted_total: int = 0  # sequences preempted preemption_warn_threshold times
     max_preemptions_per_request: int = 0
     num_steps: int = 0
+    num_async_steps: int = 0               # steps planned and started while the one before ran
     forward_time_total: float = 0.0        # seconds inside the model's forward pass
     step_time_total: float = 0.0
     kv_cache_dtype: str = "auto"           # "auto" (the model dtype) | "int8" | "fp8_e4m3" | "fp8_e5m2"

@@ -23,8 +23,11 @@ class WorkerView:
         # seq id -> [tokens the worker holds, the block table object it was sent, its length then]
         self.sent: dict[str, list] = {}
 
-    def build(self, plan, kv, scheduler) -> SchedulerOutput:
-        """plan: the scheduler's StepPlan (live requests); kv: the KV cache manager (tables)."""
+    def build(self, plan, kv, scheduler, ahead: bool = False) -> SchedulerOutput:
+        """plan: the scheduler's StepPlan (live requests); kv: the KV cache manager (tables).
+        `ahead`: a plan made while the previous step runs (Scheduler.schedule_ahead): each
+        sequence starts one past its computed tokens, at the token the worker is sampling now."""
+        skip = 1 if ahead else 0
         so = SchedulerOutput(draft_tokens=plan.draft_tokens,
                              prompt_logprob_rows=prompt_logprobs.wanted_rows(plan.scheduled))
         so.finished_seq_ids = [sid for sid in scheduler.finished_seq_ids if self.sent.pop(sid, None) is not None]
@@ -35,7 +38,7 @@ class WorkerView:
         for req, n in plan.scheduled:
             rid = req.request_id
             send(req, so, kv.block_table(rid))
-            scheduled.append((rid, n, req.num_computed_tokens))
+            scheduled.append((rid, n, req.num_computed_tokens + skip))
             waiters = fork_waiters.get(rid, ()) if fork_waiters else ()
             if waiters:
                 so.fork_waiters[rid] = [w.request_id for w in waiters]
