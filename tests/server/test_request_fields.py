@@ -1,5 +1,7 @@
 """No request field is silently ignored: every field of the chat and completions request models is
 either honoured -- a behavioural check here, or a named test elsewhere -- or refused with a 400.
+The models hold vLLM's and llama-server's request fields too (server/openai/extension_fields.py),
+so none of those lands in the `kvserve-ignored-fields` header (`test_no_vllm_or_llama_field_is_ignored`).
 
 `test_every_field_has_a_check` fails when a field is added to a request model without one.
 Unknown fields are accepted (newer clients send newer fields) but named in the log and in the
@@ -296,6 +298,177 @@ def check_add_special_tokens(api):
     assert api.ok(add_special_tokens=False)["usage"]["prompt_tokens"] == default["usage"]["prompt_tokens"]
 
 
+# ------------------------------------------------------------------ vLLM's and llama-server's
+
+def _beams(api, **kw) -> list[str]:
+    out = api.ok(use_beam_search=True, **kw)["choices"]
+    return [c["message"]["content"] if api.endpoint == "chat" else c["text"] for c in out]
+
+
+def check_use_beam_search(api):
+    beams = _beams(api, n=2, max_tokens=16, temperature=1.0)       # beams rank raw logprobs: no draws
+    assert len(beams) == 2 and beams[0] != beams[1]
+    assert beams == _beams(api, n=2, max_tokens=16, temperature=1.0)
+    assert beams[0] != api.text(n=2, max_tokens=16, temperature=1.0, seed=3) or beams[1] != api.text(
+        n=2, max_tokens=16, temperature=1.0, seed=4)
+    api.refused("use_beam_search", use_beam_search=True, n=2, stream=True)
+    api.refused("use_beam_search", use_beam_search=True, n=2, top_p=0.5)
+
+
+def check_length_penalty(api):
+    stop = api.token_ids(max_tokens=16)[2]       # beams end at different lengths
+    short, long = (_beams(api, n=4, max_tokens=24, stop_token_ids=[stop], length_penalty=lp)[0] for lp in (-10, 10))
+    assert len(short) < len(long)
+    assert api.refused("length_penalty", length_penalty=2.0)["param"] == "length_penalty"    # no beams: vLLM's rule
+
+
+def check_bad_words(api):
+    greedy = api.text(max_tokens=16)
+    word = greedy.split()[3]
+    banned = api.text(max_tokens=16, bad_words=[word])
+    assert word not in banned.split() and banned != greedy
+    assert greedy.startswith(banned[:len(greedy.split(word)[0])])      # the same up to the word
+    api.refused("bad_words", bad_words=[""])
+
+
+def check_allowed_token_ids(api):
+    ids = api.token_ids(max_tokens=16)
+    allowed = [ids[1], ids[4], 300]
+    assert all(set(api.token_ids(max_tokens=16, allowed_token_ids=allowed, temperature=1.0, seed=s)) <= set(allowed)
+               for s in range(3))
+    kept = api.token_ids(max_tokens=4, allowed_token_ids=[ids[0], 300])    # the best first token is allowed
+    assert kept[0] == ids[0] and set(kept) <= {ids[0], 300}
+    assert api.refused("allowed_token_ids", allowed_token_ids=[5, 99999])["code"] == "engine_rejected"
+    api.refused("allowed_token_ids", allowed_token_ids=[])
+
+
+def check_truncate_prompt_tokens(api):
+    full = api.ok(max_tokens=1)["usage"]["prompt_tokens"]
+    out = api.ok(truncate_prompt_tokens=3)
+    assert out["usage"]["prompt_tokens"] == 3 < full
+    assert api.ok(truncate_prompt_tokens=full + 5)["usage"]["prompt_tokens"] == full
+    if api.endpoint == "completions":
+        ids = api.client.post("/tokenize", json={"prompt": "Once upon a time"}).json()["tokens"]
+        assert out["choices"][0]["text"] == api.text(prompt=ids[-3:])
+        assert api.text(truncate_prompt_tokens=3, echo=True).startswith(api.client.post(
+            "/detokenize", json={"tokens": ids[-3:]}).json()["prompt"])
+    api.refused("truncate_prompt_tokens", truncate_prompt_tokens=0)
+    api.refused("truncate_prompt_tokens", truncate_prompt_tokens=10**6)      # over max_model_len
+
+
+def check_spaces_between_special_tokens(api):
+    kw = {"logit_bias": {str(EOS): 100}, "ignore_eos": True, "max_tokens": 3, "skip_special_tokens": False}
+    assert api.text(spaces_between_special_tokens=False, **kw) == "</s>" * 3
+    api.refused("spaces_between_special_tokens", spaces_between_special_tokens=True, **kw)
+    assert api.text(spaces_between_special_tokens=True, max_tokens=3) == api.text(max_tokens=3)   # skipped anyway
+
+
+def check_request_id(api, caplog):
+    prefix = "chatcmpl-" if api.endpoint == "chat" else "cmpl-"
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        r = api.post(request_id="my-req.7")
+    assert r.status_code == 200 and r.json()["id"] == prefix + "my-req.7" and r.headers["x-request-id"] == "my-req.7"
+    assert any(f"{prefix}my-req.7" in rec.getMessage() for rec in caplog.records if rec.name == "kvserve.requests")
+    path = "/v1/chat/completions" if api.endpoint == "chat" else "/v1/completions"
+    r = api.client.post(path, json=api.body(request_id="body-id"), headers={"X-Request-Id": "header-id"})
+    assert r.json()["id"] == prefix + "header-id" and r.headers["x-request-id"] == "header-id"    # vLLM's order
+    r = api.client.post(path, json=api.body(stream=True, request_id="s1"))
+    assert r.headers["x-request-id"] == "s1" and f'"id":"{prefix}s1"' in r.text
+    assert "x-request-id" not in api.post().headers
+    api.refused("request_id", request_id="a b")
+
+
+def check_n_predict(api):
+    path = "/v1/chat/completions" if api.endpoint == "chat" else "/v1/completions"
+    alone = lambda **kw: api.client.post(path, json={k: v for k, v in api.body(**kw).items() if k != "max_tokens"})  # noqa: E731
+    assert alone(n_predict=3).json()["usage"]["completion_tokens"] == 3
+    assert api.ok(n_predict=8)["usage"]["completion_tokens"] == 8          # the same as max_tokens: fine
+    assert api.refused("n_predict", n_predict=3)["param"] == "n_predict"    # max_tokens 8 given too
+    eos = alone(n_predict=-1, logit_bias={str(EOS): 100}, min_tokens=2).json()
+    assert eos["usage"]["completion_tokens"] == 3                # -1: no limit but the context's
+    api.refused("n_predict", n_predict=-2)
+
+
+def check_repeat_penalty(api):
+    assert api.text(max_tokens=48, repeat_penalty=2.0) == api.text(max_tokens=48, repetition_penalty=2.0)
+    _penalised(api, repeat_penalty=2.0)
+    api.refused("repeat_penalty", repeat_penalty=2.0, repetition_penalty=1.5)
+
+
+def check_typical_p(api):        # a mass this small keeps only the most typical token: no draw is left
+    texts = {api.text(max_tokens=16, temperature=1.0, seed=s, typical_p=1e-6) for s in range(3)}
+    assert len(texts) == 1
+    assert _sampled_differs(api, typical_p=1.0)
+    api.refused("typical_p", typical_p=0.0)
+
+
+def check_n_probs(api):
+    out = api.ok(n_probs=2)["choices"][0]["logprobs"]
+    if api.endpoint == "chat":
+        assert len(out["content"]) == 8 and all(len(t["top_logprobs"]) == 2 for t in out["content"])
+        api.refused("n_probs", n_probs=2, logprobs=False)
+    else:
+        assert len(out["tokens"]) == 8 and all(len(t) == 2 for t in out["top_logprobs"])
+        api.refused("n_probs", n_probs=2, logprobs=3)
+    assert api.ok(n_probs=0)["choices"][0]["logprobs"] is None
+
+
+def check_samplers(api):
+    assert api.text(samplers=["penalties", "temperature", "top_k", "top_p", "min_p", "typ_p"]) == api.text()
+    assert api.text(samplers="etkpmy") == api.text()
+    api.refused("samplers", samplers=["top_k", "temperature"])
+    api.refused("samplers", samplers="kt")
+
+
+def _long_prompt(api) -> dict:
+    text = "Once upon a time there was a little girl named Lily. She liked to play in the park with her friends"
+    return {"messages": [{"role": "user", "content": text}]} if api.endpoint == "chat" else {"prompt": text}
+
+
+def check_cache_prompt(api):     # false: a salt of its own, so no prefix-cache block is shared
+    cached = lambda **kw: api.ok(max_tokens=2, **_long_prompt(api), **kw)["usage"]["prompt_tokens_details"]["cached_tokens"]  # noqa: E731
+    cached()
+    assert cached() > 0 and cached(cache_prompt=True) > 0
+    assert cached(cache_prompt=False) == 0
+    assert api.text(cache_prompt=False) == api.text()
+
+
+def check_mirostat(api):
+    api.ok(mirostat=0)
+    assert api.refused("mirostat", mirostat=2)["param"] == "mirostat"
+
+
+def check_dry_multiplier(api):
+    api.ok(dry_multiplier=0)
+    assert api.refused("dry_multiplier", dry_multiplier=0.8)["param"] == "dry_multiplier"
+
+
+def check_id_slot(api):
+    api.ok(id_slot=-1)
+    assert api.refused("id_slot", id_slot=0)["param"] == "id_slot"
+
+
+DOCS_TEMPLATE = ("{% for d in documents %}[{{ d.title }}] {{ d.text }}\\n{% endfor %}"
+                 "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\\n{% endfor %}Assistant:")
+
+
+def check_chat_template(api):
+    plain = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    out = api.ok(chat_template=plain, add_generation_prompt=False)
+    assert out["choices"][0]["message"]["content"] == api.client.post("/v1/completions", json={
+        "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "add_special_tokens": False}).json()["choices"][0]["text"]
+    assert out["usage"]["prompt_tokens"] < api.ok()["usage"]["prompt_tokens"]
+    assert api.refused("chat_template", chat_template="{% for %}")["code"] == "chat_template_error"
+    assert api.ok(chat_template="/etc/passwd")["usage"]["prompt_tokens"] < 16    # its text, never a file read
+
+
+def check_documents(api):
+    docs = [{"title": "Lily", "text": "Lily has a red ball."}]
+    without = api.ok(chat_template=DOCS_TEMPLATE, documents=[])["usage"]["prompt_tokens"]
+    assert api.ok(chat_template=DOCS_TEMPLATE, documents=docs)["usage"]["prompt_tokens"] > without
+    assert api.refused("documents", documents=docs)["code"] == "chat_template_error"     # this template reads none
+
+
 def refused(param, value):
     def check(api):
         api.refused(param, **{param: value})
@@ -342,10 +515,13 @@ SHARED = {name: globals()[f"check_{name}"] for name in (
     "model", "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "ignore_eos",
     "skip_special_tokens", "include_stop_str_in_output", "stream", "stream_options", "priority",
-    "prompt_logprobs", "return_tokens_as_token_ids", "user")}
+    "prompt_logprobs", "return_tokens_as_token_ids", "user",
+    "use_beam_search", "length_penalty", "bad_words", "allowed_token_ids", "truncate_prompt_tokens",
+    "spaces_between_special_tokens", "request_id", "n_predict", "repeat_penalty", "typical_p", "n_probs",
+    "samplers", "cache_prompt", "mirostat", "dry_multiplier", "id_slot")}
 CHAT = {**SHARED, **{name: globals()[f"check_{name}"] for name in (
     "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt",
-    "continue_final_message", "echo", "chat_template_kwargs", "add_special_tokens")},
+    "continue_final_message", "echo", "chat_template_kwargs", "add_special_tokens", "chat_template", "documents")},
     "functions": refused("functions", [{"name": "f", "parameters": {}}]),
     "function_call": refused("function_call", "auto"),
     "audio": refused("audio", {"voice": "alloy", "format": "wav"}),
@@ -373,7 +549,7 @@ def test_every_field_has_a_check(endpoint):
 def test_field_is_honoured_or_refused(app, endpoint, field, caplog):
     check = MODELS[endpoint][1][field]
     api = Api(app, endpoint)
-    check(api, caplog) if field == "user" else check(api)
+    check(api, caplog) if field in ("user", "request_id") else check(api)
 
 
 @pytest.mark.parametrize("endpoint", MODELS)
@@ -405,3 +581,33 @@ def test_tool_history_reaches_the_prompt(app):
     n1 = api.ok(messages=with_calls)["usage"]["prompt_tokens"]
     n2 = api.ok(messages=base + [with_calls[1]])["usage"]["prompt_tokens"]
     assert n1 > n2 > n0
+
+
+# The request fields vLLM's and llama-server's OpenAI-compatible endpoints document that issue 35
+# names, with a value each: every one is a field of the request models (honoured or refused
+# above), never an unknown one.
+VLLM_AND_LLAMA = {"use_beam_search": False, "length_penalty": 1.0, "bad_words": ["dragon"], "allowed_token_ids": None,
+                  "truncate_prompt_tokens": None, "spaces_between_special_tokens": True, "request_id": "r-1",
+                  "n_predict": 8, "repeat_penalty": 1.0, "typical_p": 1.0, "mirostat": 0, "dry_multiplier": 0,
+                  "n_probs": 0, "samplers": ["penalties", "temperature", "top_k", "top_p", "min_p", "typ_p"],
+                  "cache_prompt": True, "id_slot": -1}
+
+
+@pytest.mark.parametrize("endpoint", MODELS)
+def test_no_vllm_or_llama_field_is_ignored(app, endpoint):
+    api = Api(app, endpoint)
+    fields = {**VLLM_AND_LLAMA, **({"chat_template": THINKING_TEMPLATE, "documents": None} if endpoint == "chat" else {})}
+    r = api.post(**fields)
+    assert r.status_code == 200, r.text
+    assert IGNORED_FIELDS_HEADER not in r.headers
+    assert api.text(**fields) == api.text()          # every value above is the field's "off" one
+
+
+@pytest.mark.parametrize("endpoint", MODELS)
+def test_llama_server_json_object_schema_constrains(app, endpoint):
+    """llama-server's `response_format: {"type": "json_object", "schema": ...}`: the schema, not any object."""
+    schema = {"type": "object", "properties": {"pet": {"enum": ["cat", "dog"]}}, "required": ["pet"],
+              "additionalProperties": False}
+    api = Api(app, endpoint)
+    text = api.text(max_tokens=32, response_format={"type": "json_object", "schema": schema})
+    assert json.loads(text)["pet"] in ("cat", "dog") and set(json.loads(text)) == {"pet"}

@@ -4,16 +4,15 @@ assistant message -- content, or tool calls (server/openai/tool_output.py) -- wh
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Callable
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvserve.server.openai.chat_renderer import template_messages
+from kvserve.server.openai.chat_renderer import render_options, request_renderer, template_messages
 from kvserve.server.openai.logprobs import chat_logprobs, prompt_logprobs_table
-from kvserve.server.openai.prompts import max_tokens_for
+from kvserve.server.openai.prompts import engine_salt, max_tokens_for, request_ids, truncate_prompt
 from kvserve.server.openai.protocol import (
     APIError, ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse)
 from kvserve.server.openai.sampling import sampling_params
@@ -42,16 +41,16 @@ async def chat_prompt(state, req):
     if state.chat is None:
         raise APIError("this model has no tokenizer, so chat is not available; use /v1/completions "
                        "with token ids")
-    plan = tool_plan(req, state.tool_call_parser)
+    plan = tool_plan(req, state.tool_call_parser, state.tokenizer)
     tools = plan.template_tools
     messages = template_messages(req)
     size = sum(len(m["content"]) for m in messages) + sum(len(str(t)) for t in tools or ())
-    options = {"continue_final_message": req.continue_final_message,
-               "template_kwargs": req.chat_template_kwargs}
-    text = await state.tokenization.call(size, lambda: state.chat.render(
+    chat = request_renderer(state, req)         # (vLLM's request chat_template, documents)
+    options = render_options(chat, req)
+    text = await state.tokenization.call(size, lambda: chat.render(
         messages, req.add_generation_prompt, tools, **options))
     state.limits.check_text_fits(text)
-    ids = await state.tokenization.call(len(text), lambda: state.chat.encode_chat(
+    ids = await state.tokenization.call(len(text), lambda: chat.encode_chat(
         text, messages, req.add_generation_prompt, tools, req.add_special_tokens, **options))
     return plan, messages, text, ids
 
@@ -60,6 +59,9 @@ async def prepare_chat(state, req: ChatCompletionRequest, renames: dict | None =
     """Render, tokenize (off the event loop when large) and bound `req`; `renames` maps chat's
     field names to a caller's in the context-length error (the Responses API's)."""
     plan, messages, text, ids = await chat_prompt(state, req)
+    plan.check_generating()
+    kept = truncate_prompt(state, req, ids)      # vLLM's truncate_prompt_tokens
+    text, ids = (text, ids) if kept is ids else (None, kept)
     try:
         max_tokens = max_tokens_for(state, len(ids), req.requested_max_tokens(), req.min_tokens)
         cap = state.generation_defaults.get("max_tokens")      # generation_config's max_new_tokens
@@ -73,12 +75,15 @@ async def prepare_chat(state, req: ChatCompletionRequest, renames: dict | None =
     k = req.top_logprobs or 0
     # A parser's markers may be special tokens: kept in the text, unless the request says.
     keep_special = plan.keeps_special_tokens and "skip_special_tokens" not in req.model_fields_set
+    constraint = plan.constraint or req.constraint()
+    if constraint is not None and state.reasoning is not None:     # the answer's, after the thought
+        constraint = {**constraint, "after_reasoning": state.reasoning.name}
     params = sampling_params(req, max_tokens, k if req.logprobs else None, req.prompt_logprobs, defaults=state.generation_defaults,
-                             constraint=plan.constraint or req.constraint(), keep_special_tokens=keep_special)
+                             constraint=constraint, keep_special_tokens=keep_special)
     # vLLM's echo: an answer to a conversation ending in the assistant's own words starts with them.
     echo = messages[-1]["content"] if req.echo and messages[-1]["role"] == "assistant" else None
     stop_text = special_text(state.tokenizer) if keep_special else None
-    return ChatJob(text, ids, params, lambda: ChoiceOutput(plan.reader(), stop_text), echo)
+    return ChatJob(text, ids, params, lambda: ChoiceOutput(plan.reader(), stop_text, state.reasoning), echo)
 
 
 async def submit(state, sub: Submission, job: ChatJob, cache_salt: str | None, request: Request) -> bool:
@@ -100,15 +105,15 @@ async def chat_completions(state, req: ChatCompletionRequest, request: Request):
     job = await prepare_chat(state, req)
     k = req.top_logprobs or 0
     new_output, echo = job.new_output, job.echo
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    rid, engine_prefix, headers = request_ids("chatcmpl", req, request)
     created = int(time.time())
-    sub = Submission(state, rid, stream=req.stream)
-    if not await submit(state, sub, job, req.cache_salt, request):
+    sub = Submission(state, engine_prefix, stream=req.stream)
+    if not await submit(state, sub, job, engine_salt(req), request):
         return Response(status_code=499)
 
     if req.stream:
         return StreamingResponse(stream_chat(state, req, sub, rid, created, k, new_output, echo),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
+                                 media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
 
     final = await collect_or_disconnect(sub, request)
     if final is None:
@@ -126,8 +131,9 @@ async def chat_completions(state, req: ChatCompletionRequest, request: Request):
         choices.append(ChatCompletionChoice(index=c.index, message=message, logprobs=lp,
                                             finish_reason=finish_reason, stop_reason=c.stop_reason))
     plp = prompt_logprobs_table(state, out, req.return_tokens_as_token_ids) if req.prompt_logprobs is not None else None
-    return ChatCompletionResponse(id=rid, created=created, model=state.model_name, choices=choices,
+    body = ChatCompletionResponse(id=rid, created=created, model=state.model_name, choices=choices,
                                   usage=usage_of([out]), prompt_logprobs=plp).model_dump()
+    return JSONResponse(body, headers=headers) if headers else body
 
 
 def special_text(tokenizer):

@@ -14,7 +14,12 @@ from kvserve.frontend.chat_template import FALLBACK_CHAT_TEMPLATE, ChatTemplateE
 from kvserve.frontend.chat_template import ChatRenderer as _SharedRenderer
 from kvserve.server.openai.protocol import APIError
 
-__all__ = ["ChatRenderer", "FALLBACK_CHAT_TEMPLATE", "template_messages"]
+__all__ = ["ChatRenderer", "FALLBACK_CHAT_TEMPLATE", "template_messages", "request_renderer", "render_options"]
+
+_REQUEST_TEMPLATES: dict = {}       # (tokenizer id, template text) -> ChatRenderer, the latest few
+_MAX_REQUEST_TEMPLATES = 16
+# A jinja comment that renders as nothing: a request's template text is never read as a file path.
+_TEXT_ONLY = "{#- the request's chat_template -#}\n"
 
 
 class ChatRenderer(_SharedRenderer):
@@ -88,3 +93,45 @@ def escape_special_tokens(args) -> bool:
     share the server: their messages are the ones to keep out of the template's control tokens."""
     given = getattr(args, "escape_special_tokens_in_content", None)
     return bool(args.api_keys) if given is None else given
+
+
+def request_renderer(state, req):
+    """The renderer of `req`: the server's, or one for vLLM's request-level `chat_template`
+    (refused where the server escapes special tokens in content: the template could write
+    them itself)."""
+    template = getattr(req, "chat_template", None)
+    if template is None:
+        return state.chat
+    if state.chat.escape_special_tokens:
+        raise APIError("chat_template is refused on this server: it escapes special tokens in content "
+                       "(--escape-special-tokens-in-content, on when tenants share it), which a request's "
+                       "own template would undo", param="chat_template", code="chat_template_error")
+    key = (id(state.tokenizer), template)
+    renderer = _REQUEST_TEMPLATES.get(key)
+    if renderer is None:
+        try:
+            renderer = ChatRenderer(state.tokenizer, _TEXT_ONLY + template)
+        except ValueError as e:
+            raise APIError(f"chat_template: {e}".replace("or pass another --chat-template", "or send another"),
+                           param="chat_template", code="chat_template_error") from None
+        while len(_REQUEST_TEMPLATES) >= _MAX_REQUEST_TEMPLATES:
+            _REQUEST_TEMPLATES.pop(next(iter(_REQUEST_TEMPLATES)))
+        _REQUEST_TEMPLATES[key] = renderer
+    return renderer
+
+
+def render_options(renderer, req) -> dict:
+    """The render options of `req`: continue_final_message and the template's variables
+    (chat_template_kwargs, and vLLM's `documents`, which a template must read)."""
+    kwargs = dict(getattr(req, "chat_template_kwargs", None) or {})
+    documents = getattr(req, "documents", None)
+    if documents is not None:
+        if "documents" in kwargs:
+            raise APIError("give documents once: as the documents field or in chat_template_kwargs, not both",
+                           param="documents")
+        if "documents" not in renderer.variables:
+            raise APIError("documents: this chat template does not read a documents variable, so they would "
+                           "not reach the prompt (use a template that does, or put them in the messages)",
+                           param="documents", code="chat_template_error")
+        kwargs["documents"] = documents
+    return {"continue_final_message": req.continue_final_message, "template_kwargs": kwargs or None}

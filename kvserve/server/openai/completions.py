@@ -6,13 +6,12 @@ with `echo` is vLLM's rule: one token generated, none of it returned."""
 from __future__ import annotations
 
 import time
-import uuid
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.server.openai.logprobs import completion_logprobs, echo_logprobs, echo_only, prompt_logprobs_table
-from kvserve.server.openai.prompts import echo_texts, max_tokens_for, prompt_items
+from kvserve.server.openai.prompts import echo_texts, max_tokens_for, prompt_items, request_ids
 from kvserve.server.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from kvserve.server.openai.sampling import sampling_params
 from kvserve.server.openai.streaming import SSE_HEADERS, stream_completions, usage_of
@@ -29,9 +28,9 @@ async def completions(state, req: CompletionRequest, request: Request):
     params = [sampling_params(req, max(m, 1), req.logprobs, max(asked) if asked else None, constraint,
                               defaults=state.generation_defaults)
               for m in max_tokens]
-    rid_prefix = f"cmpl-{uuid.uuid4().hex}"
+    rid_prefix, engine_prefix, headers = request_ids("cmpl", req, request)
     created = int(time.time())
-    sub = Submission(state, rid_prefix, stream=req.stream)
+    sub = Submission(state, engine_prefix, stream=req.stream)
     try:
         if not await sub.add_all(list(zip(items, params)), request):
             sub.abort_unfinished()                  # the client left while its prompts were added
@@ -49,7 +48,7 @@ async def completions(state, req: CompletionRequest, request: Request):
     if req.stream:
         return StreamingResponse(stream_completions(state, req, sub, rid_prefix, created, index_of,
                                                     prompt_texts),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
+                                 media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
 
     final = await collect_or_disconnect(sub, request)
     if final is None:
@@ -71,5 +70,6 @@ async def completions(state, req: CompletionRequest, request: Request):
             choices.append(CompletionChoice(index=pi * req.n + c.index, text=prefix_text + c.text,
                                             logprobs=lp, finish_reason=c.finish_reason,
                                             stop_reason=c.stop_reason, prompt_logprobs=plp))
-    return CompletionResponse(id=rid_prefix, created=created, model=state.model_name,
+    body = CompletionResponse(id=rid_prefix, created=created, model=state.model_name,
                               choices=choices, usage=usage_of(outs)).model_dump()
+    return JSONResponse(body, headers=headers) if headers else body

@@ -6,8 +6,50 @@ event loop. `max_tokens_for` is the frontend's context-window rule, refused as a
 """
 from __future__ import annotations
 
-from kvserve.frontend.processor import ContextLengthError, context_max_tokens
+import re
+import uuid
+
+from kvserve.frontend.processor import ContextLengthError, context_max_tokens, truncated
 from kvserve.server.openai.protocol import APIError, CompletionRequest
+
+REQUEST_ID_HEADER = "X-Request-Id"
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,256}$")
+
+
+def request_ids(prefix: str, req, request) -> tuple[str, str, dict]:
+    """(the response id, the prefix of its engine requests' ids, the response's headers). The
+    client's id -- an X-Request-Id header, else vLLM's `request_id` field -- is the response id's
+    suffix, as in vLLM, and is echoed as X-Request-Id; its engine requests (named in the request
+    log) add a suffix of their own, so two requests sharing an id never collide in the engine."""
+    given = request.headers.get(REQUEST_ID_HEADER) if request is not None else None
+    if given is not None and not _REQUEST_ID.match(given):
+        raise APIError(f"the {REQUEST_ID_HEADER} header must be 1 to 256 characters of A-Z a-z 0-9 . _ : -",
+                       param=REQUEST_ID_HEADER)
+    given = given or getattr(req, "request_id", None)
+    if given is None:
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        return rid, rid, {}
+    rid = f"{prefix}-{given}"
+    return rid, f"{rid}-{uuid.uuid4().hex[:8]}", {REQUEST_ID_HEADER: given}
+
+
+def engine_salt(req) -> str | None:
+    """The request's cache salt; with llama-server's `cache_prompt: false`, one of its own, so
+    its prompt neither reuses nor leaves shareable prefix-cache blocks."""
+    salt = getattr(req, "cache_salt", None)
+    if getattr(req, "cache_prompt", True):
+        return salt
+    return f"{salt or ''}\x00uncached-{uuid.uuid4().hex}"
+
+
+def truncate_prompt(state, req, ids: list[int]) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: max_model_len)."""
+    k = getattr(req, "truncate_prompt_tokens", None)
+    limit = state.engine.limits.max_model_len
+    if k is not None and k > limit:
+        raise APIError(f"truncate_prompt_tokens ({k}) must not exceed max_model_len ({limit})",
+                       param="truncate_prompt_tokens")
+    return truncated(ids, k, limit)
 
 
 def max_tokens_for(state, prompt_len: int, requested: int | None, min_tokens: int = 0) -> int:
@@ -19,11 +61,20 @@ def max_tokens_for(state, prompt_len: int, requested: int | None, min_tokens: in
         raise APIError(str(e), param=e.param, code="context_length_exceeded") from None
 
 
+def split_prompts(p) -> list[str | list[int]]:
+    """A completions `prompt` as a list of single prompts (text or token ids)."""
+    if isinstance(p, str):
+        return [p]
+    if p and isinstance(p[0], int):
+        return [list(p)]            # one prompt given as token ids
+    return list(p)                  # list of strings, or list of token-id lists
+
+
 async def prompt_items(state, req: CompletionRequest) -> list[dict]:
     """The engine prompt of each prompt of the request, tokenized off the event loop after a
     check that needs no tokenizing (server/limits.py)."""
     tok = state.tokenizer
-    prompts = req.prompts()
+    prompts = split_prompts(req.prompt)
     state.limits.check_num_prompts(len(prompts))
     texts = [p for p in prompts if isinstance(p, str)]
     if texts and tok is None:
@@ -33,13 +84,13 @@ async def prompt_items(state, req: CompletionRequest) -> list[dict]:
     encode = lambda t: tok.encode(t, add_special_tokens=req.add_special_tokens)   # noqa: E731
     encoded = iter(await state.tokenization.run_many(encode, texts) if texts else ())
     items = []
+    salt = engine_salt(req)
     for p in prompts:
-        if isinstance(p, str):
-            item = {"prompt_token_ids": next(encoded), "prompt": p}
-        else:
-            item = {"prompt_token_ids": p}
-        if req.cache_salt is not None:
-            item["cache_salt"] = req.cache_salt
+        ids = next(encoded) if isinstance(p, str) else p
+        kept = truncate_prompt(state, req, ids)
+        item = {"prompt_token_ids": kept, "prompt": p} if isinstance(p, str) and kept is ids else {"prompt_token_ids": kept}
+        if salt is not None:
+            item["cache_salt"] = salt
         items.append(item)
     return items
 

@@ -18,7 +18,7 @@ The output constraints (`response_format`, vLLM's `structured_outputs` and `guid
 Beyond OpenAI's parameters the requests accept vLLM's sampling extensions with vLLM's names:
 `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
 `skip_special_tokens`, `include_stop_str_in_output`, and `cache_salt` (only requests with the
-same salt share prefix-cache blocks).
+same salt share prefix-cache blocks); the others of vLLM and llama-server: extension_fields.py.
 """
 from __future__ import annotations
 
@@ -29,15 +29,17 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, TypeVar, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvserve.sample.params import (
-    INT64_MAX, LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+    MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS, INT64_MAX, LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, SEED_MAX)
 from kvserve.server.openai.wire_types import Strict as _Strict
 from kvserve.server.openai.wire_types import Text
 from kvserve.server.openai.request_rules import (
     CONSTRAINTS_CODE, MIN_TOKENS_CODE, NOT_NULL, Implies, check_rules, conflicting_constraints_error,
     min_tokens_error, rules_schema)
-from kvserve.server.openai.chat_fields import CONTINUE_RULE, MAX_TEMPLATE_KWARGS, ChatTemplateFields, RefusedChatFields
+from kvserve.server.openai.chat_fields import (
+    CONTINUE_RULE, MAX_DOCUMENTS, MAX_TEMPLATE_KWARGS, ChatTemplateFields, RefusedChatFields)
 from kvserve.server.openai.structured_fields import ConstraintFields
+from kvserve.server.openai.extension_fields import ExtensionFields
 from kvserve.server.openai.tool_fields import (
     MAX_TOOLS, DeltaToolCall, NamedToolChoice, ToolCall, ToolCallsParam, ToolFields)
 
@@ -49,7 +51,8 @@ MAX_CACHE_SALT_CHARS = 1024
 # List (and map) fields counted before their items are validated: server/limits.py.
 LIST_FIELD_LIMITS = {"stop": MAX_STOP_STRINGS, "stop_token_ids": MAX_STOP_TOKEN_IDS,
                      "messages": MAX_MESSAGES, "logit_bias": MAX_LOGIT_BIAS, "tools": MAX_TOOLS,
-                     "chat_template_kwargs": MAX_TEMPLATE_KWARGS}
+                     "chat_template_kwargs": MAX_TEMPLATE_KWARGS, "bad_words": MAX_BAD_WORDS,
+                     "allowed_token_ids": MAX_ALLOWED_TOKEN_IDS, "documents": MAX_DOCUMENTS}
 
 
 def _real(lo=None, hi=None, *, gt=None):
@@ -104,9 +107,10 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(ConstraintFields):
-    """Sampling parameters shared by both endpoints (OpenAI's plus vLLM's extensions), and the
-    output constraints (server/openai/structured_fields.py)."""
+class _SamplingFields(ConstraintFields, ExtensionFields):
+    """Sampling parameters shared by both endpoints (OpenAI's plus vLLM's extensions), the
+    output constraints (server/openai/structured_fields.py) and vLLM's and llama-server's
+    further fields (server/openai/extension_fields.py)."""
     RULES: ClassVar[tuple] = ()
 
     model: Optional[str] = None
@@ -138,6 +142,7 @@ class _SamplingFields(ConstraintFields):
 
     @model_validator(mode="after")
     def _rules_hold(self):
+        self.resolve_extensions()
         check_rules(self, self.RULES)
         given = self.given_constraints()
         if len(given) > 1:
@@ -163,7 +168,7 @@ class _SamplingFields(ConstraintFields):
             kw["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if self.logit_bias:
             kw["logit_bias"] = {int(t): float(b) for t, b in self.logit_bias.items()}
-        return kw
+        return {**kw, **self.sampling_extensions()}
 
 
 _NOT_STREAMED = Implies("prompt_logprobs", NOT_NULL, "stream", False,
@@ -188,15 +193,6 @@ class CompletionRequest(_SamplingFields):
     best_of: Optional[Literal[1]] = None                # OpenAI's; only 1 (= n): use n
     suffix: Optional[Annotated[str, Field(max_length=0)]] = None    # not supported: only "" or null
     add_special_tokens: bool = True                     # vLLM's: the tokenizer's BOS (and such) on text prompts
-
-    def prompts(self) -> list[str | list[int]]:
-        """The prompt field as a list of single prompts (text or token ids)."""
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if p and isinstance(p[0], int):
-            return [list(p)]            # one prompt given as token ids
-        return list(p)                  # list of strings, or list of token-id lists
 
 
 class TextContentPart(_Strict):
@@ -333,6 +329,7 @@ class ChatChoiceLogprobs(BaseModel):
 class ChatMessage(BaseModel):
     role: str = "assistant"
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None     # --reasoning-parser: the model's thought (vLLM's field)
     tool_calls: Optional[list[ToolCall]] = None
 
 
@@ -357,6 +354,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
     tool_calls: Optional[list[DeltaToolCall]] = None
 
 

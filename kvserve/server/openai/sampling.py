@@ -62,8 +62,8 @@ def sampling_params(req, max_tokens: int, logprobs: int | None, prompt_logprobs:
                     defaults: dict | None = None) -> SamplingParams:
     """`defaults`: the server's `generation_defaults`, for the sampling fields the request left out."""
     kw = req.sampling_kwargs()
-    for name, value in (defaults or {}).items():
-        if name != "max_tokens" and name not in kw:
+    for name, value in (defaults or {}).items():     # (beams rank raw logprobs: no sampling defaults)
+        if name != "max_tokens" and name not in kw and not kw.get("use_beam_search"):
             kw[name] = value
     kw["max_tokens"] = max_tokens
     kw["min_tokens"] = min(kw["min_tokens"], max_tokens)    # the one token echo scoring discards
@@ -79,4 +79,5 @@ def sampling_params(req, max_tokens: int, logprobs: int | None, prompt_logprobs:
     try:
         return SamplingParams(**kw)
     except (ValueError, TypeError) as e:
-        raise APIError(str(e)) from None
+        fields = sorted(type(req).model_fields, key=len, reverse=True)
+        raise APIError(str(e), param=next((f for f in fields if str(e).startswith(f)), None)) from None

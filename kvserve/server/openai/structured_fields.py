@@ -2,6 +2,7 @@
 `StructuredOutputsParams` they become (the engine masks every token that would leave it):
 
     response_format {"type": "json_object"}                  OpenAI's: any JSON object
+    response_format {"type": "json_object", "schema": {...}} llama-server's: that schema
     response_format {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
     response_format {"type": "text"}                         no constraint
     structured_outputs {"json" | "regex" | "choice" | "grammar" | "json_object": ...}   vLLM's
@@ -32,6 +33,7 @@ class TextFormat(Strict):
 
 class JsonObjectFormat(Strict):
     type: Literal["json_object"]
+    schema_: Optional[dict] = Field(None, alias="schema")     # llama-server's: the object's schema
 
 
 class JsonSchemaSpec(Strict):
@@ -92,7 +94,7 @@ class ConstraintFields(Strict):
         """The `StructuredOutputsParams` keyword of the one constraint given, or None."""
         rf = self.response_format
         if isinstance(rf, JsonObjectFormat):
-            return {"json_object": True}
+            return {"json_object": True} if rf.schema_ is None else {"json": rf.schema_}
         if isinstance(rf, JsonSchemaFormat):
             return {"json": rf.json_schema.schema_}
         if self.structured_outputs is not None:
