@@ -50,7 +50,10 @@ class FakeCore:
     wait. `log` records what reached the core, in its order."""
 
     def __init__(self, tokenizer=None, gated: bool = False, seats: int | None = None, scripts=None):
-        self.config = SimpleNamespace(model=SimpleNamespace(model="fake"))     # Config.model.model
+        self.config = SimpleNamespace(model=SimpleNamespace(model="fake"),    # Config.model.model
+                                      cache=SimpleNamespace(block_size=16, kv_cache_dtype="auto",    # Config.cache
+                                                            enable_prefix_caching=True, prefix_cache_kind="hash",
+                                                            swap_space=0, gpu_memory_utilization=0.9))
         self.tokenizer = tokenizer
         self.limits = CoreLimits(vocab_size=512, max_model_len=256, max_num_seqs=8, num_kv_blocks=64,
                                  block_size=16, watermark_blocks=0, eos_token_id=2)
