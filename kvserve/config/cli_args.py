@@ -30,7 +30,8 @@ FOREIGN_FLAGS = {
     ("-md", "--model-draft", "--draft-max", "--draft-min", "--draft"): "--speculative-config JSON",
     ("-sm", "--split-mode", "-ts", "--tensor-split"): "--tensor-parallel-size N",
     ("-hf", "--hf-repo", "-hff", "--hf-file"): "--model PATH (kvserve downloads nothing; the default model comes from PyPI)",
-    ("--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "-s", "--seed"):
+    ("-s",): "--seed N",
+    ("--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty"):
         "the request's own field (temperature, top_k, ...), or --generation-config DIR for server defaults",
     ("-cb", "--cont-batching"): "nothing: kvserve always batches continuously",
     ("--mlock", "--no-mmap", "--numa"): "nothing: kvserve has no such setting",
@@ -53,11 +54,23 @@ class ArgumentParser(argparse.ArgumentParser):
         # Ahead of argparse, which reads "-hf" as "-h f" and "-sm" as "-s m" before any error.
         import sys
 
+        known = None
         for arg in (sys.argv[1:] if args is None else args):
             name = arg.split("=")[0] if isinstance(arg, str) else None
-            if name in _FOREIGN_NAMES and name not in self._option_string_actions:
-                self.error(f"unrecognized arguments: {name}")
+            if name in _FOREIGN_NAMES:
+                known = self._all_option_strings() if known is None else known
+                if name not in known:           # (`kvserve bench serve` has a --seed of its own)
+                    self.error(f"unrecognized arguments: {name}")
         return super().parse_known_args(args, namespace)
+
+    def _all_option_strings(self) -> set[str]:
+        """The options of this parser and of every sub-command's, all the way down."""
+        names = set(self._option_string_actions)
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    names |= sub._all_option_strings() if isinstance(sub, ArgumentParser) else set(sub._option_string_actions)
+        return names
 
     def error(self, message: str):
         prefix = "unrecognized arguments: "
