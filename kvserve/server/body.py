@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvserve.server.openai.chat_fields import REFUSED
 from kvserve.server.openai.protocol import APIError
-from kvserve.server.openai.request_rules import CONSTRAINTS_CODE, MIN_TOKENS_CODE, RULE_ERROR
+from kvserve.server.openai.request_rules import CONSTRAINTS_CODE, EXTENSION_RULE_CODE, MIN_TOKENS_CODE, RULE_ERROR
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 IGNORED_FIELDS_HEADER = "kvserve-ignored-fields"
@@ -165,7 +165,7 @@ def validation_error_to_api_error(err: ValidationError) -> APIError:
     """The first pydantic error as a one-line message naming the offending field."""
     errors = err.errors()
     first = errors[0]
-    if first["type"] in (RULE_ERROR, MIN_TOKENS_CODE, CONSTRAINTS_CODE):
+    if first["type"] in (RULE_ERROR, MIN_TOKENS_CODE, CONSTRAINTS_CODE, EXTENSION_RULE_CODE):
         param = ".".join([*map(str, _loc(first)), first["ctx"]["param"]])    # (a message's rule: its place)
         return APIError(f"{param}: {first['msg']}", param=param,
                         code=None if first["type"] == RULE_ERROR else first["type"])

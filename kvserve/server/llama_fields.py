@@ -103,7 +103,8 @@ class LlamaCompletionRequest(Strict):
     cache_prompt: bool = True
     ignore_eos: bool = False
     logit_bias: Optional[Union[Annotated[dict[Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,17})$")], LogitBias],
-                                         Field(max_length=MAX_LOGIT_BIAS)],
+                                         Field(max_length=MAX_LOGIT_BIAS,      # (the served schema says the keys' form)
+                                               json_schema_extra={"propertyNames": {"pattern": r"^(0|[1-9][0-9]{0,17})$"}})],
                                Annotated[list[LogitBiasPair], Field(max_length=MAX_LOGIT_BIAS)]]] = None
     repeat_penalty: Optional[float] = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1],
                                             allow_inf_nan=False)

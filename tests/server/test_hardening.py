@@ -123,6 +123,8 @@ def test_client_leaving_while_prompts_are_added_stops_adding_and_aborts_the_rest
     state.core_client.add_request, state.core_client.abort = add, abort
 
     class GoneClient:
+        headers: dict = {}
+
         async def is_disconnected(self):
             return True
 

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import Field, field_validator
+from pydantic import Field, WithJsonSchema, field_validator
 from pydantic_core import PydanticCustomError
 
 from kvserve.sample.params import (
     INT64_MAX, MAX_ABS_LENGTH_PENALTY, MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_LOGPROBS,
     REPETITION_PENALTY_RANGE)
-from kvserve.server.openai.request_rules import RULE_ERROR
+from kvserve.server.openai.request_rules import EXTENSION_RULE_CODE
 from kvserve.server.openai.wire_types import Strict, Text
 
 MAX_REQUEST_ID_CHARS = 256
@@ -52,7 +52,7 @@ BadWord = Annotated[Text, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]
 
 def rule_error(param: str, message: str) -> PydanticCustomError:
     """A 400 naming `param` (server/body.py reads RULE_ERROR's ctx)."""
-    return PydanticCustomError(RULE_ERROR, message, {"param": param})
+    return PydanticCustomError(EXTENSION_RULE_CODE, message, {"param": param})
 
 
 class ExtensionFields(Strict):
@@ -73,7 +73,9 @@ class ExtensionFields(Strict):
                                             allow_inf_nan=False)
     typical_p: Optional[float] = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     n_probs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    samplers: Optional[Union[list[Text], Text]] = None
+    # (the served schema states the one value each form may take, as the validator below checks)
+    samplers: Optional[Union[Annotated[list[Text], WithJsonSchema({"const": list(SAMPLER_ORDER)})],
+                             Annotated[Text, WithJsonSchema({"const": SAMPLER_CHARS})]]] = None
     cache_prompt: bool = True
     mirostat: Literal[0] = 0
     dry_multiplier: Literal[0] = 0

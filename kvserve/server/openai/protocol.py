@@ -34,7 +34,7 @@ from kvserve.sample.params import (
 from kvserve.server.openai.wire_types import Strict as _Strict
 from kvserve.server.openai.wire_types import Text
 from kvserve.server.openai.request_rules import (
-    CONSTRAINTS_CODE, MIN_TOKENS_CODE, NOT_NULL, Implies, check_rules, conflicting_constraints_error,
+    CONSTRAINTS_CODE, EXTENSION_RULE_CODE, MIN_TOKENS_CODE, NOT_NULL, Implies, check_rules, conflicting_constraints_error,
     min_tokens_error, rules_schema)
 from kvserve.server.openai.chat_fields import (
     CONTINUE_RULE, MAX_DOCUMENTS, MAX_TEMPLATE_KWARGS, ChatTemplateFields, RefusedChatFields)
@@ -78,7 +78,8 @@ ENGINE_REJECTED = "engine_rejected"     # add_request refused it: a token id out
                                         # n over max_num_seqs, a prompt the KV pool cannot hold
 INVALID_TOOLS = "invalid_tools"         # tools and tool_choice disagree (server/openai/tool_choice.py)
 INVALID_STRUCTURED_OUTPUT, GRAMMAR_ERROR = "invalid_structured_output", "grammar_error"   # spec refused; failed decoding
-SEMANTIC_ERROR_CODES = ("context_length_exceeded", ENGINE_REJECTED, INVALID_STRUCTURED_OUTPUT, GRAMMAR_ERROR, "model_not_found", "chat_template_error",
+NO_MESSAGE_CODE = "no_input_message"       # a Responses input of reasoning items alone
+SEMANTIC_ERROR_CODES = ("context_length_exceeded", EXTENSION_RULE_CODE, NO_MESSAGE_CODE, ENGINE_REJECTED, INVALID_STRUCTURED_OUTPUT, GRAMMAR_ERROR, "model_not_found", "chat_template_error",
                         MIN_TOKENS_CODE, "too_many_prompts", INVALID_TOOLS, CONSTRAINTS_CODE, PRIORITY_CODE,
                         "invalid_token_id", "previous_response_not_found", "response_not_found",
                         "unsupported_task")

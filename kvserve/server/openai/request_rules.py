@@ -15,6 +15,9 @@ from pydantic_core import PydanticCustomError
 RULE_ERROR = "cross_field"           # pydantic error types, read by body.py
 MIN_TOKENS_CODE = "min_tokens_exceeds_max_tokens"
 CONSTRAINTS_CODE = "conflicting_output_constraints"
+# vLLM's and llama-server's extension fields (server/openai/extension_fields.py): a llama-server
+# alias given beside kvserve's name with another value, and their rules between fields
+EXTENSION_RULE_CODE = "extension_field_conflict"
 NOT_NULL = {"not": {"type": "null"}}
 
 

@@ -21,7 +21,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field, TypeAdapter
 
-from kvserve.server.openai.protocol import INVALID_TOOLS, APIError
+from kvserve.server.openai.protocol import INVALID_TOOLS, NO_MESSAGE_CODE, APIError
 from kvserve.server.openai.responses.protocol import (
     FunctionCallItem, FunctionCallOutputItem, FunctionToolChoice, InputItem, MessageItem, ResponsesRequest,
     text_of)
@@ -185,4 +185,7 @@ def chat_messages(instructions: str | None, items: list) -> list[dict]:
                 raise APIError(f"input: the function_call_output of call_id {it.call_id!r} answers no "
                                "function_call before it in the conversation", param="input", code=INVALID_TOOLS)
             out.append({"role": "tool", "tool_call_id": it.call_id, "content": text_of(it.output)})
+    if not out:             # (only reasoning items, which are left out)
+        raise APIError("input holds no message, only reasoning items: give a message too", param="input",
+                       code=NO_MESSAGE_CODE)
     return out

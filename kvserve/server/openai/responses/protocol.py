@@ -78,7 +78,7 @@ class FunctionCallOutputItem(Strict):
     status: ItemStatus = None
 
 
-class ReasoningTextPart(Strict):
+class ReasoningTextInput(Strict):
     type: Literal["reasoning_text"]
     text: Text
 
@@ -89,7 +89,7 @@ class ReasoningItem(Strict):
     type: Literal["reasoning"]
     id: Optional[Id] = None
     summary: Annotated[list, Field(max_length=MAX_CONTENT_PARTS)] = []
-    content: Optional[Annotated[list[ReasoningTextPart], Field(max_length=MAX_CONTENT_PARTS)]] = None
+    content: Optional[Annotated[list[ReasoningTextInput], Field(max_length=MAX_CONTENT_PARTS)]] = None
     encrypted_content: Optional[Text] = None
     status: ItemStatus = None
 
