@@ -23,6 +23,7 @@ llama-server's
 """
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal, Optional, Union
 
 from pydantic import Field, WithJsonSchema, field_validator
@@ -38,6 +39,7 @@ MAX_REQUEST_ID_CHARS = 256
 # kvserve's sampling order in llama-server's names (and as its one-letter form)
 SAMPLER_ORDER = ("penalties", "temperature", "top_k", "top_p", "min_p", "typ_p")
 SAMPLER_CHARS = "etkpmy"
+_REQUEST_ID_CHARS = re.compile(r"[A-Za-z0-9._:-]+")
 _SAMPLER_ALIASES = {"typical_p": "typ_p", "top-k": "top_k", "top-p": "top_p", "min-p": "min_p",
                     "typ-p": "typ_p", "typical-p": "typ_p"}
 
@@ -65,8 +67,7 @@ class ExtensionFields(Strict):
         None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
     truncate_prompt_tokens: Optional[int] = Field(None, ge=-1, le=INT64_MAX)    # 0 refused
     spaces_between_special_tokens: bool = True
-    request_id: Optional[Annotated[Text, Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS,
-                                               pattern=r"^[A-Za-z0-9._:-]+$")]] = None
+    request_id: Optional[Annotated[Text, Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS)]] = None
     # llama-server's
     n_predict: Optional[int] = Field(None, ge=-1, le=INT64_MAX)
     repeat_penalty: Optional[float] = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1],
@@ -80,6 +81,15 @@ class ExtensionFields(Strict):
     mirostat: Literal[0] = 0
     dry_multiplier: Literal[0] = 0
     id_slot: Literal[-1] = -1
+
+    @field_validator("request_id")
+    @classmethod
+    def _request_id_chars(cls, v):
+        # (checked here, not as a schema pattern: JSON Schema's "$" and the validator's differ on a
+        # trailing newline, so the served schema would admit ids the server refuses)
+        if v is not None and not _REQUEST_ID_CHARS.fullmatch(v):
+            raise rule_error("request_id", "must be 1 to 256 characters of A-Z a-z 0-9 . _ : -")
+        return v
 
     @field_validator("samplers")
     @classmethod
