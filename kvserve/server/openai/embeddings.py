@@ -189,6 +189,20 @@ async def _embed(state, client: EmbeddingClient, req: EmbeddingRequest, request:
         raise APIError(f"input: at most {limit} inputs per request (--max-prompts-per-request), got "
                        f"{len(inputs)}", param="input", code="too_many_prompts")
     prompts = await _token_ids(state, inputs, model.vocab_size)
+    vectors, n = await embed_prompts(state, client, prompts, tenant, request)
+    if vectors is None:
+        return Response(status_code=499)
+    return JSONResponse({
+        "id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+        "model": state.model_name,
+        "data": [{"object": "embedding", "index": i, "embedding": _encode(v, req.encoding_format)}
+                 for i, v in enumerate(vectors)],
+        "usage": {"prompt_tokens": n, "total_tokens": n}})
+
+
+async def embed_prompts(state, client, prompts: list[list[int]], tenant, request: Request):
+    """(the embeddings of `prompts` from the batcher, their token count), counted in the tenant's
+    metrics; (None, 0) when the client left. A full queue or a closing server is a 503."""
     metrics = state.tenancy.metrics
     metrics.requests.labels(metrics.model_name, tenant.name).inc()
     try:
@@ -201,15 +215,10 @@ async def _embed(state, client: EmbeddingClient, req: EmbeddingRequest, request:
         raise APIError("the server is shutting down", 503, type="server_error", code="shutting_down") from None
     vectors = await _result_or_disconnect(job, request)
     if vectors is None:
-        return Response(status_code=499)
+        return None, 0
     n = sum(map(len, prompts))
     metrics.prompt_tokens.labels(metrics.model_name, tenant.name).inc(n)
-    return JSONResponse({
-        "id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-        "model": state.model_name,
-        "data": [{"object": "embedding", "index": i, "embedding": _encode(v, req.encoding_format)}
-                 for i, v in enumerate(vectors)],
-        "usage": {"prompt_tokens": n, "total_tokens": n}})
+    return vectors, n
 
 
 async def _token_ids(state, inputs: list, vocab_size: int) -> list[list[int]]:

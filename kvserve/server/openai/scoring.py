@@ -25,10 +25,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, model_validator
 
-from kvserve.pooling.batcher import BatcherClosed, QueueFull
 from kvserve.server.body import parse_body
 from kvserve.server.openai.embeddings import (
-    UNSUPPORTED_TASK, EmbeddingClient, EmbeddingRequest, EmbeddingUsage, _encode, _result_or_disconnect, _token_ids)
+    UNSUPPORTED_TASK, EmbeddingClient, EmbeddingRequest, EmbeddingUsage, _encode, _token_ids, embed_prompts)
 from kvserve.server.openai.protocol import APIError
 from kvserve.server.openai.wire_types import Strict, Text
 
@@ -148,21 +147,9 @@ async def embed(state, client: EmbeddingClient, inputs: list, request: Request, 
     except APIError as e:       # (its message counts inputs: name the fields they came from)
         raise APIError(f"{fields}: {e.message.removeprefix('input: ')} (inputs counted over {fields}, "
                        "from 0)", e.status_code, param=fields, code=e.code) from None
-    metrics = state.tenancy.metrics
-    metrics.requests.labels(metrics.model_name, tenant.name).inc()
-    try:
-        job = client.batcher.submit(prompts)
-    except QueueFull as e:
-        state.metrics.reject("overloaded")
-        raise APIError(f"the server is overloaded: {e} (--max-waiting); retry later", 503,
-                       type="server_error", code="server_overloaded", headers={"Retry-After": "1"}) from None
-    except BatcherClosed:
-        raise APIError("the server is shutting down", 503, type="server_error", code="shutting_down") from None
-    vectors = await _result_or_disconnect(job, request)
+    vectors, n = await embed_prompts(state, client, prompts, tenant, request)
     if vectors is None:
         return None, 0
-    n = sum(map(len, prompts))
-    metrics.prompt_tokens.labels(metrics.model_name, tenant.name).inc(n)
     return np.asarray(vectors), n
 
 
