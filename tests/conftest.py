@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,15 @@ def kv_cache_dtype(request, monkeypatch):
 
         monkeypatch.setattr(EngineConfig, "__post_init__", quantized_cache)
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def _sigint_left_as_found():
+    """A test that leaves SIGINT changed (e.g. ignored) breaks every later child that expects
+    Ctrl-C (children inherit an ignored signal): fail the test that did it, by name."""
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    after = signal.getsignal(signal.SIGINT)
+    if after is not before:
+        signal.signal(signal.SIGINT, before)
+        pytest.fail(f"the test left SIGINT's handler changed ({before!r} -> {after!r})")

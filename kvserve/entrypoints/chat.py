@@ -350,6 +350,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
     if interactive:
         import readline  # noqa: F401  (line editing and history for input())
+        # Ctrl-C stops an answer even where the shell started us with SIGINT ignored
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         print(f"kvserve chat: {backend.name} ({HELP})", file=sys.stderr)
     model = getattr(backend, "model", backend.name)
     return run_session(Conversation(args.system, model), backend, interactive)
