@@ -10,7 +10,8 @@ Templates run in jinja2's sandbox with the variables and helpers Hugging Face te
 writing: the render is cut right after that message's text, and no generation prompt follows.
 `template_kwargs` (vLLM's `chat_template_kwargs`) are more variables for the template, such as
 Qwen3's `enable_thinking`; one the template never reads, or one the renderer itself sets, is
-refused, so no keyword is silently without effect.
+refused, so no keyword is silently without effect (the server leaves out the unread ones before
+this, naming them in its ignored-fields header, as vLLM ignores them).
 
 Tools (`render(..., tools=[{"type": "function", "function": {...}}])`) reach a template that
 reads a `tools` variable through it, with the history's tool calls as Hugging Face passes them
@@ -130,7 +131,7 @@ class ChatRenderer:
 
     def _template_kwargs(self, kwargs: dict | None) -> dict:
         kwargs = dict(kwargs or {})
-        reserved = sorted(k for k in kwargs if k in _RESERVED_VARIABLES)
+        reserved = sorted(k for k in kwargs if k in RESERVED_VARIABLES)
         if reserved:
             raise ChatTemplateError(f"chat_template_kwargs may not set {reserved}: the request's own fields "
                                     "(messages, tools, add_generation_prompt) and the tokenizer set them",
@@ -138,7 +139,7 @@ class ChatRenderer:
         unread = sorted(k for k in kwargs if k not in self.variables)
         if unread:
             raise ChatTemplateError(f"chat_template_kwargs {unread} are not read by this model's chat "
-                                    f"template (it reads {sorted(self.variables - _RESERVED_VARIABLES)})",
+                                    f"template (it reads {sorted(self.variables - RESERVED_VARIABLES)})",
                                     "chat_template_kwargs")
         return kwargs
 
@@ -149,7 +150,7 @@ class ChatRenderer:
         return self.tokenizer.encode(text, add_special_tokens=special)
 
 
-_RESERVED_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+RESERVED_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
                                  "raise_exception", "strftime_now"})
 
 

@@ -115,6 +115,15 @@ async def parse_body(state, request: Request, model_cls):
     return req
 
 
+def note_ignored(request, names: list[str], why: str) -> None:
+    """More fields of an accepted request that have no effect (`why`): logged and named in the
+    `kvserve-ignored-fields` header beside the unknown ones. `request` None (no HTTP request): nothing."""
+    if request is None or not names:
+        return
+    logger.warning("%s %s: ignored %s: %s", request.method, request.url.path, names, why)
+    setattr(request.state, _IGNORED_KEY, [*getattr(request.state, _IGNORED_KEY, []), *names])
+
+
 def unknown_fields(model, raw, path: str = "") -> list[str]:
     """The keys of the JSON `raw` that `model` (a parsed request or part) has no field for, as
     paths ("foo", "messages[0].bar"), nested parts included."""

@@ -127,8 +127,8 @@ def test_detokenize_is_the_tokenizers_decoding(server, tok):
     ("/tokenize", {"messages": []}, 400, "messages", None),
     ("/tokenize", {"messages": CHAT, "continue_final_message": True}, 400, "continue_final_message", None),
     ("/tokenize", {"messages": CHAT, "tool_choice": "required"}, 400, "tool_choice", "invalid_tools"),
-    ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"enable_thinking": True}}, 400,
-     "chat_template_kwargs", "chat_template_error"),            # (the fallback template reads no such variable)
+    ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"messages": []}}, 400,
+     "chat_template_kwargs", "chat_template_error"),            # (the renderer sets messages itself)
     ("/tokenize", {"prompt": "a" * 2_000_000}, 400, "prompt", "context_length_exceeded"),
     ("/tokenize", {"prompt": "a", "model": "gpt-4"}, 404, "model", "model_not_found"),
     ("/detokenize", {"tokens": [1, 512]}, 400, "tokens", "invalid_token_id"),
@@ -328,3 +328,13 @@ def test_lm_eval_remote_tokenizer_loglikelihoods(server, tmp_path, monkeypatch):
     best = [max(range(len(d["choices"])), key=lambda i, s=s: s["resps"][i][0][0]) == d["label"]
             for s, d in zip(samples[0], docs)]
     assert acc == sum(best) / len(best)
+
+
+def test_template_variables_the_template_does_not_read_are_named_not_refused(server):
+    """vLLM leaves out chat_template_kwargs the template does not read (clients send
+    enable_thinking to every model); kvserve does too, and names them in the header."""
+    plain = post(server, "/tokenize", {"messages": CHAT})
+    r = post(server, "/tokenize", {"messages": CHAT, "chat_template_kwargs": {"enable_thinking": True}})
+    assert r.status_code == 200 and r.json()["tokens"] == plain.json()["tokens"]
+    assert r.headers["kvserve-ignored-fields"] == "chat_template_kwargs.enable_thinking"
+    assert "kvserve-ignored-fields" not in plain.headers

@@ -33,11 +33,12 @@ class ChatJob:
     echo: str | None
 
 
-async def chat_prompt(state, req):
+async def chat_prompt(state, req, request=None):
     """(tool plan, template messages, prompt text, token ids) of a chat request -- or of anything
     with its prompt fields (messages, tools, tool_choice, add_generation_prompt,
     continue_final_message, chat_template_kwargs, add_special_tokens: /tokenize's) -- rendered
-    and tokenized off the event loop when large, the text bounded before it is tokenized."""
+    and tokenized off the event loop when large, the text bounded before it is tokenized.
+    `request`: the HTTP request, told of the template variables left out (render_options)."""
     if state.chat is None:
         raise APIError("this model has no tokenizer, so chat is not available; use /v1/completions "
                        "with token ids")
@@ -46,7 +47,7 @@ async def chat_prompt(state, req):
     messages = template_messages(req)
     size = sum(len(m["content"]) for m in messages) + sum(len(str(t)) for t in tools or ())
     chat = request_renderer(state, req)         # (vLLM's request chat_template, documents)
-    options = render_options(chat, req)
+    options = render_options(chat, req, request)
     text = await state.tokenization.call(size, lambda: chat.render(
         messages, req.add_generation_prompt, tools, **options))
     state.limits.check_text_fits(text)
@@ -55,10 +56,11 @@ async def chat_prompt(state, req):
     return plan, messages, text, ids
 
 
-async def prepare_chat(state, req: ChatCompletionRequest, renames: dict | None = None) -> ChatJob:
+async def prepare_chat(state, req: ChatCompletionRequest, renames: dict | None = None,
+                       request=None) -> ChatJob:
     """Render, tokenize (off the event loop when large) and bound `req`; `renames` maps chat's
     field names to a caller's in the context-length error (the Responses API's)."""
-    plan, messages, text, ids = await chat_prompt(state, req)
+    plan, messages, text, ids = await chat_prompt(state, req, request)
     plan.check_generating()
     kept = truncate_prompt(state, req, ids)      # vLLM's truncate_prompt_tokens
     text, ids = (text, ids) if kept is ids else (None, kept)
@@ -102,7 +104,7 @@ async def submit(state, sub: Submission, job: ChatJob, cache_salt: str | None, r
 
 
 async def chat_completions(state, req: ChatCompletionRequest, request: Request):
-    job = await prepare_chat(state, req)
+    job = await prepare_chat(state, req, request=request)
     k = req.top_logprobs or 0
     new_output, echo = job.new_output, job.echo
     rid, engine_prefix, headers = request_ids("chatcmpl", req, request)

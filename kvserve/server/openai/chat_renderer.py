@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 
 from kvserve.frontend.chat_escape import encode_escaped, special_token_pattern
-from kvserve.frontend.chat_template import FALLBACK_CHAT_TEMPLATE, ChatTemplateError
+from kvserve.frontend.chat_template import FALLBACK_CHAT_TEMPLATE, RESERVED_VARIABLES, ChatTemplateError
 from kvserve.frontend.chat_template import ChatRenderer as _SharedRenderer
+from kvserve.server.body import note_ignored
 from kvserve.server.openai.protocol import APIError
 
 __all__ = ["ChatRenderer", "FALLBACK_CHAT_TEMPLATE", "template_messages", "request_renderer", "render_options"]
@@ -120,10 +121,16 @@ def request_renderer(state, req):
     return renderer
 
 
-def render_options(renderer, req) -> dict:
+def render_options(renderer, req, request=None) -> dict:
     """The render options of `req`: continue_final_message and the template's variables
-    (chat_template_kwargs, and vLLM's `documents`, which a template must read)."""
+    (chat_template_kwargs, and vLLM's `documents`, which a template must read). A
+    chat_template_kwargs key the template never reads is left out, as vLLM does (clients send
+    `enable_thinking` to every model), and named in the HTTP `request`'s ignored fields."""
     kwargs = dict(getattr(req, "chat_template_kwargs", None) or {})
+    unread = [k for k in kwargs if k not in renderer.variables and k not in RESERVED_VARIABLES]
+    for k in unread:
+        del kwargs[k]
+    note_ignored(request, [f"chat_template_kwargs.{k}" for k in unread], "the chat template does not read them")
     documents = getattr(req, "documents", None)
     if documents is not None:
         if "documents" in kwargs:

@@ -143,14 +143,14 @@ def _decode(tok, ids: list[int]) -> str:
     return tok.decode(ids, skip_special_tokens=False)
 
 
-async def prompt_ids(state, req: TokenizeRequest) -> list[int]:
+async def prompt_ids(state, req: TokenizeRequest, request=None) -> list[int]:
     """The token ids of the request's prompt, or of its chat as /v1/chat/completions renders it."""
     tok = _tokenizer(state)
     if req.prompt is not None:
         state.limits.check_text_fits(req.prompt)
         special = True if req.add_special_tokens is None else req.add_special_tokens
         return await state.tokenization.call(len(req.prompt), tok.encode, req.prompt, special)
-    return (await chat_prompt(state, req))[3]
+    return (await chat_prompt(state, req, request))[3]
 
 
 def tokenizer_info(state) -> TokenizerInfoResponse:
@@ -175,7 +175,7 @@ def install(app, state) -> None:
     async def tokenize(request: Request):
         state.tenancy.authenticate(request, limit=False)
         req = await parse_body(state, request, TokenizeRequest)
-        ids = await prompt_ids(state, req)
+        ids = await prompt_ids(state, req, request)
         strs = (await state.tokenization.call(len(ids), token_strs, state.tokenizer, ids)
                 if req.return_token_strs else None)
         return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids,
