@@ -20,6 +20,7 @@ from kvserve.engine.engine_core import EngineCore
 from kvserve.model.tokenizers.tokenizer import HFTokenizer
 from kvserve.server.app import build_app
 from kvserve.server.openai.reasoning import REASONING_PARSERS, ReasoningSplitter
+from kvserve.server.openai.tool_output import ChoiceOutput
 from kvserve.structured.compiler import JSON_OPTIONS, ll_tokenizer
 from kvserve.structured.reasoning_grammar import after_reasoning
 
@@ -173,3 +174,35 @@ def test_responses_reasoning_items(tmp_path):
         again = client.post("/v1/responses", json={**body, "input": [
             {"role": "user", "content": "Once upon a time"}, item, {"role": "user", "content": "More"}]})
         assert again.status_code == 200, again.text
+        assert resp["usage"]["output_tokens_details"]["reasoning_tokens"] == resp["usage"]["output_tokens"] == 10
+        with client.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+            done = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ")][-1]
+        assert done["response"]["usage"]["output_tokens_details"]["reasoning_tokens"] == 10
+
+
+TOKEN_TEXT = {1: "<think>", 2: "plan", 3: " more", 4: "</", 5: "think>", 6: "\n\n", 7: "answer", 8: "</think>"}
+
+
+@pytest.mark.parametrize("parser, ids, thought", [
+    ("qwen3", [1, 2, 3, 8, 6, 7, 7], 4),         # <think>plan more</think>: 4 tokens
+    ("qwen3", [1, 2, 4, 5, 7], 4),               # the end marker split over two tokens
+    ("qwen3", [2, 3, 7], 0),                     # no thought opened
+    ("qwen3", [1, 2, 3], 3),                     # a thought that never ends
+    ("deepseek_r1", [2, 8, 7], 2),               # the prompt opened it
+    ("deepseek_r1", [8, 7, 7], 1),
+    ("deepseek_r1", [2, 3], 2),
+])
+@pytest.mark.parametrize("piece", [1, 2, 100])
+def test_reasoning_tokens_count_the_thought(parser, ids, thought, piece):
+    """usage's reasoning_tokens: the thought's tokens, markers included, however the answer's
+    tokens arrive (one by one, in pairs, or as one whole message)."""
+    def decode(t):
+        return "".join(TOKEN_TEXT[i] for i in t)
+    out = ChoiceOutput(reasoning=REASONING_PARSERS[parser], decode=decode)
+    if piece == 100:
+        out.message(decode(ids), "length", ids)
+    else:
+        for i in range(0, len(ids), piece):
+            part = ids[i:i + piece]
+            out.delta(decode(part), "length" if i + piece >= len(ids) else None, part)
+    assert out.reasoning_tokens == thought

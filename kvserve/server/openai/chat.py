@@ -3,6 +3,7 @@ server/openai/tool_choice.py), one engine request with `n` samples, and each cho
 assistant message -- content, or tool calls (server/openai/tool_output.py) -- whole or streamed."""
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -85,7 +86,8 @@ async def prepare_chat(state, req: ChatCompletionRequest, renames: dict | None =
     # vLLM's echo: an answer to a conversation ending in the assistant's own words starts with them.
     echo = messages[-1]["content"] if req.echo and messages[-1]["role"] == "assistant" else None
     stop_text = special_text(state.tokenizer) if keep_special else None
-    return ChatJob(text, ids, params, lambda: ChoiceOutput(plan.reader(), stop_text, state.reasoning), echo)
+    decode = functools.partial(state.tokenizer.decode, skip_special_tokens=False)    # (the thought's tokens)
+    return ChatJob(text, ids, params, lambda: ChoiceOutput(plan.reader(), stop_text, state.reasoning, decode), echo)
 
 
 async def submit(state, sub: Submission, job: ChatJob, cache_salt: str | None, request: Request) -> bool:

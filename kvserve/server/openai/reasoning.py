@@ -54,6 +54,12 @@ class ReasoningSplitter:
         self.state = "thought" if parser.opens_in_thought else "start"
         self.opening = True             # in a thought, an opening <think> may still come
         self.pending = ""
+        self.had_thought = parser.opens_in_thought
+
+    @property
+    def thought_open(self) -> bool:
+        """True while the text may still be (or become) thought: the thought has not ended."""
+        return self.state in ("start", "thought")
 
     def feed(self, text: str) -> tuple[str, str]:
         return self._split(self.pending + text, last=False)
@@ -71,7 +77,7 @@ class ReasoningSplitter:
                     self.pending = text             # "<thi": a thought, or an answer?
                     break
                 if text.startswith(THINK_START):
-                    self.state, self.opening = "thought", False
+                    self.state, self.opening, self.had_thought = "thought", False, True
                     text = text[len(THINK_START):]
                 else:
                     self.state = "answer"
@@ -102,3 +108,17 @@ class ReasoningSplitter:
                 content.append(text)
                 break
         return "".join(reasoning), "".join(content)
+
+
+def thought_token_count(ids: list[int], decode) -> int:
+    """How many of `ids` (an answer's first tokens, its thought's end among them) belong to the
+    thought, markers included: the fewest leading tokens whose text holds `</think>` (a binary
+    search over `decode`d prefixes; the text of a longer prefix holds a shorter one's)."""
+    lo, hi = 1, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if THINK_END in decode(ids[:mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi

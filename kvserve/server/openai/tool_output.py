@@ -7,7 +7,7 @@ out, as it is when they are skipped: `stop_text(token_id)` gives it."""
 from __future__ import annotations
 
 from kvserve.server.openai.protocol import ChatMessage, DeltaMessage
-from kvserve.server.openai.reasoning import ReasoningSplitter
+from kvserve.server.openai.reasoning import ReasoningSplitter, thought_token_count
 from kvserve.server.openai.tool_fields import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 from kvserve.tool_calls.base import Update, assemble
 
@@ -16,16 +16,21 @@ class ChoiceOutput:
     """`reasoning`: the server's --reasoning-parser (server/openai/reasoning.py), or None: its
     thought becomes `reasoning_content`, and the reader sees only the answer after it."""
 
-    def __init__(self, reader=None, stop_text=None, reasoning=None):
+    def __init__(self, reader=None, stop_text=None, reasoning=None, decode=None):
         self.reader = reader
         self.stop_text = stop_text
         self.splitter = ReasoningSplitter(reasoning) if reasoning is not None else None
         self.made_calls = False
+        # the thought's tokens (usage's reasoning_tokens): counted once the thought ends, from the
+        # token ids seen until then, with `decode` (token ids -> text, special tokens kept)
+        self.decode = decode
+        self.reasoning_tokens = 0
+        self._open_ids: list[int] | None = [] if reasoning is not None else None
 
     def delta(self, text: str, finish_reason: str | None, token_ids=()) -> tuple[DeltaMessage, str | None]:
         """The delta of one step's text (the last step's: with the reader's rest)."""
         text = self._without_stop(text, finish_reason, token_ids)
-        thought, text = self._split(text, finish_reason is not None)
+        thought, text = self._split(text, finish_reason is not None, token_ids)
         if self.reader is None:
             if self.splitter is None:
                 return DeltaMessage(content=text), finish_reason
@@ -40,7 +45,7 @@ class ChoiceOutput:
     def message(self, text: str, finish_reason: str | None, token_ids=()) -> tuple[ChatMessage, str | None]:
         """The whole answer's message."""
         text = self._without_stop(text, finish_reason, token_ids)
-        thought, text = self._split(text, True)
+        thought, text = self._split(text, True, token_ids)
         if self.reader is None:
             if self.splitter is None:
                 return ChatMessage(content=text), finish_reason
@@ -50,15 +55,31 @@ class ChoiceOutput:
             ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls
         ] or None), self._finish(finish_reason)
 
-    def _split(self, text: str, last: bool) -> tuple[str, str]:
-        """(thought, answer) of a piece of text; ("", text) without a reasoning parser."""
+    def _split(self, text: str, last: bool, token_ids=()) -> tuple[str, str]:
+        """(thought, answer) of a piece of text (of `token_ids`); ("", text) without a reasoning parser."""
         if self.splitter is None:
             return "", text
         thought, answer = self.splitter.feed(text)
         if last:
             more_thought, more_answer = self.splitter.finish()
             thought, answer = thought + more_thought, answer + more_answer
+        self._count_thought(token_ids, last)
         return thought, answer
+
+    def _count_thought(self, token_ids, last: bool) -> None:
+        if self._open_ids is None:
+            return
+        self._open_ids.extend(token_ids)
+        s = self.splitter
+        if s.thought_open and not last:
+            return
+        ids, self._open_ids = self._open_ids, None
+        if not s.had_thought:
+            self.reasoning_tokens = 0
+        elif s.thought_open:                      # it never ended: every token is thought
+            self.reasoning_tokens = len(ids)
+        else:
+            self.reasoning_tokens = thought_token_count(ids, self.decode)
 
     def _without_stop(self, text: str, finish_reason: str | None, token_ids) -> str:
         if finish_reason == "stop" and token_ids and self.stop_text is not None:

@@ -73,7 +73,7 @@ class ResponseUsage(BaseModel):
     input_tokens: int
     input_tokens_details: dict          # {"cached_tokens": n}
     output_tokens: int
-    output_tokens_details: dict         # {"reasoning_tokens": 0}
+    output_tokens_details: dict         # {"reasoning_tokens": n}
     total_tokens: int
 
 
@@ -122,9 +122,10 @@ def response_shell(req: ResponsesRequest, rid: str, model: str) -> ResponseObjec
         tools=[t.model_dump() for t in req.tools or ()], user=req.user)
 
 
-def usage(prompt: int, completion: int, cached: int) -> ResponseUsage:
+def usage(prompt: int, completion: int, cached: int, reasoning: int = 0) -> ResponseUsage:
+    """`reasoning`: how many of the output tokens are the thought's (--reasoning-parser)."""
     return ResponseUsage(input_tokens=prompt, input_tokens_details={"cached_tokens": cached},
-                         output_tokens=completion, output_tokens_details={"reasoning_tokens": 0},
+                         output_tokens=completion, output_tokens_details={"reasoning_tokens": reasoning},
                          total_tokens=prompt + completion)
 
 

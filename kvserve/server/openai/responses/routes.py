@@ -156,6 +156,7 @@ async def create_response(state, store: ResponseStore, req: ResponsesRequest, re
     status, _ = status_of(c.finish_reason)
     resp = finish(shell, c.finish_reason, output_items(message.content, message.tool_calls, status,
                                                        message.reasoning_content),
-                  usage(len(out.prompt_token_ids), len(c.token_ids), out.num_cached_tokens or 0))
+                  usage(len(out.prompt_token_ids), len(c.token_ids), out.num_cached_tokens or 0,
+                        output.reasoning_tokens))
     done(resp)
     return JSONResponse(resp.model_dump(), headers={RESPONSE_ID_HEADER: rid})

@@ -106,7 +106,7 @@ async def stream_response(sub, shell: ResponseObject, output, done: Callable[[Re
                 yield ev("response.function_call_arguments.done", item_id=item.id, output_index=i,
                          name=item.name, arguments=item.arguments)
             yield ev("response.output_item.done", output_index=i, item=item.model_dump())
-        final = finish(shell, finish_reason, items, usage(prompt, completion, cached))
+        final = finish(shell, finish_reason, items, usage(prompt, completion, cached, output.reasoning_tokens))
         done(final)
         yield ev("response.completed" if final.status == "completed" else "response.incomplete",
                  response=final.model_dump())
