@@ -35,6 +35,8 @@ FOREIGN_FLAGS = {
         "the request's own field (temperature, top_k, ...), or --generation-config DIR for server defaults",
     ("-cb", "--cont-batching"): "nothing: kvserve always batches continuously",
     ("--mlock", "--no-mmap", "--numa"): "nothing: kvserve has no such setting",
+    ("--props", "--slot-save-path"): "nothing: kvserve's settings are fixed at start and it pins no "
+                                     "request to a slot (POST /props and POST /slots/ID answer 501)",
 }
 
 _FOREIGN_NAMES = frozenset(name for names in FOREIGN_FLAGS for name in names)

@@ -328,3 +328,20 @@ def install(app, state) -> None:
         speculative = state.engine.config.speculative is not None
         return [{"id": i, "n_ctx": state.max_model_len, "speculative": speculative, "is_processing": i < busy,
                  "params": generation_settings(state)} for i in range(total)]
+
+    # llama-server's writes: it too refuses them unless started with --props / --slot-save-path
+    # (501, its not_supported_error); kvserve has neither, so they are refused always. They exist
+    # only to say so, and stay out of the served schema.
+    @app.post("/props", include_in_schema=False)
+    async def set_props(request: Request):
+        state.tenancy.authenticate(request, limit=False)
+        raise APIError("kvserve's settings are fixed when it starts (llama-server's --props is not "
+                       "built): restart it with other flags", 501, type="not_supported_error")
+
+    @app.post("/slots/{id_slot}", include_in_schema=False)
+    async def slot_action(request: Request, id_slot: int, action: str = ""):
+        state.tenancy.authenticate(request, limit=False)
+        raise APIError(f"slot action {action!r}: kvserve pins no request to a slot, so no slot holds a "
+                       "KV cache to save, restore or erase (llama-server's --slot-save-path is not built); "
+                       "the prefix cache keeps and reuses prompts by itself", 501, type="not_supported_error",
+                       param="action")

@@ -159,6 +159,16 @@ def test_slots_and_ping(client):
     assert client.get("/ping").json() == {"status": "ok"} and client.post("/ping").status_code == 200
 
 
+def test_llama_server_writes_are_refused_as_it_refuses_them(client):
+    """POST /props and POST /slots/ID?action=...: llama-server answers 501 not_supported_error
+    without --props / --slot-save-path; kvserve has neither, so it always does, saying why."""
+    r = client.post("/props", json={"n_ctx": 8})
+    assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error"
+    assert "fixed" in r.json()["error"]["message"]
+    r = client.post("/slots/0?action=erase")
+    assert r.status_code == 501 and r.json()["error"]["param"] == "action" and "'erase'" in r.json()["error"]["message"]
+
+
 FIM = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
 
 
