@@ -18,6 +18,8 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -33,8 +35,10 @@ KERNEL_ROWS = 3
 
 
 def _build_dir() -> Path:
-    """A cache directory per source text, torch version and CPU model."""
-    h = hashlib.sha256(torch.__version__.encode())
+    """A cache directory per source text, torch version, compiler and CPU flags -- not per
+    checkout: any copy of kvserve with the same sources and torch on this machine finds the same
+    build (torch's own path counts: the build links against that install's headers and libraries)."""
+    h = hashlib.sha256(f"{torch.__version__} {Path(torch.__file__).parent} {os.environ.get('CXX', 'c++')}".encode())
     for p in sorted(CSRC.iterdir()):
         h.update(p.name.encode() + p.read_bytes())
     try:
@@ -43,6 +47,21 @@ def _build_dir() -> Path:
         pass
     root = Path(os.environ.get("KVSERVE_KERNEL_CACHE", Path.home() / ".cache" / "kvserve" / "kernels"))
     return root / h.hexdigest()[:16]
+
+
+def _cached_sources(build: Path) -> Path:
+    """The sources copied into the build directory (once; the directory is keyed by their text),
+    so the build reads the same paths from every checkout and ninja never rebuilds for a move."""
+    src = build / "src"
+    if not src.is_dir():
+        tmp = build / f"src.{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(CSRC, tmp)
+        try:
+            os.rename(tmp, src)
+        except OSError:                 # another process put them there first: the same text
+            shutil.rmtree(tmp, ignore_errors=True)
+    return src
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,10 +75,18 @@ def load() -> bool:
         from torch.utils import cpp_extension
         build = _build_dir()
         build.mkdir(parents=True, exist_ok=True)
+        src = _cached_sources(build)
+        fresh = not (build / "kvserve_kernels.so").exists()
+        if fresh:       # (concurrent starts: torch's lock file in `build` lets one compile, the rest wait)
+            logger.info("building kvserve's CPU kernels for this machine, once (10-60 s) "
+                        "into %s", build)
+        start = time.monotonic()
         cpp_extension.load(
-            name="kvserve_kernels", sources=[str(CSRC / s) for s in SOURCES], build_directory=str(build),
+            name="kvserve_kernels", sources=[str(src / s) for s in SOURCES], build_directory=str(build),
             extra_cflags=["-O3", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"],
             is_python_module=False, verbose=False)
+        if fresh:
+            logger.info("built kvserve's CPU kernels in %.0f s", time.monotonic() - start)
     except Exception as e:   # noqa: BLE001 - no compiler, a failed build: the torch path, never a crash
         logger.warning("kvserve's fused CPU kernels did not build, so the pure-torch path runs: %s",
                        str(e).strip()[-2000:])
