@@ -14,6 +14,7 @@ the compiler's message) leaves the pure-torch path, logged once.
 """
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -76,17 +77,18 @@ def load() -> bool:
         build = _build_dir()
         build.mkdir(parents=True, exist_ok=True)
         src = _cached_sources(build)
-        fresh = not (build / "kvserve_kernels.so").exists()
-        if fresh:       # (concurrent starts: torch's lock file in `build` lets one compile, the rest wait)
-            logger.info("building kvserve's CPU kernels for this machine, once (10-60 s) "
-                        "into %s", build)
-        start = time.monotonic()
-        cpp_extension.load(
-            name="kvserve_kernels", sources=[str(src / s) for s in SOURCES], build_directory=str(build),
-            extra_cflags=["-O3", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"],
-            is_python_module=False, verbose=False)
-        if fresh:
-            logger.info("built kvserve's CPU kernels in %.0f s", time.monotonic() - start)
+        with open(build / "kvserve.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)        # concurrent first starts: one builds, the rest wait
+            fresh = not (build / "kvserve_kernels.so").exists()
+            if fresh:
+                logger.info("building kvserve's CPU kernels for this machine, once (10-60 s) into %s", build)
+            start = time.monotonic()
+            cpp_extension.load(
+                name="kvserve_kernels", sources=[str(src / s) for s in SOURCES], build_directory=str(build),
+                extra_cflags=["-O3", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"],
+                is_python_module=False, verbose=False)
+            if fresh:
+                logger.info("built kvserve's CPU kernels in %.0f s", time.monotonic() - start)
     except Exception as e:   # noqa: BLE001 - no compiler, a failed build: the torch path, never a crash
         logger.warning("kvserve's fused CPU kernels did not build, so the pure-torch path runs: %s",
                        str(e).strip()[-2000:])

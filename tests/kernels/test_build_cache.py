@@ -47,3 +47,15 @@ def test_a_second_checkout_reuses_the_build(tmp_path):
     assert [d.name for d in cache.iterdir() if d.is_dir()] == [build.name]
     ninja = (build / "build.ninja").read_text()
     assert str(build / "src") in ninja and str(ROOT / "kvserve") not in ninja and str(other) not in ninja
+
+
+@pytest.mark.skipif(not BUILT, reason="kvserve's kernels do not build here")
+def test_concurrent_first_starts_build_once(tmp_path):
+    cache = tmp_path / "cache"
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "KVSERVE_KERNEL_CACHE": str(cache),
+           "PYTHONPATH": str(ROOT), "HOME": str(cache)}
+    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    logs = [p.communicate(timeout=600)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), logs
+    assert sum("building kvserve's CPU kernels" in log for log in logs) == 1, logs
