@@ -9,7 +9,7 @@ import argparse
 import importlib
 import sys
 
-from kvserve.config.cli_args import ArgumentParser
+from kvserve.config.cli_args import ArgumentParser, kvserve_version
 
 # Modules that define `register(subparsers)`; each adds one or more subcommands.
 COMMAND_MODULES = [
@@ -20,16 +20,6 @@ COMMAND_MODULES = [
     "kvserve.quality.perplexity",       # perplexity
     "kvserve.fleet.router_cli",         # router, proxy
 ]
-
-
-def kvserve_version() -> str:
-    """The installed package's version (pyproject.toml's), or "unknown" when run uninstalled."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("kvserve")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -106,8 +106,6 @@ DEBTS: set[tuple[str, str]] = {
     ("server.cli", "torch"),
     # device memory from torch's allocator: goes when the core reports its memory in EngineStats
     ("server.memory_metrics", "torch"),
-    # kvserve_version from cli.py, which wires every command: goes when the version has a module of its own
-    ("server.openai.tokenizer_routes", "cli"),
 }
 
 

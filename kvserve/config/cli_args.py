@@ -42,6 +42,16 @@ FOREIGN_FLAGS = {
 _FOREIGN_NAMES = frozenset(name for names in FOREIGN_FLAGS for name in names)
 
 
+def kvserve_version() -> str:
+    """The installed package's version (pyproject.toml's), or "unknown" when run uninstalled."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvserve")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """Every kvserve parser (sub-commands inherit the class): no abbreviated options, so an
     unknown flag is an error, never a prefix of another one (argparse's default read llama-server's

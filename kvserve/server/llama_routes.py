@@ -37,6 +37,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from kvserve.config.cli_args import kvserve_version
 from kvserve.server.body import parse_body, validation_error_to_api_error
 from kvserve.server.llama_fields import (
     LLAMA_DEFAULTS, LlamaCompletionRequest, LlamaCompletionResponse, LlamaInfillRequest, PropsResponse,
@@ -68,16 +69,6 @@ ROUTES = {      # for server/openapi.py
     ("get", "/slots"): (None, SlotsResponse, False),
     ("get", "/ping"): (None, HealthResponse, False),
 }
-
-
-def _version() -> str:
-    """The installed package's version (as kvserve/cli.py's kvserve_version reads it)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("kvserve")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def fim_token_ids(tok) -> tuple[int, int, int] | None:
@@ -314,7 +305,7 @@ def install(app, state) -> None:
                 "total_slots": state.engine.limits.max_num_seqs, "model_path": state.engine.config.model.model,
                 "chat_template": state.chat.source if state.chat is not None and state.chat.source else "",
                 "bos_token": getattr(tok, "bos_token", None), "eos_token": getattr(tok, "eos_token", None),
-                "modalities": {"vision": False, "audio": False}, "build_info": f"kvserve {_version()}"}
+                "modalities": {"vision": False, "audio": False}, "build_info": f"kvserve {kvserve_version()}"}
 
     @app.get("/slots")
     async def slots(request: Request, fail_on_no_slot: bool = False):

@@ -23,7 +23,7 @@ from fastapi import Path, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from kvserve.cli import kvserve_version
+from kvserve.config.cli_args import kvserve_version
 from kvserve.server.body import parse_body
 from kvserve.server.openai.chat import chat_prompt
 from kvserve.server.openai.chat_fields import CONTINUE_RULE, ChatTemplateFields
