@@ -101,8 +101,12 @@ class EngineConfig:
     # Tensor parallelism (kvserve/distributed/): heads, MLP and vocabulary split over N ranks
     tensor_parallel_size: int = field(default=1, metadata=flag(
         "split heads, MLP and vocabulary over this many ranks (torch.distributed)", aliases=("-tp",)))
+    # Pipeline parallelism (kvserve/distributed/pipeline.py): the layers split into N stages
+    pipeline_parallel_size: int = field(default=1, metadata=flag(
+        "split the layers into this many stages, one process each, holding only their layers' "
+        "weights and KV (torch.distributed)", aliases=("-pp",)))
     distributed_executor_backend: str = field(default="mp", metadata=flag(
-        "tensor-parallel workers as local processes or Ray actors", choices=("mp", "ray")))
+        "tensor-parallel ranks and pipeline stages as local processes or Ray actors", choices=("mp", "ray")))
     # KV tiers below the pool (kv/connector.py, kv/tiers.py): evicted prefix blocks move down,
     # hits reload by copy: ["cpu:4GiB", "disk:/path:20GiB", "redis://127.0.0.1:6379"] or one string
     kv_tiers: list[str] | str | None = field(default=None, metadata=flag(
@@ -166,6 +170,13 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}.")
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling with tensor_parallel_size > 1 is not built: drop one of them.")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}.")
+        if self.pipeline_parallel_size > 1:
+            for on, name in ((self.tensor_parallel_size > 1, "tensor_parallel_size > 1"),
+                             (self.async_scheduling, "async_scheduling"), (bool(self.kv_tiers), "kv_tiers")):
+                if on:
+                    raise ValueError(f"pipeline_parallel_size > 1 with {name} is not built: drop one of them.")
         if self.async_scheduling and self.speculative_config is not None:
             raise ValueError("async_scheduling with speculative decoding is not built: drop one of them.")
         if self.distributed_executor_backend not in ("mp", "ray"):

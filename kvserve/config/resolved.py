@@ -79,6 +79,7 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int
+    pipeline_parallel_size: int
     distributed_executor_backend: str
 
 

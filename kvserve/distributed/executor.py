@@ -1,6 +1,8 @@
-"""Executors for tensor parallelism: rank 0 (the driver) runs in the engine's process, ranks 1..N-1
-run as workers -- local processes (`distributed_executor_backend="mp"`) or Ray actors ("ray"),
-with the same worker code.
+"""Executors for tensor and pipeline parallelism: rank 0 (the driver) runs in the engine's process,
+ranks 1..N-1 run as workers -- local processes (`distributed_executor_backend="mp"`) or Ray actors
+("ray"), with the same worker code. A rank is a tensor-parallel slice of every layer, or a
+pipeline stage holding some of the layers (pipeline.py: the stages pass the residual stream on
+and the last sends the logits back to rank 0); the rest below holds for both.
 
 The scheduler runs once, on the driver. Every step's SchedulerOutput (worker/scheduler_output.py:
 the step as data, each sequence's tokens sent once, then deltas) and every block move (copy on
@@ -28,6 +30,7 @@ import socket
 import torch
 import torch.distributed as dist
 
+from kvserve.distributed.pipeline import PipelineStage
 from kvserve.distributed.tensor_parallel import bind_rank_device, rank_device
 from kvserve.worker.build import build_model
 from kvserve.worker.model_runner import ModelRunner
@@ -61,12 +64,17 @@ def _recv(group):
 
 
 def run_worker(config, rank: int, size: int, init_method: str) -> None:
-    """A worker's life: build its slice of the model (`config`: the engine's resolved Config),
-    join the group, then run what rank 0 sends."""
+    """A worker's life: build its slice of the model, or its pipeline stage (`config`: the engine's
+    resolved Config), join the group, then run what rank 0 sends."""
     torch.set_num_threads(threads_per_rank(size))
     device = bind_rank_device(config.model.device, rank)
-    model = build_model(config.model, config.cache.block_size, config.cache.kv_cache_dtype, device,
-                        rank=rank, tp_size=size).model
+    if config.parallel.pipeline_parallel_size > 1:
+        model = build_model(config.model, config.cache.block_size, config.cache.kv_cache_dtype, device,
+                            pp_rank=rank, pp_size=size).model
+        model = PipelineStage(model, model.stage)
+    else:
+        model = build_model(config.model, config.cache.block_size, config.cache.kv_cache_dtype, device,
+                            rank=rank, tp_size=size).model
     group = _init_group(rank, size, init_method, device)
     try:
         _, num_blocks, num_cpu_blocks = _recv(group)
@@ -88,12 +96,14 @@ def run_worker(config, rank: int, size: int, init_method: str) -> None:
         dist.destroy_process_group()
 
 
-class TPWorkers:
+class Workers:
     """Ranks 1..N-1, started on `backend` ("mp" or "ray"); rank 0 joins the group here."""
 
     def __init__(self, config, size: int, backend: str = "mp"):
         """`config`: the engine's resolved Config (config/resolved.py), sent to every worker."""
         self.size, self.backend = size, backend
+        pp = getattr(getattr(config, "parallel", None), "pipeline_parallel_size", 1) > 1
+        self.kind = "pipeline stage" if pp else "tensor-parallel worker"     # (the errors' words)
         rank_device(config.model.device, size - 1)        # one CUDA device per rank, checked before any start
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.procs, self.actors = [], []
@@ -116,12 +126,12 @@ class TPWorkers:
     def check_alive(self) -> None:
         for rank, p in enumerate(self.procs, start=1):
             if not p.is_alive():
-                raise RuntimeError(f"tensor-parallel worker {rank} died (exit code {p.exitcode}); "
+                raise RuntimeError(f"{self.kind} {rank} died (exit code {p.exitcode}); "
                                    "the engine cannot run its forward pass")
 
     def broadcast(self, msg) -> None:
         if self.closed:
-            raise RuntimeError("the tensor-parallel workers were shut down")
+            raise RuntimeError(f"the {self.kind}s were shut down")
         self.check_alive()
         try:
             dist.broadcast_object_list([msg], src=0, group=self.group)
@@ -153,10 +163,10 @@ class TPWorkers:
             dist.destroy_process_group()
 
 
-class TPDriverRunner(ModelRunner):
+class DriverRunner(ModelRunner):
     """Rank 0's runner: every forward pass and block move goes to the workers first."""
 
-    def __init__(self, model, num_blocks: int, block_size: int, workers: TPWorkers):
+    def __init__(self, model, num_blocks: int, block_size: int, workers: Workers):
         super().__init__(model, num_blocks, block_size)
         self.workers, self.num_blocks = workers, num_blocks
         self._sampled: dict[str, list[int]] = {}      # seq id -> tokens sampled last step, for the ranks

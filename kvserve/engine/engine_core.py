@@ -36,7 +36,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from kvserve.config import EngineConfig
-from kvserve.distributed.executor import TPDriverRunner, TPWorkers
+from kvserve.distributed.executor import DriverRunner, Workers
+from kvserve.distributed.pipeline import PipelineStage
 from kvserve.engine.beam_search import BeamGroup
 from kvserve.engine.core_io import (BeamResult, CoreLimits, EngineCoreOutput, EngineCoreRequest,
                                     SequenceDelta)
@@ -68,15 +69,18 @@ class EngineCore:
         r, loaded = load_and_resolve(config)      # the file is read once
         self.config = r            # the resolved Config: the flat EngineConfig goes no further
         self.device = r.model.device          # a name ("auto" decided): the worker makes the torch device
-        tp = r.parallel.tensor_parallel_size
-        # this process is rank 0 of tp (kvserve/distributed/): its slice, then the workers
+        tp, pp = r.parallel.tensor_parallel_size, r.parallel.pipeline_parallel_size
+        # this process is rank 0 of tp, or stage 0 of pp (kvserve/distributed/): its part, then the workers
         built = build_model(r.model, r.cache.block_size, r.cache.kv_cache_dtype, self.device, tp_size=tp,
-                            loaded=loaded)
+                            pp_size=pp, loaded=loaded)
         del loaded
         self.model, self.model_config, self.tokenizer = built.model, built.config, built.tokenizer
+        if pp > 1:      # (stage 0 holds the most layers: its KV sizes every stage's pool)
+            self.model = PipelineStage(self.model, self.model.stage)
         model_cfg = built.config
-        if tp > 1:
-            self.tp_workers = TPWorkers(r, tp, r.parallel.distributed_executor_backend)
+        self.workers = None
+        if tp > 1 or pp > 1:
+            self.workers = Workers(r, max(tp, pp), r.parallel.distributed_executor_backend)
         num_blocks = num_kv_blocks(r, self.model.cfg, model_cfg, self.device)
         per_block = ModelRunner.kv_bytes_per_block(self.model.cfg, r.cache.block_size, r.model.torch_dtype,
                                                    r.cache.kv_cache_dtype)     # this rank's KV heads
@@ -103,7 +107,7 @@ class EngineCore:
                                      store_scope(r.model.model, r.model.dtype, r.cache.kv_cache_dtype,
                                                  r.model.quantization, r.model.quantization_group_size,
                                                  r.cache.block_size)))
-        self.runner = (TPDriverRunner(self.model, num_blocks, r.cache.block_size, self.tp_workers) if tp > 1
+        self.runner = (DriverRunner(self.model, num_blocks, r.cache.block_size, self.workers) if self.workers
                        else ModelRunner(self.model, num_blocks, r.cache.block_size))
         self.runner.init_swap_space(num_cpu_blocks)
         if self.kv.connector is not None:            # KV tiers: saves/loads run in the runner
@@ -351,8 +355,8 @@ class EngineCore:
         if getattr(self, "_worker", None) is not None:
             self._worker.shutdown(wait=True)         # the step started ahead runs out
             self._worker = None
-        if getattr(self, "tp_workers", None) is not None:
-            self.tp_workers.close()
+        if getattr(self, "workers", None) is not None:
+            self.workers.close()
         if getattr(self, "kv", None) is not None and self.kv.connector is not None:
             self.kv.connector.close(self.runner)     # pending saves, then the disk writer
         if getattr(self, "grammars", None) is not None:

@@ -47,13 +47,20 @@ class LlamaModel:
     lm_head at load (kvserve/model/quant/formats.py); the embedding and norms stay in `dtype`. With None,
     weights that arrive quantized (a GGUF file, quant/gguf_types.py) keep their format, the embedding
     too (it is then also the tied lm_head); "dequant" turns them into `dtype`.
-    `quantize_activations`: int8 weights run W8A8 on steps of more than 8 rows (quant/formats.py)."""
+    `quantize_activations`: int8 weights run W8A8 on steps of more than 8 rows (quant/formats.py).
+    `stage` (a model/stages.py Stage): this is one pipeline stage, `cfg` and `weights` its layers'
+    (the embedding only on the first stage, the final norm and LM head only on the last)."""
+
+    supports_pipeline = True        # embed_tokens / run_layers / final_hidden / logits, apart
 
     def __init__(self, cfg: ModelConfig, weights: dict, attn: AttentionBackend,
                  device: torch.device, dtype: torch.dtype, quantization: str | None = None,
-                 quantization_group_size: int | None = None, tp=None, quantize_activations: bool = False):
+                 quantization_group_size: int | None = None, tp=None, quantize_activations: bool = False,
+                 stage=None):
         self.cfg, self.attn, self.device, self.dtype = cfg, attn, device, dtype
         self.tp = tp            # a dist.tensor_parallel.TPGroup: cfg and weights are this rank's slice
+        self.stage = stage
+        last = stage is None or stage.is_last
         quantization, quantization_group_size = parse_quantization(quantization, quantization_group_size)
         own = {k for k in weights if k.endswith("proj.weight") or k in ("lm_head.weight", EMBED)}
         w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items() if k not in own}
@@ -62,9 +69,11 @@ class LlamaModel:
             return linear_weight([weights[p] for p in parts], name, quantization,
                                  quantization_group_size, device, dtype)
 
-        self.embed = embedding_weight(weights[EMBED], quantization, device, dtype)   # [V, hidden]
-        self.lm_head = self.embed if cfg.tie_word_embeddings else lin("lm_head", ["lm_head.weight"])
-        self.norm = w["model.norm.weight"]
+        self.embed = (embedding_weight(weights[EMBED], quantization, device, dtype)   # [V, hidden]
+                      if EMBED in weights else None)                  # (a later pipeline stage: none)
+        self.lm_head = None if not last else (self.embed if cfg.tie_word_embeddings
+                                              else lin("lm_head", ["lm_head.weight"]))
+        self.norm = w["model.norm.weight"] if last else None
         self.layers = [LlamaLayer(w, f"model.layers.{i}.", cfg, lin) for i in range(cfg.num_layers)]
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         cos, sin = rope_cos_sin(inv_freq, cfg.max_position_embeddings)
@@ -83,7 +92,8 @@ class LlamaModel:
     def _use_w8a8(self) -> int:
         """int8 linear weights run W8A8 on big steps (formats.Int8Weight.use_w8a8); returns how many."""
         weights = {id(w): w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)}
-        weights[id(self.lm_head)] = self.lm_head
+        if self.lm_head is not None:
+            weights[id(self.lm_head)] = self.lm_head
         int8 = [w for w in weights.values() if isinstance(w, Int8Weight)]
         for w in int8:
             w.use_w8a8()
@@ -92,7 +102,7 @@ class LlamaModel:
     def weight_bytes(self) -> int:
         """Resident bytes of the weights; a quantized weight counts its packed bytes and scales."""
         seen, total = set(), 0
-        tensors = [self.embed, self.lm_head, self.norm]
+        tensors = [t for t in (self.embed, self.lm_head, self.norm) if t is not None]
         for layer in self.layers:
             tensors += [t for t in vars(layer).values() if isinstance(t, (torch.Tensor, QuantizedWeight))]
         for t in tensors:
@@ -107,22 +117,42 @@ class LlamaModel:
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] -> logits [S, V] float32 at `logits_indices` [S]."""
         x = self.hidden_states(input_ids, positions, meta, kv_caches, logits_indices)   # [S, hidden]
-        logits = linear(x, self.lm_head)                               # [S, V] ([S, V'] if tp)
-        return (logits if self.tp is None else self.tp.gather_logits(logits)).float()
+        return self.logits(x)
 
     @torch.inference_mode()
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                       kv_caches: list, indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] -> the final hidden states (after the final norm) [S, hidden]
         at `indices` [S]: what the lm_head reads, and what pooling reads (kvserve/pooling/)."""
+        x = self.run_layers(self.embed_tokens(input_ids), positions, meta, kv_caches)
+        return self.final_hidden(x, indices)
+
+    # -- the pass in pieces (a pipeline stage runs those it holds: kvserve/distributed/pipeline.py)
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> the residual stream's start [T, hidden]."""
+        if self.tp is None:
+            return embedding_rows(self.embed, input_ids)
+        return self.tp.embed(self.embed, input_ids)
+
+    def final_hidden(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """The residual stream [T, hidden] -> the final norm's output at `indices` [S, hidden]."""
+        return rms_norm(x[indices], self.norm, self.cfg.rms_norm_eps)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [S, hidden] -> logits [S, V] float32."""
+        logits = linear(h, self.lm_head)                               # [S, V] ([S, V'] if tp)
+        return (logits if self.tp is None else self.tp.gather_logits(logits)).float()
+
+    @torch.inference_mode()
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                   kv_caches: list) -> torch.Tensor:
+        """The residual stream [T, hidden] through every decoder layer this model holds."""
         cfg = self.cfg
         H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        T = input_ids.shape[0]
+        T = x.shape[0]
         tp = self.tp
-        x = embedding_rows(self.embed, input_ids) if tp is None else tp.embed(self.embed, input_ids)
         if self.fused is not None and self.fused.takes(T, meta.num_decode_tokens):
-            x = self.fused.run(x, positions, meta, kv_caches)
-            return rms_norm(x[indices], self.norm, cfg.rms_norm_eps)
+            return self.fused.run(x, positions, meta, kv_caches)
         cos = self.rope_cos[positions].to(self.dtype).unsqueeze(1)   # [T, 1, D]
         sin = self.rope_sin[positions].to(self.dtype).unsqueeze(1)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
@@ -141,4 +171,4 @@ class LlamaModel:
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             mlp_out = linear(swiglu(linear(h, layer.gate_up)), layer.down)
             x = x + (mlp_out if tp is None else tp.all_reduce(mlp_out))
-        return rms_norm(x[indices], self.norm, cfg.rms_norm_eps)      # [S, hidden]
+        return x

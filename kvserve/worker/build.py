@@ -27,6 +27,7 @@ from kvserve.model.config import ModelConfig
 from kvserve.model.loaders.checkpoint import checkpoint_dtype, load_model_dir, resolve_dtype
 from kvserve.model.registry import architecture
 from kvserve.model.sharding import TPGroup, shard_config, shard_weights
+from kvserve.model.stages import stage_config, stage_of, stage_weights
 from kvserve.model.tokenizers.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -75,24 +76,33 @@ def load_and_resolve(config: "EngineConfig") -> tuple["Config", tuple]:
 
 
 def build_model(load: "ModelLoadConfig", block_size: int, kv_cache_dtype: str, device: torch.device | str, *,
-                rank: int = 0, tp_size: int = 1, attention: type[AttentionBackend] | None = None,
-                loaded: tuple | None = None) -> BuiltModel:
+                rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
+                attention: type[AttentionBackend] | None = None, loaded: tuple | None = None) -> BuiltModel:
     """Load `load.model` (or take `loaded`, `load_checkpoint`'s answer for it) and build rank
-    `rank` of `tp_size` of it on `device`. A GGUF file's tensors load in their own types unless
-    quantization "dequant" asks for `load.dtype`."""
+    `rank` of `tp_size` of it on `device` -- or pipeline stage `pp_rank` of `pp_size`: its layers
+    only (model/stages.py; kvserve/distributed/pipeline.py runs it). A GGUF file's tensors load in
+    their own types unless quantization "dequant" asks for `load.dtype`."""
     device = torch.device(device)
     cfg, weights, tokenizer = loaded or load_checkpoint(load, device)
-    run_cfg, tp = cfg, None
+    run_cfg, tp, stage = cfg, None, {}
+    if tp_size > 1 and pp_size > 1:
+        raise ValueError("tensor_parallel_size and pipeline_parallel_size both above 1 is not built: "
+                         "choose one of them.")
     if tp_size > 1:
         run_cfg = shard_config(cfg, tp_size)
         weights = shard_weights(weights, cfg, rank, tp_size)
         tp = TPGroup(rank, tp_size, cfg.vocab_size)
+    if pp_size > 1:
+        s = stage_of(cfg, pp_rank, pp_size)
+        run_cfg, weights, stage = stage_config(cfg, s), stage_weights(weights, cfg, s), {"stage": s}
     if attention is None:
         attention = select_attention_backend(load.attention_backend, run_cfg, device, load.torch_dtype,
                                              kv_cache_dtype,
                                              log=rank == 0 and load.attention_backend == "auto")
     model_class = architecture(cfg.architecture).model_class()
+    if stage and not getattr(model_class, "supports_pipeline", False):
+        raise ValueError(f"pipeline_parallel_size > 1 is not built for {cfg.architecture}: use 1.")
     model = model_class(run_cfg, weights, attention.for_model(run_cfg, block_size, kv_cache_dtype), device,
                         load.torch_dtype, load.quantization, load.quantization_group_size, tp=tp,
-                        quantize_activations=load.quantize_activations)
+                        quantize_activations=load.quantize_activations, **stage)
     return BuiltModel(model, cfg, tokenizer)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvserve.distributed.executor import TPWorkers
+from kvserve.distributed.executor import Workers
 from kvserve.distributed.tensor_parallel import bind_rank_device, rank_device
 
 
@@ -32,4 +32,4 @@ def test_too_few_cuda_devices_is_refused_before_any_worker_starts():
         rank_device("cuda", 1, device_count=1)
     if torch.cuda.device_count() < 2:
         with pytest.raises(ValueError, match="tensor_parallel_size"):
-            TPWorkers(SimpleNamespace(model=SimpleNamespace(device="cuda")), size=2)
+            Workers(SimpleNamespace(model=SimpleNamespace(device="cuda")), size=2)

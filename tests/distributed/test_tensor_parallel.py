@@ -81,7 +81,7 @@ def test_a_dead_worker_fails_the_step_at_once():
         engine = llm.engine
         engine.add_request("r", "Once upon a time", SamplingParams(max_tokens=200, ignore_eos=True))
         engine.step()
-        worker = engine.core.tp_workers.procs[0]
+        worker = engine.core.workers.procs[0]
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(10)
         # the very next step names the dead worker (not a collective's 60 s timeout, not a hang)

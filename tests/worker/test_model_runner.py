@@ -103,7 +103,7 @@ def test_tensor_parallel_ranks_receive_the_scheduler_output_as_data(model):
     the same KV cache as the driver."""
     import pickle
 
-    from kvserve.distributed.executor import TPDriverRunner
+    from kvserve.distributed.executor import DriverRunner
     from kvserve.sample.params import SamplingParams
     from kvserve.worker.scheduler_output import CachedSequenceData, NewSequenceData, SchedulerOutput
 
@@ -115,7 +115,7 @@ def test_tensor_parallel_ranks_receive_the_scheduler_output_as_data(model):
             self.sent.append(pickle.dumps(msg))      # what crosses to the ranks
 
     workers = Workers()
-    driver, rank = TPDriverRunner(model, 8, BS, workers), ModelRunner(model, 8, BS)
+    driver, rank = DriverRunner(model, 8, BS, workers), ModelRunner(model, 8, BS)
     driver.init_sampling(model.cfg.vocab_size, 0)
     params = SamplingParams(temperature=0.0)
     first = SchedulerOutput(new_seqs=[NewSequenceData("a", [1, 2, 3, 4, 5], 5, params, None, None),
