@@ -1,5 +1,6 @@
-"""Tensor parallelism on this machine: TP=1 with 2 torch threads against TP=2 with one thread per
-rank (gloo, the mp executor), on the ~100M benchmark Llama (issue 14's benchmark).
+"""Tensor or pipeline parallelism on this machine: one process with 2 torch threads against TP=2
+or PP=2 with one thread per rank or stage (gloo, the mp executor), on the ~100M benchmark Llama
+(issue 14's benchmark; `--split pp` issue 37's).
 
 Rows: single-stream decode (one request, a 128-token prompt, 128 output tokens) and the mixed
 workload of benchmarks/bench_engine.py (64 requests, prompts U[32,256], outputs U[16,256]), output
@@ -12,12 +13,20 @@ when each rank has its own memory bandwidth (a GPU each). Two cores of one CPU s
 system, and every layer adds two all-reduces through the loopback (gloo), so here TP=2 can at
 best match TP=1; the benchmark measures the cost of the collectives.
 
+Pipeline parallelism runs one step at a time through the stages (kvserve/distributed/pipeline.py:
+no micro-batches in flight), so each stage idles while the other works: a bubble of (P - 1) / P
+of each stage's time, and at best the throughput of one process with one thread, plus the
+hand-offs. It buys memory (each stage holds half the weights), not speed; the benchmark measures
+what it costs.
+
     python benchmarks/bench_tp.py --repeats 3 --out benchmarks/results/tp.json
+    python benchmarks/bench_tp.py --split pp --repeats 3 --out benchmarks/results/pp.json
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -27,17 +36,18 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import bench_model_dir, make_workload, model_vocab_size  # noqa: E402
 
-def one(model: Path, dtype: str, tp: int, row: str) -> None:
+def one(model: Path, dtype: str, split: str, size: int, row: str, threads: int) -> None:
     """The child: one timed run, printed as JSON."""
     import torch
 
     from common import run_kvserve
     from kvserve import LLM
 
-    if tp == 1:
-        torch.set_num_threads(2)
+    if size == 1:
+        torch.set_num_threads(threads)
     vocab = model_vocab_size(model)
-    llm = LLM(str(model), dtype=dtype, tensor_parallel_size=tp, max_num_seqs=64, enable_prefix_caching=False)
+    llm = LLM(str(model), dtype=dtype, max_num_seqs=64, enable_prefix_caching=False,
+              **{("tensor_parallel_size" if split == "tp" else "pipeline_parallel_size"): size})
     work = (make_workload(1, (128, 128), (128, 128), vocab, seed=7) if row == "single"
             else make_workload(64, (32, 256), (16, 256), vocab, seed=0))
     run_kvserve(llm.engine, make_workload(2, (16, 16), (4, 4), vocab, seed=99), "warmup")
@@ -46,8 +56,9 @@ def one(model: Path, dtype: str, tp: int, row: str) -> None:
     print(json.dumps({"tok_s": r["tok_s"]}))
 
 
-def measure(model: Path, dtype: str, tp: int, row: str) -> float:
-    out = subprocess.run([sys.executable, __file__, "--one", str(tp), row, "--dtype", dtype],
+def measure(model: Path, dtype: str, split: str, size: int, row: str, threads: int) -> float:
+    out = subprocess.run([sys.executable, __file__, "--one", str(size), row, "--dtype", dtype, "--split", split,
+                          "--baseline-threads", str(threads)],
                          check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])["tok_s"]
 
@@ -55,26 +66,35 @@ def measure(model: Path, dtype: str, tp: int, row: str) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--split", choices=("tp", "pp"), default="tp", help="tensor or pipeline parallelism")
+    ap.add_argument("--baseline-threads", type=int, default=2,
+                    help="torch threads of the one process (1: the throughput a bubble-free PP=2 would double)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rows", default="single,mixed")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--one", nargs=2, metavar=("TP", "ROW"), help=argparse.SUPPRESS)
+    ap.add_argument("--one", nargs=2, metavar=("SIZE", "ROW"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     model = bench_model_dir()
     if args.one:
-        return one(model, args.dtype, int(args.one[0]), args.one[1])
+        return one(model, args.dtype, args.split, int(args.one[0]), args.one[1], args.baseline_threads)
+    import torch
+
+    s = args.split
     runs: dict[str, list[float]] = {}
     for rep in range(args.repeats):
         for row in args.rows.split(","):
-            for tp in ((1, 2) if rep % 2 == 0 else (2, 1)):
-                v = measure(model, args.dtype, tp, row)
-                runs.setdefault(f"{row} tp={tp}", []).append(v)
-                print(f"[{rep}] {row:6s} tp={tp}: {v:.1f} tok/s", flush=True)
-    print(f"\nmedians of {args.repeats} ({model.name}, {args.dtype}); TP=1 runs 2 threads, TP=2 one per rank")
-    print("| row | TP=1 tok/s | TP=2 tok/s | TP=2 / TP=1 |")
+            for size in ((1, 2) if rep % 2 == 0 else (2, 1)):
+                v = measure(model, args.dtype, s, size, row, args.baseline_threads)
+                runs.setdefault(f"{row} {s}={size}", []).append(v)
+                print(f"[{rep}] {row:6s} {s}={size}: {v:.1f} tok/s", flush=True)
+    S = s.upper()
+    print(f"\nmedians of {args.repeats} ({model.name}, {args.dtype}, {torch.backends.cpu.get_cpu_capability()}, "
+          f"load average {os.getloadavg()[0]:.2f}); one process runs "
+          f"{args.baseline_threads} threads, {S}=2 one per process")
+    print(f"| row | one process tok/s | {S}=2 tok/s | {S}=2 / one |")
     print("|---|---|---|---|")
     for row in args.rows.split(","):
-        a, b = (statistics.median(runs[f"{row} tp={t}"]) for t in (1, 2))
+        a, b = (statistics.median(runs[f"{row} {s}={n}"]) for n in (1, 2))
         print(f"| {row} | {a:.1f} | {b:.1f} | {b / a:.2f} |")
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1))

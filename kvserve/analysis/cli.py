@@ -190,6 +190,18 @@ def cmd_disagg(args) -> int:
     return 0
 
 
+def cmd_pipeline(args) -> int:
+    from .pipeline import bubble_fraction, measured_bubble, pipeline_speedup
+    rows = [("bubble (share of each stage's time idle)", bubble_fraction(args.stages, args.microbatches)),
+            ("throughput vs one process on one stage's device",
+             pipeline_speedup(args.stages, args.microbatches, args.handoff_frac))]
+    if args.measured_tok_s and args.one_device_tok_s:
+        rows.append(("measured bubble (hand-offs included)",
+                     measured_bubble(args.measured_tok_s, args.one_device_tok_s, args.stages)))
+    print(kv_table(rows))
+    return 0
+
+
 # -- wiring -------------------------------------------------------------------------------------------
 def register(subparsers) -> None:
     """Add `plan` and `simulate` to the kvserve CLI."""
@@ -269,6 +281,16 @@ def register(subparsers) -> None:
     p.add_argument("--max-util", type=float, default=0.8); p.add_argument("--c-half", type=float, default=256)
     p.add_argument("--t0-ms", type=float, default=0.0)
     p.set_defaults(func=cmd_disagg)
+
+    p = ps.add_parser("pipeline", help="pipeline parallelism's bubble for P stages and M micro-batches (seed 004)")
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--microbatches", type=int, default=1, help="micro-batches in flight per step (kvserve: 1)")
+    p.add_argument("--handoff-frac", type=float, default=0.0,
+                   help="a hand-off's time as a fraction of a stage's work per micro-batch")
+    p.add_argument("--measured-tok-s", type=float, default=None, help="the pipeline's measured tokens/s")
+    p.add_argument("--one-device-tok-s", type=float, default=None,
+                   help="one process's tokens/s on one stage's device (here: one thread)")
+    p.set_defaults(func=cmd_pipeline)
 
     from .cli_simulate import register as register_simulate
     register_simulate(subparsers)

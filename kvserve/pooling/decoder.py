@@ -33,6 +33,8 @@ class DecoderEmbedder:
     def __init__(self, config):
         if config.tensor_parallel_size > 1:
             raise ValueError("--task embed runs on one device: drop --tensor-parallel-size.")
+        if config.pipeline_parallel_size > 1:
+            raise ValueError("--task embed runs on one device: drop --pipeline-parallel-size.")
         r, loaded = load_and_resolve(config)      # the file is read once
         self.device = torch.device(r.model.device)
         self.max_model_len = r.model.max_model_len

@@ -125,3 +125,19 @@ def test_plan_step_calibrate_saves_a_fit_that_loads(tmp_path, capsys):
     assert "per-sequence cost (us)" in out and (tmp_path / "fit.png").exists()
     f = load_fit(str(fit))
     assert f.t0 >= 0 and (f.t_tok > 0 or f.t_W > 0)
+
+
+def test_plan_pipeline_bubble(capsys):
+    from kvserve.analysis.pipeline import bubble_fraction, measured_bubble, pipeline_speedup
+
+    assert bubble_fraction(2, 1) == 0.5 and bubble_fraction(4, 13) == pytest.approx(3 / 16)
+    assert pipeline_speedup(2, 1) == 1.0 and pipeline_speedup(4, 4) == pytest.approx(16 / 7)
+    assert measured_bubble(60.0, 60.0, 2) == 0.5
+    with pytest.raises(ValueError):
+        bubble_fraction(0, 1)
+    rc, out = run(["plan", "pipeline", "--stages", "4", "--microbatches", "8", "--measured-tok-s", "300",
+                   "--one-device-tok-s", "100"], capsys)
+    assert rc == 0
+    assert re.search(r"bubble \(share of each stage's time idle\)\s+0.273", out)
+    assert re.search(r"throughput vs one process on one stage's device\s+2.91", out)
+    assert re.search(r"measured bubble \(hand-offs included\)\s+0.25", out)

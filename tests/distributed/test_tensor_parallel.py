@@ -102,15 +102,17 @@ def test_shapes_that_cannot_be_split_are_refused_clearly():
     assert (half.num_heads, half.num_kv_heads, half.intermediate_size) == (3, 1, 48)
 
 
-def test_ray_executor_runs_the_same_workers():
-    """distributed_executor_backend="ray": the workers are Ray actors on a local Ray instance
-    (started here, stopped after), running the same worker code: the same tokens as tp=1."""
+@pytest.mark.parametrize("split", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_ray_executor_runs_the_same_workers(split):
+    """distributed_executor_backend="ray": the workers (tensor-parallel ranks or pipeline stages)
+    are Ray actors on a local Ray instance (started here, stopped after), running the same worker
+    code: the same tokens as one process."""
     ray = pytest.importorskip("ray")
     if ray.is_initialized():        # a Ray another test left connected: start our own
         ray.shutdown()
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        tp2 = LLM(str(STORIES_HF), tensor_parallel_size=2, distributed_executor_backend="ray")
+        tp2 = LLM(str(STORIES_HF), distributed_executor_backend="ray", **split)
         try:
             got = run(tp2)
         finally:
