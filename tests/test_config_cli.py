@@ -48,6 +48,7 @@ NON_DEFAULTS = {
                            ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']),
     "tensor_parallel_size": (1, []),                # kv_tiers needs 1
     "pipeline_parallel_size": (1, []),              # kv_tiers needs 1 (tested in tests/distributed/)
+    "pipeline_micro_batches": (0, []),              # needs pipeline_parallel_size > 1
     "distributed_executor_backend": ("ray", ["--distributed-executor-backend", "ray"]),
     "kv_tiers": ("cpu:1MiB,redis://127.0.0.1:6379", ["--kv-tiers", "cpu:1MiB,redis://127.0.0.1:6379"]),
     "kv_tier_reload": ("always", ["--kv-tier-reload", "always"]),

@@ -105,6 +105,10 @@ class EngineConfig:
     pipeline_parallel_size: int = field(default=1, metadata=flag(
         "split the layers into this many stages, one process each, holding only their layers' "
         "weights and KV (torch.distributed)", aliases=("-pp",)))
+    pipeline_micro_batches: int = field(default=0, metadata=flag(
+        "micro-batches each pipeline step is cut into, flowing through the stages at once "
+        "(0: one per stage on CUDA, 1 on the CPU, where the stages share one memory system; "
+        "1: the stages take turns)"))
     distributed_executor_backend: str = field(default="mp", metadata=flag(
         "tensor-parallel ranks and pipeline stages as local processes or Ray actors", choices=("mp", "ray")))
     # KV tiers below the pool (kv/connector.py, kv/tiers.py): evicted prefix blocks move down,
@@ -172,6 +176,10 @@ class EngineConfig:
             raise ValueError("async_scheduling with tensor_parallel_size > 1 is not built: drop one of them.")
         if self.pipeline_parallel_size < 1:
             raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}.")
+        if self.pipeline_micro_batches < 0:
+            raise ValueError(f"pipeline_micro_batches must be >= 0, got {self.pipeline_micro_batches}.")
+        if self.pipeline_micro_batches and self.pipeline_parallel_size == 1:
+            raise ValueError("pipeline_micro_batches needs pipeline_parallel_size > 1.")
         if self.pipeline_parallel_size > 1:
             for on, name in ((self.tensor_parallel_size > 1, "tensor_parallel_size > 1"),
                              (self.async_scheduling, "async_scheduling"), (bool(self.kv_tiers), "kv_tiers")):

@@ -80,6 +80,7 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int
     pipeline_parallel_size: int
+    pipeline_micro_batches: int         # 0: one per stage
     distributed_executor_backend: str
 
 

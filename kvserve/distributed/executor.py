@@ -71,7 +71,7 @@ def run_worker(config, rank: int, size: int, init_method: str) -> None:
     if config.parallel.pipeline_parallel_size > 1:
         model = build_model(config.model, config.cache.block_size, config.cache.kv_cache_dtype, device,
                             pp_rank=rank, pp_size=size).model
-        model = PipelineStage(model, model.stage)
+        model = PipelineStage(model, model.stage, config.parallel.pipeline_micro_batches)
     else:
         model = build_model(config.model, config.cache.block_size, config.cache.kv_cache_dtype, device,
                             rank=rank, tp_size=size).model

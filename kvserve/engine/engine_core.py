@@ -76,7 +76,7 @@ class EngineCore:
         del loaded
         self.model, self.model_config, self.tokenizer = built.model, built.config, built.tokenizer
         if pp > 1:      # (stage 0 holds the most layers: its KV sizes every stage's pool)
-            self.model = PipelineStage(self.model, self.model.stage)
+            self.model = PipelineStage(self.model, self.model.stage, r.parallel.pipeline_micro_batches)
         model_cfg = built.config
         self.workers = None
         if tp > 1 or pp > 1:

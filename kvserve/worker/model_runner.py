@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import itertools
 import time
 
 import torch
@@ -52,7 +53,10 @@ class ModelRunner:
         self.sampling: StepSampler | None = None     # the sampling stage (init_sampling)
         self.kv_caches = [tuple(kv_quant.allocate(shape, self.kv_cache_dtype, model.dtype, self.device)
                                 for _ in range(2)) for _ in range(cfg.num_layers)]
-        self.input_batch = InputBatch(self.device, block_size)
+        # A model that runs several micro-batches of one step at once (a pipeline stage:
+        # kvserve/distributed/pipeline.py) gets the step cut into that many; one InputBatch each
+        self.micro_batches = getattr(model, "micro_batches", 1)
+        self.input_batches = [InputBatch(self.device, block_size) for _ in range(self.micro_batches)]
         self.states: dict[str, SequenceState] = {}   # every live sequence, by id (execute_model)
 
     # -- block moves for sharing and swapping (kv/manager.py queues them; run before execute) --
@@ -130,21 +134,26 @@ class ModelRunner:
         and, for each request id in `extra_rows` (positions inside its chunk whose logits are
         wanted too), (request, first position, logits [r, V])."""
         t0 = time.perf_counter()
-        step = self.input_batch.prepare(scheduled, extra_rows or {}, draft_tokens or {})
+        groups = micro_batch_groups(scheduled, self.micro_batches)
+        steps = [ib.prepare(g, extra_rows or {}, draft_tokens or {}) for ib, g in zip(self.input_batches, groups)]
         # Chunks that do not sample still run: their K/V must reach the cache.
         t1 = time.perf_counter()
-        logits = self.forward(step.input_ids, step.positions, step.meta, step.logits_indices)
+        logits = self.forward(steps)                     # one [S_g + E_g, V] per micro-batch
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
         self.forward_time_total += t2 - t1
         if self.kv_connector is not None:
             self.kv_connector.after_forward(scheduled, t2 - t0)
-        rows, at = [], step.num_sample_rows
-        for req, first, r in step.extras:
-            rows.append((req, first, logits[at:at + r]))
-            at += r
-        return logits[:step.num_sample_rows], step.samplers, rows
+        sample_rows, samplers, rows = [], [], []
+        for step, out in zip(steps, logits):
+            sample_rows.append(out[:step.num_sample_rows])
+            samplers += step.samplers
+            at = step.num_sample_rows
+            for req, first, r in step.extras:
+                rows.append((req, first, out[at:at + r]))
+                at += r
+        return (sample_rows[0] if len(steps) == 1 else torch.cat(sample_rows)), samplers, rows
 
     def init_sampling(self, vocab_size: int, seed: int | None, spec=None) -> None:
         """The sampling stage execute_model runs (worker/sampling.py): a seeded sampler over the
@@ -191,8 +200,30 @@ class ModelRunner:
         self.append_sampled(out.sampled)
         return out
 
-    def forward(self, input_ids, positions, meta, logits_indices) -> torch.Tensor:
-        """One forward pass of the model over this runner's KV pools (the hook a tensor-parallel
-        driver wraps to send the same pass to its workers: kvserve/distributed/executor.py)."""
-        meta = self.model.attn.prepare(meta)     # the backend's per-step derivations, once
-        return self.model.forward(input_ids, positions, meta, self.kv_caches, logits_indices)
+    def forward(self, steps: list) -> list[torch.Tensor]:
+        """The step's forward pass over this runner's KV pools: logits [S + E, V] for each of
+        `steps` (StepInputs; more than one only for a model with micro_batches > 1)."""
+        for step in steps:
+            step.meta = self.model.attn.prepare(step.meta)     # the backend's per-step derivations, once
+        if len(steps) > 1:
+            return self.model.forward_micro_batches(
+                [(st.input_ids, st.positions, st.meta, st.logits_indices) for st in steps], self.kv_caches)
+        st = steps[0]
+        return [self.model.forward(st.input_ids, st.positions, st.meta, self.kv_caches, st.logits_indices)]
+
+
+def micro_batch_groups(scheduled: list, m: int) -> list[list]:
+    """The step's sequences cut into min(m, len) contiguous groups, each cut at the boundary whose
+    token count lies nearest an even share (pipeline micro-batches; every stage cuts the same step
+    the same way). [scheduled] for m = 1."""
+    m = min(m, len(scheduled))
+    if m <= 1:
+        return [scheduled]
+    prefix = list(itertools.accumulate(n for _, n, _ in scheduled))     # prefix[i - 1]: tokens of [:i]
+    cuts = [0]
+    for k in range(1, m):
+        target = prefix[-1] * k / m
+        cuts.append(min(range(cuts[-1] + 1, len(scheduled) - (m - k) + 1),
+                        key=lambda i: abs(prefix[i - 1] - target)))
+    cuts.append(len(scheduled))
+    return [scheduled[a:b] for a, b in zip(cuts, cuts[1:])]

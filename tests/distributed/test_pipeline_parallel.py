@@ -3,7 +3,9 @@ into stages, one process each, over gloo with the mp executor. pipeline_parallel
 greedy tokens of one process and of transformers, logprobs within 1e-4 in float32, under chunked
 prefill, tiny blocks, prefix hits and preemption in both modes, with beams, n > 1 and ngram
 speculation, on a float model and a natively quantized GGUF; each stage holds only its layers; a
-dead stage fails the step at once with a clear error; what is not built is refused."""
+dead stage fails the step at once with a clear error; what is not built is refused. A step runs as
+micro-batches flowing through the stages at once (pipeline_micro_batches; by default one per
+stage on CUDA, one on the CPU)."""
 from __future__ import annotations
 
 import os
@@ -25,10 +27,12 @@ from tests.reference.hf_reference import hf_greedy
 def test_pp2_equals_pp1_and_transformers(random_model_dir, arch, mode):
     """qwen3: q/k norms; llama3: the LM head tied to the embedding (both on the last stage)."""
     model = str(random_model_dir(arch))
-    pp2 = LLM(model, pipeline_parallel_size=2, preemption_mode=mode, **CONSTRAINED)
+    pp2 = LLM(model, pipeline_parallel_size=2, pipeline_micro_batches=2, preemption_mode=mode, **CONSTRAINED)
     try:
         got = run(pp2)
         stats = pp2.engine.stats()
+        stage0 = pp2.engine.core.model
+        assert stage0.num_micro_batches_total > stage0.num_steps_total     # steps ran as two micro-batches
     finally:
         close(pp2)
     want = run(LLM(model, preemption_mode=mode, **CONSTRAINED))
@@ -48,7 +52,7 @@ def _texts(llm: LLM, prompts, params) -> list:
 
 
 def test_pp3_beams_n_and_speculation_match_one_process():
-    """Three stages of stories260K's five layers (2, 2, 1): beam search (block copies reach every
+    """Three stages of stories260K's five layers (2, 2, 1), three micro-batches: beam search (block copies reach every
     stage), n > 1 with seeds (forks), and ngram speculation (several logits rows per sequence)."""
     beams = SamplingParams(n=3, use_beam_search=True, max_tokens=12, ignore_eos=True)
     seeded = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=16, ignore_eos=True)
@@ -57,13 +61,14 @@ def test_pp3_beams_n_and_speculation_match_one_process():
     loop = [[1] + [300, 301, 302, 303] * 6]          # a repeating prompt: ngram drafts get accepted
     results = {}
     for pp in (3, 1):
-        llm = LLM(str(STORIES_HF), pipeline_parallel_size=pp, block_size=4, num_kv_blocks=96)
+        split = {"pipeline_parallel_size": 3, "pipeline_micro_batches": 3} if pp == 3 else {}
+        llm = LLM(str(STORIES_HF), block_size=4, num_kv_blocks=96, **split)
         try:
             results[pp, "beams"] = _texts(llm, PROMPTS[:2], beams)
             results[pp, "n"] = _texts(llm, PROMPTS[:3], seeded)
         finally:
             close(llm)
-        llm = LLM(str(STORIES_HF), pipeline_parallel_size=pp, **spec)
+        llm = LLM(str(STORIES_HF), **split, **spec)
         try:
             results[pp, "spec"] = run(llm) + [_texts(llm, loop, SamplingParams(temperature=0.0, max_tokens=24,
                                                                                 ignore_eos=True))]
@@ -102,6 +107,37 @@ def test_a_quantized_gguf_splits_too():
         close(one)
     assert got == want
     assert stage0 < 0.75 * whole         # half the layers (the tied embedding stays on stage 0)
+
+
+def test_micro_batches_cut_the_step_evenly_and_in_order():
+    from kvserve.worker.model_runner import micro_batch_groups
+
+    def cut(tokens, m):
+        return [[n for _, n, _ in g] for g in micro_batch_groups([(None, n, []) for n in tokens], m)]
+
+    assert cut([1, 1, 1, 1], 2) == [[1, 1], [1, 1]]
+    assert cut([1, 1, 1, 1, 1], 3) == [[1, 1], [1], [1, 1]]
+    assert cut([40, 1, 1], 2) == [[40], [1, 1]]
+    assert cut([1, 1, 40], 2) == [[1, 1], [40]]
+    assert cut([5], 4) == [[5]] and cut([1, 1], 1) == [[1, 1]] and cut([1, 1], 8) == [[1], [1]]
+    for m in (1, 2, 3):     # every sequence once, in order, no group empty
+        groups = micro_batch_groups([(i, 1 + i % 3, []) for i in range(10)], m)
+        assert [e[0] for g in groups for e in g] == list(range(10)) and all(groups) and len(groups) <= m
+
+
+@pytest.mark.parametrize("micro", [0, 1, 3])      # 0: the default, one on the CPU
+def test_any_micro_batch_count_gives_the_same_answer(micro):
+    pp = LLM(str(STORIES_HF), pipeline_parallel_size=2, pipeline_micro_batches=micro, **CONSTRAINED)
+    try:
+        got = run(pp)
+        stage0 = pp.engine.core.model
+        assert (stage0.num_micro_batches_total == stage0.num_steps_total) == (micro in (0, 1))
+    finally:
+        close(pp)
+    want = run(LLM(str(STORIES_HF), **CONSTRAINED))
+    for (toks, lps), (wtoks, wlps) in zip(got, want):
+        assert toks == wtoks
+        assert lps == pytest.approx(wlps, abs=1e-4)
 
 
 def test_a_stage_holds_only_its_layers():
@@ -144,6 +180,10 @@ def test_what_is_not_built_is_refused():
                         ({"kv_tiers": "cpu:64MiB"}, "kv_tiers")):
         with pytest.raises(ValueError, match=f"pipeline_parallel_size > 1 with {name}"):
             EngineConfig(model=str(STORIES_HF), pipeline_parallel_size=2, **extra)
+    with pytest.raises(ValueError, match="pipeline_micro_batches needs pipeline_parallel_size > 1"):
+        EngineConfig(model=str(STORIES_HF), pipeline_micro_batches=2)
+    with pytest.raises(ValueError, match="pipeline_micro_batches must be >= 0"):
+        EngineConfig(model=str(STORIES_HF), pipeline_parallel_size=2, pipeline_micro_batches=-1)
     with pytest.raises(ValueError, match="pipeline_parallel_size must be >= 1"):
         EngineConfig(model=str(STORIES_HF), pipeline_parallel_size=0)
     from kvserve.pooling.decoder import DecoderEmbedder

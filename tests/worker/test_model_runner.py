@@ -54,7 +54,7 @@ def test_steps_with_leaving_returning_and_reordered_requests_equal_a_fresh_runne
             ref = run(alone, own, [Seq(s.request_id, s.token_ids[:-1])])
             torch.testing.assert_close(got[s.request_id], ref[s.request_id], atol=1e-4, rtol=1e-4)
             assert int(ref[s.request_id].argmax()) == s.token_ids[-1]
-    assert runner.input_batch.rows.num_rows == 1                 # only c's row is held
+    assert runner.input_batches[0].rows.num_rows == 1                 # only c's row is held
     assert all(b != NULL_BLOCK for t in kv.block_tables.values() for b in (x.block_id for x in t))
     for t in runner.kv_cache_tensors():                          # nothing ever wrote the null block
         assert t.shape[0] == 33 and not t[NULL_BLOCK].any()
