@@ -32,8 +32,8 @@ def default_micro_batches(stages: int, device) -> int:
     """One micro-batch per stage where each stage has memory of its own (a GPU each); one on the
     CPU, where the stages share one memory system: a decode step reads every weight once per
     micro-batch, so cutting the step in two doubles the weight traffic that bounds it (measured:
-    benchmarks/bench_tp.py --split pp, PP=2 with two micro-batches 0.72x one thread against 0.92x
-    with one, docs/past-one-process.md)."""
+    benchmarks/bench_tp.py --split pp, PP=2's mixed workload with two micro-batches 0.72-0.88x one
+    thread's, with one 0.92-0.93x: docs/past-one-process.md)."""
     return stages if torch.device(device).type == "cuda" else 1
 
 
