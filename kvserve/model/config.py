@@ -45,6 +45,16 @@ class ModelConfig:
         return (self.num_experts > 0 and i not in self.mlp_only_layers
                 and (i + 1) % self.decoder_sparse_step == 0)
 
+    def mlp_params(self) -> int:
+        """Parameters of every layer's MLP: gate, up, down; in an MoE layer each expert's, the
+        router's and the shared expert's with its gate."""
+        E = self.hidden_size
+        moe = sum(self.is_moe_layer(i) for i in range(self.num_layers))
+        S = self.shared_expert_intermediate_size
+        expert = 3 * E * (self.moe_intermediate_size or self.intermediate_size)
+        per_moe = self.num_experts * (expert + E) + (3 * E * S + E if S else 0)
+        return (self.num_layers - moe) * 3 * E * self.intermediate_size + moe * per_moe
+
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
         archs = cfg.get("architectures") or []

@@ -2,10 +2,12 @@
 Qwen2-MoE (shared expert), Qwen3-MoE (also with a dense layer among MoE ones) and OLMoE (q/k
 norms over the full width, clip_qkv), tiny random checkpoints saved with save_pretrained give
 kvserve's greedy tokens equal to transformers' and logprobs within 1e-4 (float32), with the
-default engine and with small blocks, chunked prefill and prefix caching. Also: the fused expert
-layout loads to the same outputs; checkpoints whose experts do not match config.json are refused
-before a model is built; int8 / int4 quantize every expert; the fused CPU decode step stays off;
-tensor parallelism is refused."""
+default engine, with small blocks, chunked prefill and prefix caching, and with an int8 copy of
+the model drafting for speculative decoding. Also: the fused expert layout loads to the same
+outputs; checkpoints whose experts do not match config.json are refused before a model is
+built; int8 / int4 quantize every expert; the fused CPU decode step stays off; pipeline stages
+keep each layer's kind; tensor parallelism is refused; ModelConfig.mlp_params (the draft
+footprint's count) counts every expert."""
 from __future__ import annotations
 
 import json
@@ -43,6 +45,8 @@ SETTINGS = {
     "default": dict(),
     "chunked_small_blocks": dict(block_size=4, max_num_batched_tokens=7, max_num_seqs=4),
     "prefix_cache": dict(block_size=4, num_kv_blocks=256, prefix_cache="radix"),
+    # an int8 copy of the model drafts 3 tokens, the float32 model verifies them
+    "speculative": dict(speculative_config={"model": "self-int8", "num_speculative_tokens": 3}),
 }
 
 
@@ -100,9 +104,17 @@ def test_matches_transformers(name, setting, moe_dir):
     llm = check(moe_dir(name), SETTINGS[setting], prompts_for(list(MODELS).index(name)))
     model = llm.engine.model
     assert type(model) is MoeModel
+    if setting == "speculative":    # drafts were made and some verified
+        assert llm.engine.stats().spec_decode_num_accepted_tokens > 0
     if name == "qwen3_moe_mixed":
         assert [layer.dense_mlp for layer in model.layers] == [False, True, False]
-    if setting == "default":        # chosen off for the experts, not for another reason
+    if setting == "default":
+        # what the draft model's footprint (spec_decode/draft.py) counts: every expert
+        mlp = [w for layer in model.layers for w in layer.linears()[2:]]
+        mlp += [t for layer in model.layers if not layer.dense_mlp
+                for t in (layer.router, layer.shared_gate) if t is not None]
+        assert sum(w.numel() for w in mlp) == model.cfg.mlp_params()
+        # the fused decode step is off for the experts, not for another reason
         assert model.fused is None
         why = FusedDecode._why_not(model)
         assert why is not None and ("mixture-of-experts" in why or "kernels" in why)
