@@ -26,9 +26,34 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False   # Qwen2: biases on q, k, v
     qk_norm: bool = False          # Qwen3: RMSNorm on each head of q and k
+    qk_norm_full: bool = False     # OLMoE: the q and k norms span all heads' width (H * D, KV * D)
+    clip_qkv: float | None = None  # OLMoE: q, k, v clamped to +-clip_qkv after the norms
+    # mixture of experts (kvserve/model/moe_models.py); num_experts 0: every layer's MLP is dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None      # None: intermediate_size (Mixtral)
+    norm_topk_prob: bool = False                  # renormalise the top-k router weights
+    shared_expert_intermediate_size: int = 0      # Qwen2-MoE: an always-on, sigmoid-gated expert
+    decoder_sparse_step: int = 1                  # layer i is MoE if (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()         # ... and i is not listed here (dense MLP)
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether decoder layer `i` (of the whole model) runs experts (transformers' rule)."""
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+    def mlp_params(self) -> int:
+        """Parameters of every layer's MLP: gate, up, down; in an MoE layer each expert's, the
+        router's and the shared expert's with its gate."""
+        E = self.hidden_size
+        moe = sum(self.is_moe_layer(i) for i in range(self.num_layers))
+        S = self.shared_expert_intermediate_size
+        expert = 3 * E * (self.moe_intermediate_size or self.intermediate_size)
+        per_moe = self.num_experts * (expert + E) + (3 * E * S + E if S else 0)
+        return (self.num_layers - moe) * 3 * E * self.intermediate_size + moe * per_moe
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
@@ -64,8 +89,17 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", defaults.get("attention_bias", False)),
+            attention_bias=cfg.get("attention_bias", cfg.get("qkv_bias", defaults.get("attention_bias", False))),
             qk_norm=defaults.get("qk_norm", False),
+            qk_norm_full=defaults.get("qk_norm_full", False),
+            clip_qkv=cfg.get("clip_qkv"),
+            num_experts=cfg.get("num_experts") or cfg.get("num_local_experts") or 0,
+            num_experts_per_tok=cfg.get("num_experts_per_tok") or 0,
+            moe_intermediate_size=cfg.get("moe_intermediate_size"),
+            norm_topk_prob=cfg.get("norm_topk_prob", defaults.get("norm_topk_prob", False)),
+            shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
+            decoder_sparse_step=cfg.get("decoder_sparse_step") or 1,
+            mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
             sliding_window=sliding,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),

@@ -4,9 +4,10 @@ kvserve/kernels), instead of ~220 eager ATen calls a layer.
 
 Chosen once at load: the model must be float32 on the CPU, without tensor parallelism, with an
 unquantized KV cache, head dims and GQA ratios the attention kernel holds, and linear weights the
-kernels read (float32 tensors, int4, int8, GGUF Q8_0). Anything else runs the layer-by-layer torch
-path, with one log line naming why. A step with prefill chunks always takes the torch path (its
-decode rows still reach the fused attention and GEMV ops there).
+kernels read (float32 tensors, int4, int8, GGUF Q8_0), dense MLPs (no mixture of experts:
+kvserve/model/moe_models.py), per-head q/k norms and no clip_qkv. Anything else runs the
+layer-by-layer torch path, with one log line naming why. A step with prefill chunks always takes
+the torch path (its decode rows still reach the fused attention and GEMV ops there).
 """
 from __future__ import annotations
 
@@ -87,6 +88,10 @@ class FusedDecode:
             return f"{cfg.num_heads} query heads on {cfg.num_kv_heads} KV heads of dim {cfg.head_dim}"
         if cfg.head_dim % 2:
             return f"odd head dim {cfg.head_dim}"
+        if not all(layer.dense_mlp for layer in model.layers):
+            return "mixture-of-experts layers (the kernels run a dense MLP)"
+        if cfg.qk_norm_full or cfg.clip_qkv is not None:
+            return "q/k norms over the full width or clip_qkv (the kernels norm each head, unclipped)"
         return None
 
     def takes(self, num_tokens: int, num_decode_tokens: int) -> bool:

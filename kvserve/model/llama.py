@@ -26,10 +26,14 @@ EMBED = "model.embed_tokens.weight"
 class LlamaLayer:
     """One decoder layer's weights, fused: qkv [(H + 2 KV) * D, hidden], gate_up [2I, hidden].
     `w` holds the small tensors in the model dtype; `lin(name, parts)` builds a linear weight
-    (a tensor, or a QuantizedWeight) from the checkpoint's row blocks."""
+    (a tensor, or a QuantizedWeight) from the checkpoint's row blocks (names, or tensors).
+    `build_mlp` and `mlp` are the feed-forward half: a subclass swaps them (moe_models.py)."""
 
-    def __init__(self, w: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig, lin):
-        a, m = prefix + "self_attn.", prefix + "mlp."
+    dense_mlp = True        # the fused decode step (fused_decode.py) runs only this MLP
+
+    def __init__(self, w: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig, lin, index: int = 0,
+                 raw: dict | None = None):
+        a = prefix + "self_attn."
         self.input_norm = w[prefix + "input_layernorm.weight"]
         self.post_norm = w[prefix + "post_attention_layernorm.weight"]
         self.qkv = lin(a + "qkv_proj", [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"])
@@ -38,8 +42,22 @@ class LlamaLayer:
         self.o = lin(a + "o_proj", [a + "o_proj.weight"])
         self.q_norm = w.get(a + "q_norm.weight")
         self.k_norm = w.get(a + "k_norm.weight")
+        self.build_mlp(w, prefix, cfg, lin, index, raw)
+
+    def build_mlp(self, w: dict, prefix: str, cfg: ModelConfig, lin, index: int, raw: dict | None) -> None:
+        """The MLP's weights (`index`: the layer's number in the whole model; `raw`: the
+        checkpoint's tensors, HF names, as they arrived)."""
+        m = prefix + "mlp."
         self.gate_up = lin(m + "gate_up_proj", [m + "gate_proj.weight", m + "up_proj.weight"])
         self.down = lin(m + "down_proj", [m + "down_proj.weight"])
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        """The post-attention-norm stream [T, hidden] -> the MLP's output [T, hidden] (partial if tp)."""
+        return linear(swiglu(linear(h, self.gate_up)), self.down)
+
+    def linears(self) -> list:
+        """Every linear weight of the layer (a tensor or a QuantizedWeight)."""
+        return [self.qkv, self.o, self.gate_up, self.down]
 
 
 class LlamaModel:
@@ -52,6 +70,9 @@ class LlamaModel:
     (the embedding only on the first stage, the final norm and LM head only on the last)."""
 
     supports_pipeline = True        # embed_tokens / run_layers / final_hidden / logits, apart
+    layer_class = LlamaLayer
+    # checkpoint tensors `lin` reads itself (not copied into the model dtype first): linear weights
+    own_suffixes = ("proj.weight",)
 
     def __init__(self, cfg: ModelConfig, weights: dict, attn: AttentionBackend,
                  device: torch.device, dtype: torch.dtype, quantization: str | None = None,
@@ -62,19 +83,21 @@ class LlamaModel:
         self.stage = stage
         last = stage is None or stage.is_last
         quantization, quantization_group_size = parse_quantization(quantization, quantization_group_size)
-        own = {k for k in weights if k.endswith("proj.weight") or k in ("lm_head.weight", EMBED)}
+        own = {k for k in weights if k.endswith(self.own_suffixes) or k in ("lm_head.weight", EMBED)}
         w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items() if k not in own}
 
-        def lin(name: str, parts: list[str]):
-            return linear_weight([weights[p] for p in parts], name, quantization,
-                                 quantization_group_size, device, dtype)
+        def lin(name: str, parts: list):
+            return linear_weight([weights[p] if isinstance(p, str) else p for p in parts], name,
+                                 quantization, quantization_group_size, device, dtype)
 
         self.embed = (embedding_weight(weights[EMBED], quantization, device, dtype)   # [V, hidden]
                       if EMBED in weights else None)                  # (a later pipeline stage: none)
         self.lm_head = None if not last else (self.embed if cfg.tie_word_embeddings
                                               else lin("lm_head", ["lm_head.weight"]))
         self.norm = w["model.norm.weight"] if last else None
-        self.layers = [LlamaLayer(w, f"model.layers.{i}.", cfg, lin) for i in range(cfg.num_layers)]
+        first = stage.first_layer if stage is not None else 0
+        self.layers = [self.layer_class(w, f"model.layers.{i}.", cfg, lin, first + i, weights)
+                       for i in range(cfg.num_layers)]
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         cos, sin = rope_cos_sin(inv_freq, cfg.max_position_embeddings)
         self.rope_cos = cos.to(device)                                       # [P, D] float32
@@ -91,7 +114,7 @@ class LlamaModel:
 
     def _use_w8a8(self) -> int:
         """int8 linear weights run W8A8 on big steps (formats.Int8Weight.use_w8a8); returns how many."""
-        weights = {id(w): w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)}
+        weights = {id(w): w for layer in self.layers for w in layer.linears()}
         if self.lm_head is not None:
             weights[id(self.lm_head)] = self.lm_head
         int8 = [w for w in weights.values() if isinstance(w, Int8Weight)]
@@ -104,7 +127,8 @@ class LlamaModel:
         seen, total = set(), 0
         tensors = [t for t in (self.embed, self.lm_head, self.norm) if t is not None]
         for layer in self.layers:
-            tensors += [t for t in vars(layer).values() if isinstance(t, (torch.Tensor, QuantizedWeight))]
+            tensors += [t for v in vars(layer).values() for t in (v if isinstance(v, list) else [v])
+                        if isinstance(t, (torch.Tensor, QuantizedWeight))]
         for t in tensors:
             if id(t) not in seen:
                 seen.add(id(t))
@@ -160,15 +184,21 @@ class LlamaModel:
             qkv = linear(h, layer.qkv, layer.qkv_bias)                # [T, (H + 2KV) * D]
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             qk, v = qk.view(T, H + KV, D), v.view(T, KV, D)
-            if layer.q_norm is not None:   # Qwen3: per-head RMSNorm of q and k before RoPE
+            if layer.q_norm is not None and cfg.qk_norm_full:   # OLMoE: over all heads' width
+                qk = torch.cat([rms_norm(qk[:, :H].reshape(T, H * D), layer.q_norm, cfg.rms_norm_eps),
+                                rms_norm(qk[:, H:].reshape(T, KV * D), layer.k_norm, cfg.rms_norm_eps)],
+                               dim=1).view(T, H + KV, D)
+            elif layer.q_norm is not None:   # Qwen3: per-head RMSNorm of q and k before RoPE
                 qk = torch.cat([rms_norm(qk[:, :H], layer.q_norm, cfg.rms_norm_eps),
                                 rms_norm(qk[:, H:], layer.k_norm, cfg.rms_norm_eps)], dim=1)
+            if cfg.clip_qkv is not None:     # OLMoE: after the norms, before RoPE
+                qk, v = qk.clamp(-cfg.clip_qkv, cfg.clip_qkv), v.clamp(-cfg.clip_qkv, cfg.clip_qkv)
             qk = apply_rope(qk, cos, sin)                             # q and k heads at once
             q, k = qk[:, :H], qk[:, H:]
             o = self.attn.forward(q, k, v, k_cache, v_cache, meta)    # [T, H, D]
             attn_out = linear(o.reshape(T, H * D), layer.o)           # [T, hidden] (partial if tp)
             x = x + (attn_out if tp is None else tp.all_reduce(attn_out))
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            mlp_out = linear(swiglu(linear(h, layer.gate_up)), layer.down)
+            mlp_out = layer.mlp(h)
             x = x + (mlp_out if tp is None else tp.all_reduce(mlp_out))
         return x

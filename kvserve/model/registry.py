@@ -26,6 +26,7 @@ class Architecture:
     gguf: str | None = None
     defaults: dict = field(default_factory=dict)
     sliding_window_opt_in: bool = False     # config.json's sliding_window counts only with use_sliding_window
+    experts: bool = False                   # MoE: the checkpoint's expert tensors are checked at load
 
     def model_class(self) -> type:
         if isinstance(self.model, type):
@@ -35,6 +36,7 @@ class Architecture:
 
 
 LLAMA = "kvserve.model.llama:LlamaModel"
+MOE = "kvserve.model.moe_models:MoeModel"         # Llama's layers, the MLP a mixture of experts
 ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": Architecture(LLAMA, gguf="llama"),      # also SmolLM, TinyLlama, Llama 2/3
     "MistralForCausalLM": Architecture(LLAMA),
@@ -42,6 +44,12 @@ ARCHITECTURES: dict[str, Architecture] = {
                                      sliding_window_opt_in=True),
     "Qwen3ForCausalLM": Architecture(LLAMA, gguf="qwen3", defaults={"qk_norm": True},
                                      sliding_window_opt_in=True),
+    "MixtralForCausalLM": Architecture(MOE, defaults={"norm_topk_prob": True}, experts=True),
+    "Qwen2MoeForCausalLM": Architecture(MOE, defaults={"attention_bias": True}, sliding_window_opt_in=True,
+                                        experts=True),
+    "Qwen3MoeForCausalLM": Architecture(MOE, defaults={"qk_norm": True}, sliding_window_opt_in=True,
+                                        experts=True),
+    "OlmoeForCausalLM": Architecture(MOE, defaults={"qk_norm": True, "qk_norm_full": True}, experts=True),
 }
 
 

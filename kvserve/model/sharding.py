@@ -63,6 +63,9 @@ def check_tp_size(cfg: ModelConfig, size: int) -> None:
     if kv % size and size % kv:
         raise ValueError(f"tensor_parallel_size={size} and the model's {kv} KV heads: one must divide "
                          "the other (KV heads are split, or replicated when there are fewer than ranks).")
+    if cfg.num_experts and size > 1:
+        raise ValueError(f"tensor_parallel_size={size} is not built for mixture-of-experts models "
+                         f"({cfg.architecture}): use 1.")
     if cfg.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide intermediate_size "
                          f"{cfg.intermediate_size}.")

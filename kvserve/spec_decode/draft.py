@@ -43,9 +43,9 @@ def draft_footprint(r, target_cfg) -> tuple[int, int]:
     if spec is None or spec.method != "draft_model":
         return 0, 0
     m = target_cfg if spec.model in SELF_DRAFTS else read_model_config(spec.model)
-    E, D, I = m.hidden_size, m.head_dim, m.intermediate_size
+    E, D = m.hidden_size, m.head_dim
     params = (m.vocab_size * E * (1 if m.tie_word_embeddings else 2)
-              + m.num_layers * (2 * E * (m.num_heads + m.num_kv_heads) * D + 3 * E * I))
+              + m.num_layers * 2 * E * (m.num_heads + m.num_kv_heads) * D + m.mlp_params())
     dtype = r.model.torch_dtype
     return (ModelRunner.kv_bytes_per_block(m, r.cache.block_size, dtype),
             params * torch.empty((), dtype=dtype).element_size())

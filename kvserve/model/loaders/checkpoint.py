@@ -15,6 +15,8 @@ import torch
 
 from kvserve.model.config import DTYPE_NAMES, ModelConfig
 from kvserve.model.loaders.gguf import load_gguf
+from kvserve.model.moe import check_expert_tensors
+from kvserve.model.registry import architecture
 from kvserve.model.tokenizers.tokenizer import HFTokenizer, Llama2cTokenizer, Tokenizer
 
 # Checkpoint tensor types (safetensors' and GGUF's names) that are plain floating point.
@@ -121,12 +123,14 @@ def _hf_config(root: Path) -> ModelConfig:
     files = sorted(root.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors weights in {str(root)!r}.")
-    names = set()
+    shapes: dict[str, tuple] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as st:
-            names.update(st.keys())
-    if "lm_head.weight" not in names:
+            shapes.update((name, tuple(st.get_slice(name).get_shape())) for name in st.keys())
+    if "lm_head.weight" not in shapes:
         cfg.tie_word_embeddings = True
+    if architecture(cfg.architecture).experts:
+        check_expert_tensors(cfg, shapes)        # before any model is built from them
     return cfg
 
 
