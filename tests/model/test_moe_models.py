@@ -245,3 +245,12 @@ def test_pipeline_stages_keep_each_layers_kind(moe_dir):
     got = models[-1].logits(models[-1].final_hidden(x, torch.arange(T)))
     want = full.logits(full.final_hidden(run(full, full.embed_tokens(torch.tensor(ids))), torch.arange(T)))
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_pipeline_parallel_processes_match_transformers(moe_dir):
+    """The mixed Qwen3-MoE across three stage processes (kvserve/distributed/pipeline.py), three
+    micro-batches, chunked prefill and tiny blocks: transformers' tokens and logprobs."""
+    llm = check(moe_dir("qwen3_moe_mixed"), dict(pipeline_parallel_size=3, pipeline_micro_batches=3, block_size=4,
+                                                 max_num_batched_tokens=16, max_num_seqs=4), prompts_for(12))
+    assert llm.engine.core.model.num_micro_batches_total > llm.engine.core.model.num_steps_total
+    llm.engine.shutdown()
