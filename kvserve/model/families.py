@@ -46,8 +46,46 @@ def _phi3_fields(hf: dict) -> dict:
     return out
 
 
+GEMMA_CAPS = {"Gemma2ForCausalLM": (50.0, 30.0), "Gemma3ForCausalLM": (None, None)}   # transformers' defaults
+
+
 def _gemma_fields(hf: dict) -> dict:
-    raise ValueError(f"{_arch(hf)} is not built yet.")
+    """Gemma 2 / 3: GeGLU, query_pre_attn_scalar, soft-capping, each layer's window (layer_types,
+    or the families' patterns: Gemma 2 alternates from a windowed layer 0, Gemma 3 has every
+    sliding_window_pattern-th layer global), Gemma 3's RoPE base for windowed layers."""
+    arch, n = _arch(hf), hf["num_hidden_layers"]
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError(f"{arch} with use_bidirectional_attention is not a causal LM kvserve runs.")
+    types = hf.get("layer_types")
+    if types is None:
+        pattern = 2 if arch == "Gemma2ForCausalLM" else hf.get("sliding_window_pattern", 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    if len(types) != n or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ValueError(f"{arch} layer_types {types!r}: kvserve runs {n} layers of sliding_attention "
+                         "and full_attention.")
+    # a windowed layer without a window attends to everything (and keeps its own RoPE base)
+    window = hf.get("sliding_window") or hf.get("max_position_embeddings", 8192)
+    softcap, final_softcap = GEMMA_CAPS[arch]
+    out = dict(hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
+               query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
+               attn_logit_softcapping=hf.get("attn_logit_softcapping", softcap),
+               final_logit_softcapping=hf.get("final_logit_softcapping", final_softcap),
+               sliding_window=None,
+               layer_windows=[window if t == "sliding_attention" else None for t in types])
+    rope = hf.get("rope_parameters") or {}
+    if arch == "Gemma3ForCausalLM":
+        full = rope.get("full_attention") or ({} if "sliding_attention" in rope else rope)
+        local = rope.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"{arch}: RoPE scaling of the sliding-window layers "
+                             f"({local.get('rope_type')!r}) is not built.")
+        out["rope_theta"] = full.get("rope_theta", hf.get("rope_theta", 1_000_000.0))
+        out["rope_local_theta"] = local.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0))
+        scaling = full if full.get("rope_type", "default") != "default" else (hf.get("rope_scaling") or None)
+        if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            scaling = None
+        out["rope_scaling"] = scaling
+    return out
 
 
 def adapt_weights(weights: dict, cfg) -> dict:

@@ -40,7 +40,7 @@ class Architecture:
 
 
 LLAMA = "kvserve.model.llama:LlamaModel"
-FAMILIES = "kvserve.model.families"
+GEMMA, FAMILIES = "kvserve.model.gemma:GemmaModel", "kvserve.model.families"
 ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": Architecture(LLAMA, gguf="llama"),      # also SmolLM, TinyLlama, Llama 2/3
     "MistralForCausalLM": Architecture(LLAMA),
@@ -49,6 +49,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3ForCausalLM": Architecture(LLAMA, gguf="qwen3", defaults={"qk_norm": True},
                                      sliding_window_opt_in=True),
     "Phi3ForCausalLM": Architecture(LLAMA, adapter=FAMILIES),        # Phi-3, Phi-3.5, Phi-4(-mini)
+    "Gemma2ForCausalLM": Architecture(GEMMA, adapter=FAMILIES),
+    "Gemma3ForCausalLM": Architecture(GEMMA, adapter=FAMILIES, defaults={"qk_norm": True}),
 }
 
 

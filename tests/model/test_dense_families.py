@@ -34,6 +34,17 @@ def hf_config(name: str):
                              rope_scaling=dict(LONGROPE))
     if name == "phi3_window":
         return tf.Phi3Config(**COMMON, sliding_window=9)
+    gemma = {**COMMON, "num_hidden_layers": 4, "head_dim": 16, "tie_word_embeddings": True,
+             "sliding_window": 8, "query_pre_attn_scalar": 24}
+    if name == "gemma2":      # small caps, so that soft-capping changes the scores and the logits
+        return tf.Gemma2Config(**gemma, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+    if name == "gemma2_untied":
+        return tf.Gemma2Config(**{**gemma, "tie_word_embeddings": False})
+    if name == "gemma3":      # windowed, global, windowed, global; local base 100; linear-scaled global RoPE
+        return tf.Gemma3TextConfig(**gemma, layer_types=["sliding_attention", "full_attention"] * 2,
+                                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                                    "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                       "rope_theta": 10000.0}})
     raise ValueError(name)
 
 
@@ -149,6 +160,78 @@ def test_phi3_fused_decode_only_where_it_is_exact(build):
     assert partial.fused is None and "RoPE on 12 of 16" in partial.unfused()
     if kernels.available(torch.device("cpu")):
         assert plain.fused is not None
+
+
+# -- Gemma 2 / 3 ------------------------------------------------------------------------------
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_gemma_matches_transformers(name, setting, build):
+    """Prompts longer than the window (8), so windowed and global layers differ."""
+    check(build(name), SETTINGS[setting], prompts(4, 4, 10, 40, prefix=8 if setting == "prefix" else 0))
+
+
+def test_gemma2_untied_default_caps(build):
+    check(build("gemma2_untied"), SETTINGS["chunked"], prompts(5, 3, 10, 30))
+
+
+def test_gemma_backends_and_fused_step(build):
+    """Soft-capping keeps Gemma 2 off the C++ decode kernel (auto picks torch, cpu_fused is
+    refused by name); Gemma 3 may decode on it, layer by layer (no fused step), still exact."""
+    from kvserve import kernels
+
+    g2 = LLM(build("gemma2"), dtype="float32").engine.model
+    assert g2.attn.name == "torch" and g2.fused is None and g2.attn.softcap == 2.0
+    assert [a.sliding_window for a in g2.layer_attn] == [8, None, 8, None]
+    if kernels.available(torch.device("cpu")):
+        with pytest.raises(ValueError, match="soft-capping"):
+            LLM(build("gemma2"), dtype="float32", attention_backend="cpu_fused")
+        llm = check(build("gemma3"), dict(attention_backend="cpu_fused"), prompts(6, 3, 10, 30))
+        assert llm.engine.model.fused is None and llm.engine.model.attn.name == "cpu_fused"
+
+
+@pytest.mark.parametrize("name", ["gemma2", "phi4mini"])
+def test_embeddings_equal_transformers_hidden_states(name, build):
+    """The embedder's prompt-only attention (pooling/decoder.py) through the same windows and caps."""
+    from kvserve.config import EngineConfig
+    from kvserve.pooling.models import load_embedding_model
+
+    model = load_embedding_model(EngineConfig(model=build(name), dtype="float32"))
+    ps = prompts(7, 3, 10, 30)
+    got = model.embed(ps)
+    hf = load_hf(build(name)).model
+    with torch.inference_mode():     # as hf_greedy runs it (LongRoPE updates its buffers in place)
+        ref = torch.stack([torch.nn.functional.normalize(hf(torch.tensor([p])).last_hidden_state[0, -1], dim=0)
+                           for p in ps])
+    assert (got - ref).abs().max() < 1e-4
+
+
+def test_gemma_refuses_what_it_lacks(build):
+    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 is not built"):
+        LLM(build("gemma2"), dtype="float32", pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not built for Gemma3ForCausalLM"):
+        LLM(build("gemma3"), dtype="float32", tensor_parallel_size=2)
+
+
+def test_gemma_config_fields_of_older_configs():
+    """config.json as Gemma 2 / 3 checkpoints on the Hub write it (no layer_types, rope_scaling
+    and rope_local_base_freq at the top level)."""
+    from kvserve.model.config import ModelConfig
+
+    base = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4096)
+    g2 = ModelConfig.from_hf({**base, "architectures": ["Gemma2ForCausalLM"], "hidden_act": "gelu_pytorch_tanh"})
+    assert g2.layer_windows == [4096, None] * 3 and g2.sliding_window is None
+    assert (g2.attn_logit_softcapping, g2.final_logit_softcapping) == (50.0, 30.0)
+    assert g2.hidden_act == "gelu_pytorch_tanh" and g2.query_pre_attn_scalar == 256
+    g3 = ModelConfig.from_hf({**base, "architectures": ["Gemma3ForCausalLM"], "sliding_window_pattern": 6,
+                              "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                              "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                              "attn_logit_softcapping": None, "final_logit_softcapping": None})
+    assert g3.layer_windows == [4096] * 5 + [None] and g3.qk_norm
+    assert (g3.rope_theta, g3.rope_local_theta, g3.rope_scaling["factor"]) == (1e6, 1e4, 8.0)
+    assert g3.attn_logit_softcapping is None and g3.final_logit_softcapping is None
+    with pytest.raises(ValueError, match="layer_types"):
+        ModelConfig.from_hf({**base, "architectures": ["Gemma3ForCausalLM"], "layer_types": ["chunked_attention"] * 6})
 
 
 def _edit_config(src: str, dst, **changes) -> str:
