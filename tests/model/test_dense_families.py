@@ -250,3 +250,21 @@ def test_phi3_refuses_what_it_lacks(build, tmp_path):
     with pytest.raises(ValueError, match="unsupported rope_scaling type 'dynamic'"):
         LLM(_edit_config(build("phi3"), tmp_path / "dyn", rope_scaling={"type": "dynamic", "factor": 2.0},
                          rope_parameters=None), dtype="float32")
+
+
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)])
+def test_phi4_mini_tensor_and_pipeline_parallel(parallel, build):
+    """Phi-3's split weights carry Llama's names, so TP slices them and PP stages hold them as
+    Llama's: tp=2 / pp=2 (gloo, mp workers) give transformers' tokens."""
+    ps = prompts(2, 3, 12, 28, prefix=4)
+    llm = LLM(build("phi4mini"), dtype="float32", **parallel, **SETTINGS["chunked"])
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], params)
+    finally:
+        llm.engine.shutdown()
+    for p, out in zip(ps, outs):
+        ref_tokens, ref_lps = hf_greedy(build("phi4mini"), tuple(p), MAX_TOKENS)
+        got = out.outputs[0]
+        assert got.token_ids == ref_tokens
+        assert max(abs(lp[t].logprob - r) for lp, t, r in zip(got.logprobs, got.token_ids, ref_lps)) < 1e-4
