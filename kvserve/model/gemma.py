@@ -10,8 +10,9 @@
   attending through its backend's `for_layer` copy; Gemma 3: q/k RMSNorm per head and a RoPE base
   of its own for the windowed layers (rope_local_theta).
 
-The fused CPU decode step has none of this: it is off (`unfused`). Tensor parallelism and
-pipeline stages are not built for these classes and are refused.
+The fused CPU decode step has none of this: it is off (`unfused`). Tensor parallelism slices it
+as Llama's (the extra norms are replicated; each residual branch is all-reduced before its norm);
+a pipeline stage holds its layers' windows (model/stages.py).
 """
 from __future__ import annotations
 
@@ -42,19 +43,14 @@ class GemmaLayer(LlamaLayer):
 
 
 class GemmaModel(LlamaModel):
-    supports_pipeline = False
-    supports_tensor_parallel = False        # refused before any worker starts (worker/build.py)
     layer_class = GemmaLayer
 
     def __init__(self, cfg, weights: dict, attn, device, dtype, quantization=None,
                  quantization_group_size=None, tp=None, quantize_activations: bool = False, stage=None):
-        if tp is not None:
-            raise ValueError(f"tensor_parallel_size > 1 is not built for {cfg.architecture}: use 1.")
-        if stage is not None:
-            raise ValueError(f"pipeline_parallel_size > 1 is not built for {cfg.architecture}: use 1.")
         super().__init__(cfg, weights, attn, device, dtype, quantization, quantization_group_size,
-                         quantize_activations=quantize_activations)
-        self.norm = self.norm.float() + 1.0
+                         tp=tp, quantize_activations=quantize_activations, stage=stage)
+        if self.norm is not None:                       # (the last pipeline stage's)
+            self.norm = self.norm.float() + 1.0
         self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype)
         windows = cfg.layer_windows or [cfg.sliding_window] * cfg.num_layers
         self.layer_attn = [attn.for_layer(w) for w in windows]
@@ -82,7 +78,10 @@ class GemmaModel(LlamaModel):
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, meta, kv_caches: list) -> torch.Tensor:
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        T = x.shape[0]
+        T, tp = x.shape[0], self.tp
+
+        def reduced(out):                               # a tensor-parallel rank's partial sum, summed
+            return out if tp is None else tp.all_reduce(out)
 
         def table(cos, sin):
             return cos[positions].to(self.dtype).unsqueeze(1), sin[positions].to(self.dtype).unsqueeze(1)
@@ -99,8 +98,8 @@ class GemmaModel(LlamaModel):
                                 gemma_norm(qk[:, H:], layer.k_norm, eps)], dim=1)
             qk = self.rope(qk, *(local if windowed else full))
             o = attn.forward(qk[:, :H], qk[:, H:], v, k_cache, v_cache, meta)   # [T, H, D]
-            x = x + gemma_norm(linear(o.reshape(T, H * D), layer.o), layer.post_norm, eps)
+            x = x + gemma_norm(reduced(linear(o.reshape(T, H * D), layer.o)), layer.post_norm, eps)
             h = gemma_norm(x, layer.pre_ff_norm, eps)
             mlp = linear(self.act(linear(h, layer.gate_up)), layer.down)
-            x = x + gemma_norm(mlp, layer.post_ff_norm, eps)
+            x = x + gemma_norm(reduced(mlp), layer.post_ff_norm, eps)
         return x

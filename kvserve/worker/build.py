@@ -69,8 +69,6 @@ def load_and_resolve(config: "EngineConfig") -> tuple["Config", tuple]:
     model_cfg = loaded[0]
     r = config.resolve(model_cfg)
     tp = r.parallel.tensor_parallel_size
-    if tp > 1 and not getattr(architecture(model_cfg.architecture).model_class(), "supports_tensor_parallel", True):
-        raise ValueError(f"tensor_parallel_size > 1 is not built for {model_cfg.architecture}: use 1.")
     heads = shard_config(model_cfg, tp) if tp > 1 else model_cfg         # what one rank attends over
     backend = select_attention_backend(r.model.attention_backend, heads, torch.device(r.model.device),
                                        r.model.torch_dtype, r.cache.kv_cache_dtype)

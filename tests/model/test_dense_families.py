@@ -40,8 +40,9 @@ def hf_config(name: str):
         return tf.Gemma2Config(**gemma, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
     if name == "gemma2_untied":
         return tf.Gemma2Config(**{**gemma, "tie_word_embeddings": False})
-    if name == "gemma3":      # windowed, global, windowed, global; local base 100; linear-scaled global RoPE
-        return tf.Gemma3TextConfig(**gemma, layer_types=["sliding_attention", "full_attention"] * 2,
+    if name == "gemma3":      # windowed, global, global, windowed; local base 100; linear-scaled global RoPE
+        return tf.Gemma3TextConfig(**gemma, layer_types=["sliding_attention", "full_attention",
+                                                         "full_attention", "sliding_attention"],
                                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                                                     "full_attention": {"rope_type": "linear", "factor": 2.0,
                                                                        "rope_theta": 10000.0}})
@@ -205,13 +206,6 @@ def test_embeddings_equal_transformers_hidden_states(name, build):
     assert (got - ref).abs().max() < 1e-4
 
 
-def test_gemma_refuses_what_it_lacks(build):
-    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 is not built"):
-        LLM(build("gemma2"), dtype="float32", pipeline_parallel_size=2)
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not built for Gemma3ForCausalLM"):
-        LLM(build("gemma3"), dtype="float32", tensor_parallel_size=2)
-
-
 def test_gemma_config_fields_of_older_configs():
     """config.json as Gemma 2 / 3 checkpoints on the Hub write it (no layer_types, rope_scaling
     and rope_local_base_freq at the top level)."""
@@ -253,18 +247,21 @@ def test_phi3_refuses_what_it_lacks(build, tmp_path):
 
 
 @pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)])
-def test_phi4_mini_tensor_and_pipeline_parallel(parallel, build):
+@pytest.mark.parametrize("name", ["phi4mini", "gemma2", "gemma3"])
+def test_tensor_and_pipeline_parallel(name, parallel, build):
     """Phi-3's split weights carry Llama's names, so TP slices them and PP stages hold them as
-    Llama's: tp=2 / pp=2 (gloo, mp workers) give transformers' tokens."""
+    Llama's; Gemma's extra norms are replicated, its residual branches all-reduced before their
+    norms, a stage holds its layers' windows: tp=2 / pp=2 (gloo, mp workers) give transformers'
+    tokens and logprobs."""
     ps = prompts(2, 3, 12, 28, prefix=4)
-    llm = LLM(build("phi4mini"), dtype="float32", **parallel, **SETTINGS["chunked"])
+    llm = LLM(build(name), dtype="float32", **parallel, **SETTINGS["chunked"])
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
         outs = llm.generate([{"prompt_token_ids": p} for p in ps], params)
     finally:
         llm.engine.shutdown()
     for p, out in zip(ps, outs):
-        ref_tokens, ref_lps = hf_greedy(build("phi4mini"), tuple(p), MAX_TOKENS)
+        ref_tokens, ref_lps = hf_greedy(build(name), tuple(p), MAX_TOKENS)
         got = out.outputs[0]
         assert got.token_ids == ref_tokens
         assert max(abs(lp[t].logprob - r) for lp, t, r in zip(got.logprobs, got.token_ids, ref_lps)) < 1e-4
