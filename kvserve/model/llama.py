@@ -81,6 +81,11 @@ class LlamaModel:
         self.rope_cos = cos.to(device)                                       # [P, rotary_dim] float32
         self.rope_sin = sin.to(device)
         self.act = gated_activation(cfg.hidden_act)
+        if (cfg.rope_scaling or {}).get("rope_type") == "longrope" and (stage is None or stage.is_first):
+            orig = cfg.rope_scaling["original_max_position_embeddings"]
+            logger.info("LongRoPE: positions below %d rotate with short_factor, from %d on with "
+                        "long_factor (transformers rotates all of a prompt longer than %d with "
+                        "long_factor)", orig, orig, orig)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         if quantize_activations and self._use_w8a8() == 0:

@@ -206,6 +206,20 @@ def test_embeddings_equal_transformers_hidden_states(name, build):
     assert (got - ref).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("lossy", [dict(quantization="int8"), dict(kv_cache_dtype="int8"),
+                                   dict(dtype="bfloat16")])
+@pytest.mark.parametrize("name", ["phi4mini", "gemma2", "gemma3"])
+def test_lossy_paths_run_close(name, lossy, build):
+    """int8 weights, an int8 KV cache (soft-capped prefill over dequantized context) and bf16 run
+    these families; not exact, so only the first greedy token is held to transformers'."""
+    ps = prompts(2, 4, 12, 28, prefix=4)
+    llm = LLM(build(name), **{"dtype": "float32", **lossy}, **SETTINGS["chunked"])
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps],
+                        SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    for p, out in zip(ps, outs):
+        assert out.outputs[0].token_ids[0] == hf_greedy(build(name), tuple(p), MAX_TOKENS)[0][0]
+
+
 def test_gemma_config_fields_of_older_configs():
     """config.json as Gemma 2 / 3 checkpoints on the Hub write it (no layer_types, rope_scaling
     and rope_local_base_freq at the top level)."""
