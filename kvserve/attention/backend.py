@@ -2,6 +2,8 @@
 every layer calls, and what the model runner asks of a backend to size and allocate its cache."""
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from kvserve.attention import kv_quant
@@ -16,9 +18,15 @@ class AttentionBackend:
     Per step: `prepare(meta)` once, before the first layer (what the backend derives from the
     step's metadata: masks, layouts), then `forward` per layer on decode rows, prefill rows or
     both (decode rows first). A subclass names itself (`name`, the --attention-backend value) and
-    says where it cannot run (`unsupported`)."""
+    says where it cannot run (`unsupported`).
+
+    A model's attention facts beyond its heads come from its ModelConfig in `for_model`: the
+    scale (Gemma's query_pre_attn_scalar) and `softcap` (scores -> cap * tanh(scores / cap), Gemma 2);
+    a model whose layers differ in sliding window attends through `for_layer(window)` copies
+    (the step's masks are derived once per window: AttentionMetadata)."""
 
     name = ""
+    per_layer = False          # a `for_layer` copy: its window's masks, not the step's prepared ones
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                  sliding_window: int | None = None, kv_cache_dtype: str = "auto"):
@@ -27,6 +35,7 @@ class AttentionBackend:
         self.sliding_window = sliding_window
         self.scale = head_dim ** -0.5
         self.kv_cache_dtype = kv_quant.check_kv_cache_dtype(kv_cache_dtype)
+        self.softcap: float | None = None
 
     @classmethod
     def unsupported(cls, cfg, device: torch.device, dtype: torch.dtype, kv_cache_dtype: str) -> str | None:
@@ -37,8 +46,18 @@ class AttentionBackend:
     @classmethod
     def for_model(cls, cfg, block_size: int, kv_cache_dtype: str = "auto") -> "AttentionBackend":
         """The backend for `cfg`'s heads (a ModelConfig, or one rank's slice of it)."""
-        return cls(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size, cfg.sliding_window,
-                   kv_cache_dtype)
+        backend = cls(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size, cfg.sliding_window,
+                      kv_cache_dtype)
+        if getattr(cfg, "query_pre_attn_scalar", None):
+            backend.scale = cfg.query_pre_attn_scalar ** -0.5
+        backend.softcap = getattr(cfg, "attn_logit_softcapping", None) or None
+        return backend
+
+    def for_layer(self, sliding_window: int | None) -> "AttentionBackend":
+        """This backend for a layer of its own sliding window (None: global attention)."""
+        layer = copy.copy(self)
+        layer.sliding_window, layer.per_layer = sliding_window, True
+        return layer
 
     def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
         """The step's metadata with what this backend needs derived once (every layer reads it)."""

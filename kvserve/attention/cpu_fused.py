@@ -21,6 +21,8 @@ class FusedCpuAttention(TorchPagedAttention):
             return "no kvserve kernels here (a CPU device and a working C++ build are needed)"
         if dtype not in (torch.float32, torch.bfloat16) and kv_cache_dtype == "auto":
             return f"a {str(dtype).removeprefix('torch.')} cache"
+        if getattr(cfg, "attn_logit_softcapping", None):
+            return "attention logit soft-capping (the decode kernel has none)"
         if kv_cache_dtype.startswith("fp8"):
             return f"kv_cache_dtype {kv_cache_dtype}"
         if cfg.num_heads % cfg.num_kv_heads or cfg.num_heads // cfg.num_kv_heads > 16 or cfg.head_dim > 256:

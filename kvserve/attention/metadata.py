@@ -85,9 +85,11 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None   # [num_decodes] int64
     decode_key_mask: torch.Tensor | None = None       # [num_decodes, 1, 1, max_blocks*block_size]
     prefills: list[PrefillChunk] = field(default_factory=list)
-    # Derived once per step, at the first layer that asks (not sent to tensor-parallel workers)
+    # Derived once per step, at the first layer that asks (not sent to tensor-parallel workers);
+    # the masks once per sliding window (Gemma's layers alternate between two)
     _block_offset: tuple | None = field(default=None, init=False, repr=False, compare=False)
-    _prefill_layout: PrefillLayout | None = field(default=None, init=False, repr=False, compare=False)
+    _prefill_layouts: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _decode_masks: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def block_and_offset(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, offset) [num_tokens] of every new token's slot: computed once per step, not per layer."""
@@ -96,10 +98,18 @@ class AttentionMetadata:
         return self._block_offset
 
     def prefill_layout(self, block_size: int, sliding_window: int | None, dtype: torch.dtype) -> PrefillLayout:
-        if self._prefill_layout is None:
-            self._prefill_layout = build_prefill_layout(self.prefills, self.num_decode_tokens, block_size,
-                                                        sliding_window, dtype, self.slot_mapping.device)
-        return self._prefill_layout
+        if sliding_window not in self._prefill_layouts:
+            self._prefill_layouts[sliding_window] = build_prefill_layout(
+                self.prefills, self.num_decode_tokens, block_size, sliding_window, dtype,
+                self.slot_mapping.device)
+        return self._prefill_layouts[sliding_window]
+
+    def decode_mask(self, max_len: int, sliding_window: int | None) -> torch.Tensor:
+        """The decode rows' key mask (`build_decode_key_mask`) for one sliding window, once a step."""
+        if sliding_window not in self._decode_masks:
+            self._decode_masks[sliding_window] = build_decode_key_mask(
+                self.decode_context_lens, max_len, sliding_window)
+        return self._decode_masks[sliding_window]
 
 
 def build_decode_key_mask(context_lens: torch.Tensor, max_len: int,

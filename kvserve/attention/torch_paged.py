@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from kvserve.attention import kv_quant
 from kvserve.attention.backend import AttentionBackend
-from kvserve.attention.metadata import AttentionMetadata, PrefillLayout, build_decode_key_mask
+from kvserve.attention.metadata import AttentionMetadata, PrefillLayout
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -26,10 +26,13 @@ class TorchPagedAttention(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
         """Decode rows: the key mask [B, 1, 1, nb * block_size] of their block tables."""
         if meta.num_decode_tokens and meta.decode_key_mask is None:
-            meta.decode_key_mask = build_decode_key_mask(
-                meta.decode_context_lens, meta.decode_block_tables.shape[1] * self.block_size,
-                self.sliding_window)
+            meta.decode_key_mask = self._key_mask(meta)
         return meta
+
+    def _key_mask(self, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.decode_key_mask is not None and not self.per_layer:
+            return meta.decode_key_mask
+        return meta.decode_mask(meta.decode_block_tables.shape[1] * self.block_size, self.sliding_window)
 
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
@@ -83,7 +86,9 @@ class TorchPagedAttention(AttentionBackend):
         scores = torch.bmm(qb, kb.view(-1, bs, D).transpose(1, 2))          # [B*nb*KV, G, bs]
         scores = scores.view(B, nb, KV, G, bs).permute(0, 2, 3, 1, 4).reshape(B, KV, G, nb * bs)
         scores = scores.float() * self.scale
-        scores.masked_fill_(~meta.decode_key_mask, float("-inf"))           # mask [B, 1, 1, L]
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores.masked_fill_(~self._key_mask(meta), float("-inf"))           # mask [B, 1, 1, L]
         probs = torch.softmax(scores, dim=-1).to(q.dtype)                   # [B, KV, G, L]
         probs = probs.view(B, KV, G, nb, bs).permute(0, 3, 1, 2, 4).reshape(B * nb * KV, G, bs)
         partial = torch.bmm(probs, vb.view(-1, bs, D))                      # [B*nb*KV, G, D]
@@ -104,10 +109,27 @@ class TorchPagedAttention(AttentionBackend):
         else:
             keys = self._context(k_cache, lay, q.dtype)
             values = self._context(v_cache, lay, q.dtype)
-        o = F.scaled_dot_product_attention(padded(q), keys, values, attn_mask=lay.mask,
-                                           is_causal=lay.mask is None, scale=self.scale, enable_gqa=True)
+        if self.softcap is None:
+            o = F.scaled_dot_product_attention(padded(q), keys, values, attn_mask=lay.mask,
+                                               is_causal=lay.mask is None, scale=self.scale, enable_gqa=True)
+        else:
+            o = self._softcapped(padded(q), keys, values, lay.mask)
         o = o.transpose(1, 2).reshape(C * Q, self.num_heads, D)  # [C * Q, H, D]
         return o if lay.out_index is None else o.index_select(0, lay.out_index)
+
+    def _softcapped(self, q, keys, values, mask):
+        """Attention with soft-capped scores (no fused kernel has it): q [C, H, Q, D], keys and
+        values [C, KV, L, D], an additive mask [C, 1, Q, L] or None (causal, L == Q)."""
+        G = self.num_heads // self.num_kv_heads
+        keys, values = keys.repeat_interleave(G, dim=1), values.repeat_interleave(G, dim=1)
+        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scale      # [C, H, Q, L]
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if mask is None:
+            Q = q.shape[2]
+            scores.masked_fill_(torch.ones(Q, Q, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        else:
+            scores = scores + mask
+        return torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), values)
 
     def _context(self, cache, lay: PrefillLayout, dtype: torch.dtype) -> torch.Tensor:
         """Each chunk's first L cached tokens: [C, KV, L, D] (one gather for all chunks)."""

@@ -39,6 +39,14 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # set by a family's adapter (kvserve/model/families.py: Phi-3, Gemma 2 / 3)
+    hidden_act: str = "silu"       # the MLP gate's activation: silu (SwiGLU), gelu_pytorch_tanh (GeGLU)
+    rotary_dim: int | None = None  # RoPE on a head's first rotary_dim dims only (None: all of them)
+    query_pre_attn_scalar: float | None = None   # attention scale 1/sqrt(this) (None: 1/sqrt(head_dim))
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None
+    layer_windows: list | None = None   # each layer's sliding window, or None (None: sliding_window for all)
+    rope_local_theta: float | None = None  # the RoPE base of the windowed layers (None: rope_theta)
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether decoder layer `i` (of the whole model) runs experts (transformers' rule)."""
@@ -75,7 +83,8 @@ class ModelConfig:
         if family.sliding_window_opt_in and not cfg.get("use_sliding_window", False):
             sliding = None
         defaults = family.defaults
-        return cls(
+        adapted = family.adapt("config_fields")
+        return cls(**{**dict(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -103,4 +112,5 @@ class ModelConfig:
             sliding_window=sliding,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
-        )
+            hidden_act=cfg.get("hidden_act") or "silu",
+        ), **(adapted(cfg) if adapted else {})})

@@ -74,6 +74,9 @@ class FusedDecode:
     @staticmethod
     def _why_not(model) -> str | None:
         cfg, attn = model.cfg, model.attn
+        lacking = model.unfused()                      # the model's own features (RoPE part, MLP, ...)
+        if lacking is not None:
+            return lacking
         if model.device.type != "cpu" or not kernels.available(model.device):
             return "no kvserve kernels here"
         if model.dtype != torch.float32:

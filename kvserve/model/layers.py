@@ -1,4 +1,4 @@
-"""Building blocks of the Llama family: RMSNorm, rotary position embedding (RoPE), SwiGLU."""
+"""Building blocks of the Llama family: RMSNorm, rotary position embedding (RoPE), SwiGLU / GeGLU."""
 from __future__ import annotations
 
 import math
@@ -51,6 +51,38 @@ def rope_cos_sin(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tens
     return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
+def rope_tables(dim: int, theta: float, scaling: dict | None,
+                max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cos and signed sin tables [max_positions, dim] of `rope_cos_sin` for a RoPE over `dim`
+    dims (a head's, or its rotary part), `scaling` applied. LongRoPE (Phi-3) is two sets of
+    frequencies: short_factor's for positions below original_max_position_embeddings, long_factor's
+    from there on, both tables times the attention factor, as transformers scales cos and sin.
+    The switch is by position (a token's keys never change once cached); it is transformers'
+    choice for every token generated one at a time, while transformers rotates a whole prompt
+    longer than original_max_position_embeddings with long_factor (kvserve: its positions below
+    that with short_factor)."""
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if kind != "longrope":
+        return rope_cos_sin(rope_inv_freq(dim, theta, scaling), max_positions)
+    orig = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor") or scaling["max_position_embeddings"] / orig
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    tables = []
+    for key in ("short_factor", "long_factor"):
+        ext = torch.tensor(scaling[key], dtype=torch.float32)
+        if ext.numel() != dim // 2:
+            raise ValueError(f"rope_scaling {key} holds {ext.numel()} factors; the rotary dim {dim} "
+                             f"needs {dim // 2}.")
+        tables.append(rope_cos_sin(1.0 / (ext * theta ** exponents), max_positions))
+    (short_cos, short_sin), (long_cos, long_sin) = tables
+    use_long = (torch.arange(max_positions) >= orig).unsqueeze(1)
+    return (torch.where(use_long, long_cos, short_cos) * attention,
+            torch.where(use_long, long_sin, short_sin) * attention)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (j, j + d/2) of every head. x [T, heads, d]; cos, sin [T, 1, d] from
     `rope_cos_sin`. roll(x, d/2) = [x2, x1]; times [-sin, sin] it is rotate_half(x) * sin."""
@@ -61,3 +93,19 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, from the fused [T, 2I] projection."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def geglu_tanh(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up (Gemma's MLP), from the fused [T, 2I] projection."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+GATED_ACTIVATIONS = {"silu": swiglu, "swish": swiglu, "gelu_pytorch_tanh": geglu_tanh}
+
+
+def gated_activation(name: str):
+    """The MLP's act(gate) * up for config.json's hidden_act; ValueError for one kvserve lacks."""
+    if name not in GATED_ACTIVATIONS:
+        raise ValueError(f"unsupported MLP activation {name!r}; kvserve runs {', '.join(GATED_ACTIVATIONS)}.")
+    return GATED_ACTIVATIONS[name]

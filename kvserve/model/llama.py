@@ -1,4 +1,4 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) over a flat, packed batch of tokens.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3 / Phi-4) over a flat, packed batch of tokens.
 
 There is no batch dimension: `input_ids [T]` holds the scheduled tokens of every sequence, the
 attention backend keeps sequences apart, and logits are computed only at `logits_indices`
@@ -16,7 +16,7 @@ from kvserve.model.config import ModelConfig
 from kvserve.model.quant.cpu_paths import kernel_plan
 from kvserve.model.fused_decode import FusedDecode
 from kvserve.model.fusion import embedding_rows, embedding_weight, linear_weight
-from kvserve.model.layers import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
+from kvserve.model.layers import apply_rope, gated_activation, rms_norm, rope_tables
 from kvserve.model.quant.formats import Int8Weight, QuantizedWeight, linear, parse_quantization
 
 logger = logging.getLogger(__name__)
@@ -50,10 +50,11 @@ class LlamaLayer:
         m = prefix + "mlp."
         self.gate_up = lin(m + "gate_up_proj", [m + "gate_proj.weight", m + "up_proj.weight"])
         self.down = lin(m + "down_proj", [m + "down_proj.weight"])
+        self.act = gated_activation(cfg.hidden_act)         # act(gate) * up: SwiGLU, GeGLU, ...
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         """The post-attention-norm stream [T, hidden] -> the MLP's output [T, hidden] (partial if tp)."""
-        return linear(swiglu(linear(h, self.gate_up)), self.down)
+        return linear(self.act(linear(h, self.gate_up)), self.down)
 
     def linears(self) -> list:
         """Every linear weight of the layer (a tensor or a QuantizedWeight)."""
@@ -70,7 +71,7 @@ class LlamaModel:
     (the embedding only on the first stage, the final norm and LM head only on the last)."""
 
     supports_pipeline = True        # embed_tokens / run_layers / final_hidden / logits, apart
-    layer_class = LlamaLayer
+    layer_class = LlamaLayer        # a family's layer (model/gemma.py, moe_models.py) reads more
     # checkpoint tensors `lin` reads itself (not copied into the model dtype first): linear weights
     own_suffixes = ("proj.weight",)
 
@@ -98,10 +99,16 @@ class LlamaModel:
         first = stage.first_layer if stage is not None else 0
         self.layers = [self.layer_class(w, f"model.layers.{i}.", cfg, lin, first + i, weights)
                        for i in range(cfg.num_layers)]
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        cos, sin = rope_cos_sin(inv_freq, cfg.max_position_embeddings)
-        self.rope_cos = cos.to(device)                                       # [P, D] float32
+        self.rotary_dim = cfg.rotary_dim or cfg.head_dim          # Phi-4-mini: a part of each head
+        cos, sin = rope_tables(self.rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        self.rope_cos = cos.to(device)                                       # [P, rotary_dim] float32
         self.rope_sin = sin.to(device)
+        self.act = gated_activation(cfg.hidden_act)
+        if (cfg.rope_scaling or {}).get("rope_type") == "longrope" and (stage is None or stage.is_first):
+            orig = cfg.rope_scaling["original_max_position_embeddings"]
+            logger.info("LongRoPE: positions below %d rotate with short_factor, from %d on with "
+                        "long_factor (transformers rotates all of a prompt longer than %d with "
+                        "long_factor)", orig, orig, orig)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         if quantize_activations and self._use_w8a8() == 0:
@@ -111,6 +118,21 @@ class LlamaModel:
             raise ValueError(f"quantize_activations runs int8 linear weights as W8A8, and {why}: drop "
                              "quantize_activations, or load the model with quantization='int8'.")
         self.fused = FusedDecode.build(self)      # None: every step runs layer by layer
+
+    def unfused(self) -> str | None:
+        """What of this model the fused decode step (model/fused_decode.py) lacks; None: nothing."""
+        if self.rotary_dim != self.cfg.head_dim:
+            return f"RoPE on {self.rotary_dim} of {self.cfg.head_dim} head dims"
+        if self.act is not gated_activation("silu"):
+            return f"MLP activation {self.cfg.hidden_act}"
+        return None
+
+    def rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on q and k heads [T, heads, D]: all D dims, or the first rotary_dim."""
+        if self.rotary_dim == qk.shape[-1]:
+            return apply_rope(qk, cos, sin)
+        r = self.rotary_dim
+        return torch.cat([apply_rope(qk[..., :r], cos, sin), qk[..., r:]], dim=-1)
 
     def _use_w8a8(self) -> int:
         """int8 linear weights run W8A8 on big steps (formats.Int8Weight.use_w8a8); returns how many."""
@@ -193,7 +215,7 @@ class LlamaModel:
                                 rms_norm(qk[:, H:], layer.k_norm, cfg.rms_norm_eps)], dim=1)
             if cfg.clip_qkv is not None:     # OLMoE: after the norms, before RoPE
                 qk, v = qk.clamp(-cfg.clip_qkv, cfg.clip_qkv), v.clamp(-cfg.clip_qkv, cfg.clip_qkv)
-            qk = apply_rope(qk, cos, sin)                             # q and k heads at once
+            qk = self.rope(qk, cos, sin)                              # q and k heads at once
             q, k = qk[:, :H], qk[:, H:]
             o = self.attn.forward(q, k, v, k_cache, v_cache, meta)    # [T, H, D]
             attn_out = linear(o.reshape(T, H * D), layer.o)           # [T, hidden] (partial if tp)

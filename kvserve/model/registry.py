@@ -27,6 +27,11 @@ class Architecture:
     defaults: dict = field(default_factory=dict)
     sliding_window_opt_in: bool = False     # config.json's sliding_window counts only with use_sliding_window
     experts: bool = False                   # MoE: the checkpoint's expert tensors are checked at load
+    adapter: str | None = None  # a module with config_fields(hf) -> dict and/or adapt_weights(weights, cfg)
+
+    def adapt(self, hook: str):
+        """The adapter module's `hook` function, or None (kvserve/model/families.py)."""
+        return getattr(importlib.import_module(self.adapter), hook, None) if self.adapter else None
 
     def model_class(self) -> type:
         if isinstance(self.model, type):
@@ -37,6 +42,7 @@ class Architecture:
 
 LLAMA = "kvserve.model.llama:LlamaModel"
 MOE = "kvserve.model.moe_models:MoeModel"         # Llama's layers, the MLP a mixture of experts
+GEMMA, FAMILIES = "kvserve.model.gemma:GemmaModel", "kvserve.model.families"
 ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": Architecture(LLAMA, gguf="llama"),      # also SmolLM, TinyLlama, Llama 2/3
     "MistralForCausalLM": Architecture(LLAMA),
@@ -50,6 +56,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3MoeForCausalLM": Architecture(MOE, defaults={"qk_norm": True}, sliding_window_opt_in=True,
                                         experts=True),
     "OlmoeForCausalLM": Architecture(MOE, defaults={"qk_norm": True, "qk_norm_full": True}, experts=True),
+    "Phi3ForCausalLM": Architecture(LLAMA, adapter=FAMILIES),        # Phi-3, Phi-3.5, Phi-4(-mini)
+    "Gemma2ForCausalLM": Architecture(GEMMA, adapter=FAMILIES),
+    "Gemma3ForCausalLM": Architecture(GEMMA, adapter=FAMILIES, defaults={"qk_norm": True}),
 }
 
 

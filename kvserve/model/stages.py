@@ -53,8 +53,9 @@ def stage_of(cfg: ModelConfig, index: int, size: int) -> Stage:
 
 
 def stage_config(cfg: ModelConfig, stage: Stage) -> ModelConfig:
-    """The stage as a model of its own: its layer count."""
-    return dataclasses.replace(cfg, num_layers=stage.num_layers)
+    """The stage as a model of its own: its layer count (and its layers' windows, if per layer)."""
+    windows = cfg.layer_windows and cfg.layer_windows[stage.first_layer:stage.first_layer + stage.num_layers]
+    return dataclasses.replace(cfg, num_layers=stage.num_layers, layer_windows=windows)
 
 
 def stage_weights(weights: dict, cfg: ModelConfig, stage: Stage) -> dict:

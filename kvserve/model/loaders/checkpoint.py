@@ -143,6 +143,9 @@ def _load_hf(root: Path):
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
                 weights[name] = st.get_tensor(name)
+    adapt = architecture(cfg.architecture).adapt("adapt_weights")
+    if adapt is not None:                                # a family's names -> Llama's (families.py)
+        weights = adapt(weights, cfg)
     tok = HFTokenizer(root) if (root / "tokenizer.json").exists() else None
     if tok is not None and tok.eos_token_id is None and isinstance(cfg.eos_token_id, int):
         tok.eos_token_id = cfg.eos_token_id

@@ -1,0 +1,107 @@
+"""Adapters of the dense families beyond Llama (the registry's `adapter`): what a family's config.json
+says that ModelConfig holds (`config_fields(hf) -> dict of ModelConfig fields`), and its checkpoint
+names turned into the ones kvserve's model classes read (`adapt_weights(weights, cfg) -> weights`),
+applied once at load so tensor parallelism and pipeline stages see Llama's names.
+
+Phi-3 / Phi-4 (Phi3ForCausalLM) run as LlamaModel: fused qkv_proj and gate_up_proj split into
+q/k/v and gate/up, partial_rotary_factor as ModelConfig.rotary_dim, LongRoPE ("longrope", formerly
+"su") as a rope_scaling that layers.rope_tables reads. Gemma 2 / 3 run as model/gemma.py's GemmaModel.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _arch(hf: dict) -> str:
+    return next(iter(hf.get("architectures") or []), "")
+
+
+def _head_dim(hf: dict) -> int:
+    return hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+
+
+def config_fields(hf: dict) -> dict:
+    """ModelConfig fields of a Phi-3 or Gemma config.json that the generic reading leaves out."""
+    if _arch(hf).startswith("Gemma"):
+        return _gemma_fields(hf)
+    return _phi3_fields(hf)
+
+
+def _phi3_fields(hf: dict) -> dict:
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    out = {}
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        out["rotary_dim"] = int(_head_dim(hf) * partial)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in ("longrope", "su"):
+        rope["rope_type"] = "longrope"
+        rope.setdefault("original_max_position_embeddings",
+                        hf.get("original_max_position_embeddings", hf.get("max_position_embeddings")))
+        rope.setdefault("max_position_embeddings", hf.get("max_position_embeddings", 2048))
+        out["rope_scaling"] = rope
+    elif kind not in ("default", None):
+        raise ValueError(f"unsupported rope_scaling type {kind!r} for {_arch(hf)}; kvserve runs "
+                         "Phi-3's 'longrope' (or 'su') and plain RoPE.")
+    return out
+
+
+GEMMA_CAPS = {"Gemma2ForCausalLM": (50.0, 30.0), "Gemma3ForCausalLM": (None, None)}   # transformers' defaults
+
+
+def _gemma_fields(hf: dict) -> dict:
+    """Gemma 2 / 3: GeGLU, query_pre_attn_scalar, soft-capping, each layer's window (layer_types,
+    or the families' patterns: Gemma 2 alternates from a windowed layer 0, Gemma 3 has every
+    sliding_window_pattern-th layer global), Gemma 3's RoPE base for windowed layers."""
+    arch, n = _arch(hf), hf["num_hidden_layers"]
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError(f"{arch} with use_bidirectional_attention is not a causal LM kvserve runs.")
+    types = hf.get("layer_types")
+    if types is None:
+        pattern = 2 if arch == "Gemma2ForCausalLM" else hf.get("sliding_window_pattern", 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    if len(types) != n or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ValueError(f"{arch} layer_types {types!r}: kvserve runs {n} layers of sliding_attention "
+                         "and full_attention.")
+    # a windowed layer without a window attends to everything (and keeps its own RoPE base)
+    window = hf.get("sliding_window") or hf.get("max_position_embeddings", 8192)
+    softcap, final_softcap = GEMMA_CAPS[arch]
+    out = dict(hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
+               query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
+               attn_logit_softcapping=hf.get("attn_logit_softcapping", softcap),
+               final_logit_softcapping=hf.get("final_logit_softcapping", final_softcap),
+               sliding_window=None,
+               layer_windows=[window if t == "sliding_attention" else None for t in types])
+    rope = hf.get("rope_parameters") or {}
+    if arch == "Gemma3ForCausalLM":
+        full = rope.get("full_attention") or ({} if "sliding_attention" in rope else rope)
+        local = rope.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"{arch}: RoPE scaling of the sliding-window layers "
+                             f"({local.get('rope_type')!r}) is not built.")
+        out["rope_theta"] = full.get("rope_theta", hf.get("rope_theta", 1_000_000.0))
+        out["rope_local_theta"] = local.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0))
+        scaling = full if full.get("rope_type", "default") != "default" else (hf.get("rope_scaling") or None)
+        if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            scaling = None
+        out["rope_scaling"] = scaling
+    return out
+
+
+def adapt_weights(weights: dict, cfg) -> dict:
+    """Phi-3's fused projections split into Llama's names (views, no copy); others unchanged."""
+    if cfg.architecture != "Phi3ForCausalLM":
+        return weights
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    out = {}
+    for name, w in weights.items():
+        if name.endswith("self_attn.qkv_proj.weight"):
+            base = name.removesuffix("qkv_proj.weight")
+            for part, t in zip(("q", "k", "v"), torch.split(w, [q, kv, kv])):
+                out[f"{base}{part}_proj.weight"] = t
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            base = name.removesuffix("gate_up_proj.weight")
+            out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = w.chunk(2)
+        else:
+            out[name] = w
+    return out
