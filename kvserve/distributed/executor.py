@@ -30,6 +30,7 @@ import socket
 import torch
 import torch.distributed as dist
 
+from kvserve.config.placement import GROUP_ENV, NAMESPACE_ENV, RANK_CPUS_ENV
 from kvserve.distributed.pipeline import PipelineStage
 from kvserve.distributed.tensor_parallel import bind_rank_device, rank_device
 from kvserve.worker.build import build_model
@@ -105,7 +106,8 @@ class Workers:
         pp = getattr(getattr(config, "parallel", None), "pipeline_parallel_size", 1) > 1
         self.kind = "pipeline stage" if pp else "tensor-parallel worker"     # (the errors' words)
         rank_device(config.model.device, size - 1)        # one CUDA device per rank, checked before any start
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        host = _ray_node_ip() if backend == "ray" else "127.0.0.1"    # where the other ranks reach rank 0
+        init_method = f"tcp://{host}:{_free_port()}"
         self.procs, self.actors = [], []
         if backend == "mp":
             ctx = multiprocessing.get_context("spawn")
@@ -190,20 +192,51 @@ class DriverRunner(ModelRunner):
         super().apply_kv_ops(ops)
 
 
-def _start_ray_workers(config, size: int, init_method: str) -> list:
+def _ray():
+    """Ray, joined: $RAY_ADDRESS's cluster (a replica's: fleet/launcher.py) or a local instance,
+    in the namespace the launcher named its placement group in."""
     try:
         import ray
     except ImportError as e:
         raise ValueError("distributed_executor_backend='ray' needs Ray: pip install ray") from e
     if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
+        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
+                 namespace=os.environ.get(NAMESPACE_ENV))
+    return ray
 
-    @ray.remote(num_cpus=0)
+
+def _ray_node_ip() -> str:
+    return _ray().util.get_node_ip_address()
+
+
+def _rank_options(ray, size: int) -> list[dict]:
+    """Each worker's actor options: bundle r of the replica's placement group when the launcher
+    made one (config/placement.py), taking that bundle's CPUs; else anywhere, no CPU reserved."""
+    name = os.environ.get(GROUP_ENV)
+    if not name:
+        return [{"num_cpus": 0} for _ in range(1, size)]
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    group = ray.util.get_placement_group(name)
+    if group.bundle_count < size:
+        raise ValueError(f"Ray placement group {name!r} has {group.bundle_count} bundles for {size} ranks")
+    cpus = float(os.environ.get(RANK_CPUS_ENV, "0"))
+    return [{"num_cpus": cpus, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+        group, placement_group_bundle_index=rank)} for rank in range(1, size)]
+
+
+def _start_ray_workers(config, size: int, init_method: str) -> list:
+    ray = _ray()
+
     class Worker:
         def run(self, config, rank, size, init_method):
             run_worker(config, rank, size, init_method)
 
-    actors = [Worker.remote() for _ in range(1, size)]
+        def node(self) -> str:
+            return ray.get_runtime_context().get_node_id()
+
+    actors = [ray.remote(max_restarts=0)(Worker).options(**o).remote() for o in _rank_options(ray, size)]
+    logger.info("Ray workers on nodes %s", ray.get([a.node.remote() for a in actors], timeout=300))
     for rank, a in enumerate(actors, start=1):
         a.run.remote(config, rank, size, init_method)
     return actors

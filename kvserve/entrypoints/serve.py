@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from kvserve.config.placement import STRATEGIES
 from kvserve.fleet.router_cli import add_policy_args, serve_data_parallel
 from kvserve.server.cli import add_cli_args
 from kvserve.server.cli import cmd_serve as serve_one
@@ -31,7 +32,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="serve N replicas of the engine behind a cache-aware router "
                         "(--distributed-executor-backend ray: as Ray actors)")
     g.add_argument("--ray-replica-num-cpus", type=float, default=1.0,
-                   help="Ray: CPUs each replica actor reserves")
+                   help="Ray: CPUs each replica actor reserves (with --ray-placement-strategy: "
+                        "each of its ranks)")
+    g.add_argument("--ray-placement-strategy", default=None, choices=STRATEGIES,
+                   help="Ray: place each replica's tensor-parallel / pipeline ranks in a placement "
+                        "group of this strategy, one bundle per rank (kvserve/config/placement.py); "
+                        "a router is put in front even of one replica")
     add_policy_args(g, "router-")
 
 
@@ -50,6 +56,6 @@ def model_from_positional(args) -> None:
 def cmd_serve(args) -> int:
     """One server (server/cli.py), or N replicas behind the router with --data-parallel-size N."""
     model_from_positional(args)
-    if args.data_parallel_size > 1:
+    if args.data_parallel_size > 1 or args.ray_placement_strategy is not None:
         return serve_data_parallel(args)
     return serve_one(args)

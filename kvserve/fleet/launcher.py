@@ -161,6 +161,7 @@ class ServeReplica:
         import ray
 
         ctx = ray.get_runtime_context()
+        self.node_id = ctx.get_node_id()
         local = ctx.get_node_id() == driver_node_id
         self.host = "127.0.0.1" if local else ray.util.get_node_ip_address()
         self.port = free_port(self.host)
@@ -170,6 +171,9 @@ class ServeReplica:
 
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    def node(self) -> str:
+        return self.node_id
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -182,28 +186,71 @@ class ServeReplica:
 
 
 class RayReplicas:
-    """N replicas as Ray actors, `num_cpus` each (0 places them regardless of CPU count)."""
+    """N replicas as Ray actors, `num_cpus` each (0 places them regardless of CPU count).
 
-    def __init__(self, n: int, argv: list[str], env: dict | None = None, num_cpus: float = 1.0):
+    With a placement `strategy` (config/placement.py) each replica is a placement group of
+    `ranks` bundles of `num_cpus` CPUs (tensor x pipeline parallel size): the replica's actor
+    in bundle 0, its workers (distributed/executor.py) in bundles 1..ranks-1."""
+
+    def __init__(self, n: int, argv: list[str], env: dict | None = None, num_cpus: float = 1.0,
+                 strategy: str | None = None, ranks: int = 1):
         try:
             import ray
         except ImportError as e:
             raise ValueError("--distributed-executor-backend ray needs Ray: pip install ray") from e
+        if strategy is not None and num_cpus <= 0:
+            raise ValueError("--ray-placement-strategy reserves --ray-replica-num-cpus CPUs per rank: "
+                             "give it a value above 0 (a fraction is fine)")
         self.ray = ray
+        self.groups: list = []
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
             # "local": a fresh instance of our own, never someone else's that happens to run here
             ray.init(address=os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False,
-                     log_to_driver=False)
+                     log_to_driver=False, namespace=f"kvserve-{os.getpid()}")
         driver = ray.get_runtime_context().get_node_id()
         actor_cls = ray.remote(num_cpus=num_cpus, max_restarts=0)(ServeReplica)
-        self.actors = [actor_cls.remote(argv, driver, env or {}) for _ in range(n)]
+        options = [{} for _ in range(n)]
+        envs = [dict(env or {}) for _ in range(n)]
+        if strategy is not None:
+            options, envs = self._place(n, ranks, num_cpus, strategy, envs)
+        self.actors = [actor_cls.options(**o).remote(argv, driver, e) for o, e in zip(options, envs)]
         try:
             self.url_list = ray.get([a.url.remote() for a in self.actors], timeout=300)
         except ray.exceptions.GetTimeoutError:
             self.stop()
             raise RuntimeError(f"Ray did not place {n} replicas of {num_cpus} CPUs each within 300 s "
                                f"(cluster resources: {ray.cluster_resources()})") from None
+
+    def _place(self, n: int, ranks: int, num_cpus: float, strategy: str, envs: list[dict]):
+        """One placement group per replica, ready; the actors' options and environments."""
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from kvserve.config.placement import GROUP_ENV, NAMESPACE_ENV, RANK_CPUS_ENV
+
+        ray = self.ray
+        tag = f"kvserve-{os.getpid()}-{time.monotonic_ns()}"
+        names = [f"{tag}-replica-{i}" for i in range(n)]
+        self.groups = [placement_group([{"CPU": num_cpus}] * ranks, strategy=strategy, name=name)
+                       for name in names]
+        try:
+            ray.get([g.ready() for g in self.groups], timeout=300)
+        except ray.exceptions.GetTimeoutError:
+            self.stop()
+            raise RuntimeError(f"Ray could not place {n} replicas of {ranks} ranks x {num_cpus} CPUs "
+                               f"({strategy}) within 300 s (cluster resources: "
+                               f"{ray.cluster_resources()})") from None
+        namespace = ray.get_runtime_context().namespace
+        options = [{"scheduling_strategy": PlacementGroupSchedulingStrategy(g, placement_group_bundle_index=0)}
+                   for g in self.groups]
+        envs = [{**e, GROUP_ENV: name, NAMESPACE_ENV: namespace, RANK_CPUS_ENV: str(num_cpus)}
+                for e, name in zip(envs, names)]
+        return options, envs
+
+    def nodes(self) -> list[str]:
+        """The Ray node id each replica's actor (and rank 0) runs on."""
+        return self.ray.get([a.node.remote() for a in self.actors], timeout=60)
 
     @property
     def urls(self) -> list[str]:
@@ -224,8 +271,11 @@ class RayReplicas:
             ray.get([a.stop.remote(timeout) for a in self.actors], timeout=timeout + 10)
         except Exception:   # noqa: BLE001  (actors already gone)
             pass
-        for a in self.actors:
+        for a in getattr(self, "actors", []):
             with suppress(Exception):
                 ray.kill(a)
+        for g in self.groups:
+            with suppress(Exception):
+                ray.util.remove_placement_group(g)
         if self.started_ray:
             ray.shutdown()

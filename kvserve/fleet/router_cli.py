@@ -132,6 +132,9 @@ def serve_data_parallel(args) -> int:
     replica_flags = ArgumentParser()
     add_cli_args(replica_flags)
     backend = args.distributed_executor_backend
+    if args.ray_placement_strategy is not None and backend != "ray":
+        raise ValueError("--ray-placement-strategy places replicas on a Ray cluster: give it with "
+                         "--distributed-executor-backend ray")
     argv = replica_argv(args, replica_flags)
     env = {}
     if not args.engine_threads and "OMP_NUM_THREADS" not in os.environ:
@@ -140,7 +143,9 @@ def serve_data_parallel(args) -> int:
     replicas = None
     try:
         if backend == "ray":
-            replicas = RayReplicas(n, argv, env, num_cpus=args.ray_replica_num_cpus)
+            replicas = RayReplicas(n, argv, env, num_cpus=args.ray_replica_num_cpus,
+                                   strategy=args.ray_placement_strategy,
+                                   ranks=args.tensor_parallel_size * args.pipeline_parallel_size)
         else:
             replicas = LocalReplicas(n, argv, env=env)
         log.info("starting %d replicas: %s", n, ", ".join(replicas.urls))
