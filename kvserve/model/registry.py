@@ -50,12 +50,13 @@ ARCHITECTURES: dict[str, Architecture] = {
                                      sliding_window_opt_in=True),
     "Qwen3ForCausalLM": Architecture(LLAMA, gguf="qwen3", defaults={"qk_norm": True},
                                      sliding_window_opt_in=True),
-    "MixtralForCausalLM": Architecture(MOE, defaults={"norm_topk_prob": True}, experts=True),
-    "Qwen2MoeForCausalLM": Architecture(MOE, defaults={"attention_bias": True}, sliding_window_opt_in=True,
+    "MixtralForCausalLM": Architecture(MOE, gguf="llama", defaults={"norm_topk_prob": True}, experts=True),
+    "Qwen2MoeForCausalLM": Architecture(MOE, gguf="qwen2moe", defaults={"attention_bias": True}, sliding_window_opt_in=True,
                                         experts=True),
-    "Qwen3MoeForCausalLM": Architecture(MOE, defaults={"qk_norm": True}, sliding_window_opt_in=True,
+    "Qwen3MoeForCausalLM": Architecture(MOE, gguf="qwen3moe", defaults={"qk_norm": True},
+                                        sliding_window_opt_in=True,
                                         experts=True),
-    "OlmoeForCausalLM": Architecture(MOE, defaults={"qk_norm": True, "qk_norm_full": True}, experts=True),
+    "OlmoeForCausalLM": Architecture(MOE, gguf="olmoe", defaults={"qk_norm": True, "qk_norm_full": True}, experts=True),
     "Phi3ForCausalLM": Architecture(LLAMA, adapter=FAMILIES),        # Phi-3, Phi-3.5, Phi-4(-mini)
     "Gemma2ForCausalLM": Architecture(GEMMA, adapter=FAMILIES),
     "Gemma3ForCausalLM": Architecture(GEMMA, adapter=FAMILIES, defaults={"qk_norm": True}),
@@ -78,6 +79,7 @@ def architecture(name: str) -> Architecture:
     return ARCHITECTURES[name]
 
 
-def gguf_architecture(gguf_name: str) -> str | None:
-    """The registered architecture whose GGUF files say `general.architecture = gguf_name`."""
-    return next((n for n, a in ARCHITECTURES.items() if a.gguf == gguf_name), None)
+def gguf_architecture(gguf_name: str, experts: bool = False) -> str | None:
+    """The registered architecture whose GGUF files say `general.architecture = gguf_name`, with
+    experts or without (llama.cpp's `llama` is Llama or, with `llama.expert_count`, Mixtral)."""
+    return next((n for n, a in ARCHITECTURES.items() if a.gguf == gguf_name and a.experts == experts), None)

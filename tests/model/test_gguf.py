@@ -213,8 +213,11 @@ def test_metadata_rope_scaling_and_experts():
     assert config_from_metadata(linear, "m.gguf")[0].rope_scaling == {"rope_type": "linear", "factor": 4.0}
     with pytest.raises(ValueError, match="rope scaling 'yarn'"):
         config_from_metadata({**linear, "llama.rope.scaling.type": "yarn"}, "m.gguf")
-    with pytest.raises(ValueError, match="mixture-of-experts"):
+    with pytest.raises(ValueError, match=r"llama.expert_used_count = 0 must be between 1 and llama.expert_count = 8"):
         config_from_metadata({**meta, "llama.expert_count": 8}, "m.gguf")
+    moe = config_from_metadata({**meta, "llama.expert_count": 8, "llama.expert_used_count": 2}, "m.gguf")[0]
+    assert (moe.architecture, moe.num_experts, moe.num_experts_per_tok, moe.norm_topk_prob) == (
+        "MixtralForCausalLM", 8, 2, True)
     with pytest.raises(ValueError, match="partial rotary"):
         config_from_metadata({**meta, "llama.rope.dimension_count": 8}, "m.gguf")
     assert not config_from_metadata({**meta, "general.architecture": "qwen2",

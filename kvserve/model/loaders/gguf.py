@@ -7,7 +7,9 @@ Everything is checked (every length and offset against the file size, gguf_check
 architecture, tensor names, types, shapes) before the first tensor is dequantized, so a bad file
 costs no memory. GGUF lists dimensions fastest-first (ne0 = columns), the reverse of torch;
 llama.cpp's converter permutes the q/k rows of `llama` models for its interleaved RoPE, which
-`unpermute_rope_rows` undoes.
+`unpermute_rope_rows` undoes. Mixture-of-experts files (Mixtral as `llama` with experts,
+`qwen2moe`, `qwen3moe`, `olmoe`) hold each MoE layer's experts stacked (`ffn_*_exps` [E, ...]);
+they are split into per-expert HF names for moe_models.MoeModel, each in its own type.
 """
 from __future__ import annotations
 
@@ -50,6 +52,21 @@ LAYER_TENSORS = {   # blk.N.<gguf> -> model.layers.N.<hf>
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+MOE_TENSORS = {   # blk.N.<gguf> -> model.layers.N.<hf>; *_exps stacked [E, ...], split per expert at load
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
+    "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+}
+LAYER_TENSORS.update(MOE_TENSORS)
+ROUTERS = ("mlp.gate.weight", "shared_expert_gate.weight")   # kept in the model dtype, like norms
+STACKED = ("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")
+# general.architecture -> whether llama.cpp renormalises the top-k router weights
+RENORMALIZES = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False}
 ROPE_FREQS = "rope_freqs.weight"   # llama.cpp's per-frequency divisors (Llama 3.1 rope scaling)
 LOGITS_SIDE = ("model.embed_tokens.weight", "lm_head.weight")   # kept exact where they are Q8_0
 
@@ -74,13 +91,35 @@ def load_gguf(path: str | Path, native: bool = False, dtype: torch.dtype = torch
         if permuted and (".q_proj." in hf_name or ".k_proj." in hf_name):
             heads = cfg.num_heads if ".q_proj." in hf_name else cfg.num_kv_heads
         shape = _expected_shape(hf_name, cfg)
-        if native:
+        if hf_name.endswith(STACKED):
+            weights.update(_expert_weights(tensors[gguf_name], hf_name, shape, native, dtype, device))
+            continue
+        if native and not hf_name.endswith(ROUTERS):
             weights[hf_name] = native_weight(tensors[gguf_name], shape, heads, dtype, device,
                                              logits_side=hf_name in LOGITS_SIDE)
             continue
         w = _dequantize(tensors[gguf_name], shape)
         weights[hf_name] = torch.from_numpy(w if heads is None else unpermute_rope_rows(w, heads))
     return cfg, weights, tokenizer
+
+
+class _ExpertSlice:
+    """Expert e's rows of a stacked GGUF tensor, read like a 2-D `gguf.ReaderTensor`."""
+
+    def __init__(self, t, e: int):
+        self.name, self.tensor_type, self.data = f"{t.name}[{e}]", t.tensor_type, t.data[e]
+
+
+def _expert_weights(t, stacked: str, shape: tuple, native: bool, dtype, device) -> dict:
+    """A stacked expert tensor [E, rows, cols] -> {...experts.{e}.<part>.weight: [rows, cols]},
+    dequantized (views of one float32 array) or each expert in its own type."""
+    base, part = stacked.rsplit(".", 1)
+    names = [f"{base}.{e}.{part}.weight" for e in range(shape[0])]
+    if native:
+        return {n: native_weight(_ExpertSlice(t, e), shape[1:], None, dtype, device)
+                for e, n in enumerate(names)}
+    w = torch.from_numpy(_dequantize(t, shape))
+    return dict(zip(names, w.unbind(0)))
 
 
 def open_gguf(path: str | Path):
@@ -114,7 +153,11 @@ def read_metadata(reader) -> dict:
 def config_from_metadata(meta: dict, path) -> tuple[ModelConfig, bool]:
     """ModelConfig from `{arch}.*` keys, and whether q/k rows need un-permuting."""
     arch = meta.get("general.architecture")
-    hf_arch = gguf_architecture(arch)
+    experts = meta.get(f"{arch}.expert_count") or 0
+    hf_arch = gguf_architecture(arch, experts > 0)
+    if hf_arch is None and experts > 0 and gguf_architecture(arch) is not None:
+        raise ValueError(f"{str(path)!r} is a mixture-of-experts model ({arch}.expert_count = {experts}), "
+                         f"and kvserve loads {arch!r} GGUF files only without experts.")
     if hf_arch is None:
         known = [a.gguf for a in ARCHITECTURES.values() if a.gguf]
         raise ValueError(f"{str(path)!r} holds a GGUF model of architecture {arch!r}; kvserve loads "
@@ -132,9 +175,6 @@ def config_from_metadata(meta: dict, path) -> tuple[ModelConfig, bool]:
             value = value[0]
         return value
 
-    if (key("expert_count") or 0) > 0:
-        raise ValueError(f"{str(path)!r} is a mixture-of-experts model ({arch}.expert_count = "
-                         f"{key('expert_count')}); kvserve runs dense models only.")
     hidden = key("embedding_length", required=True)
     heads = key("attention.head_count", required=True)
     head_dim = key("attention.key_length") or hidden // heads
@@ -157,7 +197,26 @@ def config_from_metadata(meta: dict, path) -> tuple[ModelConfig, bool]:
         attention_bias=defaults.get("attention_bias", False), qk_norm=defaults.get("qk_norm", False),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"))
+    if experts:
+        _moe_config(cfg, key, arch, defaults)
     return cfg, arch in ROPE_PERMUTED
+
+
+def _moe_config(cfg: ModelConfig, key, arch: str, defaults: dict) -> None:
+    """The MoE fields from `{arch}.expert_*` keys (llama.cpp's names). Renormalising the top-k
+    weights: `expert_weights_norm` where the file says, else what llama.cpp does for the arch
+    (Mixtral and Qwen3-MoE renormalise, Qwen2-MoE and OLMoE do not)."""
+    cfg.num_experts = key("expert_count")
+    cfg.num_experts_per_tok = key("expert_used_count") or 0
+    if not 1 <= cfg.num_experts_per_tok <= cfg.num_experts:
+        raise ValueError(f"{arch}.expert_used_count = {cfg.num_experts_per_tok} must be between 1 and "
+                         f"{arch}.expert_count = {cfg.num_experts}; the file is inconsistent.")
+    cfg.moe_intermediate_size = key("expert_feed_forward_length")
+    cfg.shared_expert_intermediate_size = key("expert_shared_feed_forward_length") or 0
+    cfg.norm_topk_prob = bool(key("expert_weights_norm", RENORMALIZES.get(arch, False)))
+    cfg.qk_norm_full = defaults.get("qk_norm_full", False)
+    clamp = key("attention.clamp_kqv")
+    cfg.clip_qkv = float(clamp) if clamp else None
 
 
 def _rope_scaling(key) -> dict | None:
@@ -197,9 +256,11 @@ def _plan_tensors(tensors: dict, cfg: ModelConfig, path) -> dict[str, str]:
     if cfg.architecture == "LlamaForCausalLM":
         cfg.attention_bias = "blk.0.attn_q.bias" in tensors
     required = ["token_embd.weight", "output_norm.weight"]
-    per_layer = ["attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
-                 "ffn_gate", "ffn_up", "ffn_down"]
+    per_layer = ["attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output"]
     per_layer = [s + ".weight" for s in per_layer]
+    dense_mlp = ["ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]
+    if not cfg.num_experts:
+        per_layer += dense_mlp
     if cfg.attention_bias:
         per_layer += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
     if cfg.qk_norm:
@@ -209,6 +270,8 @@ def _plan_tensors(tensors: dict, cfg: ModelConfig, path) -> dict[str, str]:
                          f"{cfg.num_layers * len(per_layer)} layer tensors, but holds {len(tensors)} "
                          "tensors; the file is inconsistent.")
     required += [f"blk.{i}.{s}" for i in range(cfg.num_layers) for s in per_layer]
+    if cfg.num_experts:
+        required += _moe_layers(tensors, cfg)
     missing = [n for n in required if n not in tensors]
     if missing:
         more = "..." if len(missing) > 6 else ""
@@ -223,17 +286,48 @@ def _plan_tensors(tensors: dict, cfg: ModelConfig, path) -> dict[str, str]:
                              f"dequantize; supported: {', '.join(SUPPORTED_TYPES)}.")
         shape = tuple(int(d) for d in reversed(t.shape))      # GGUF ne0 is the last torch dim
         want = (cfg.head_dim // 2,) if hf_name is None else _expected_shape(hf_name, cfg)
+        if hf_name is not None and hf_name.endswith("shared_expert_gate.weight") and shape == want[1:]:
+            continue                                            # [hidden] for [1, hidden]: the same
         if shape != want:
+            why = ""
+            if cfg.num_experts and ("exps" in name or "gate_inp" in name):
+                why = (f" (expert_count {cfg.num_experts}, expert_feed_forward_length "
+                       f"or feed_forward_length {cfg.moe_intermediate_size or cfg.intermediate_size}, "
+                       f"expert_shared_feed_forward_length {cfg.shared_expert_intermediate_size})")
             raise ValueError(f"tensor {name!r} has shape {list(shape)} but the metadata implies "
-                             f"{list(want)}; the file is inconsistent.")
+                             f"{list(want)}{why}; the file is inconsistent.")
     return plan
+
+
+def _moe_layers(tensors: dict, cfg: ModelConfig) -> list[str]:
+    """The MLP tensors every layer needs; sets cfg.mlp_only_layers. A layer holding a router or
+    any expert tensor is an MoE layer and needs the router, the three stacked expert tensors and
+    (expert_shared_feed_forward_length > 0) the shared expert; any other layer is dense."""
+    need, dense = [], []
+    moe = [s for s in MOE_TENSORS if "shexp" not in s]
+    shared = [s for s in MOE_TENSORS if "shexp" in s]
+    for i in range(cfg.num_layers):
+        if any(f"blk.{i}.{s}" in tensors for s in moe):
+            need += [f"blk.{i}.{s}" for s in moe + (shared if cfg.shared_expert_intermediate_size else [])]
+        else:
+            dense.append(i)
+            need += [f"blk.{i}.{s}" for s in ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")]
+    if len(dense) == cfg.num_layers:
+        raise ValueError(f"the metadata says expert_count {cfg.num_experts}, but no layer holds expert "
+                         "tensors (blk.N.ffn_gate_inp.weight, blk.N.ffn_{gate,up,down}_exps.weight); "
+                         "the file is inconsistent.")
+    cfg.mlp_only_layers = tuple(dense)
+    return need
 
 
 def _expected_shape(hf_name: str, cfg: ModelConfig) -> tuple[int, ...]:
     """The torch shape the forward pass expects for `hf_name`."""
     H, KV, D = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
     E, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    X, IX, S = cfg.num_experts, cfg.moe_intermediate_size or I, cfg.shared_expert_intermediate_size
     leaf = hf_name.split(".", 3)[-1] if hf_name.startswith("model.layers.") else hf_name
+    if cfg.qk_norm_full and leaf in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+        return (H,) if "q_norm" in leaf else (KV,)     # OLMoE: q and k norms over all heads' width
     return {
         "model.embed_tokens.weight": (V, E), "lm_head.weight": (V, E), "model.norm.weight": (E,),
         "input_layernorm.weight": (E,), "post_attention_layernorm.weight": (E,),
@@ -242,6 +336,10 @@ def _expected_shape(hf_name: str, cfg: ModelConfig) -> tuple[int, ...]:
         "self_attn.q_proj.bias": (H,), "self_attn.k_proj.bias": (KV,), "self_attn.v_proj.bias": (KV,),
         "self_attn.q_norm.weight": (D,), "self_attn.k_norm.weight": (D,),
         "mlp.gate_proj.weight": (I, E), "mlp.up_proj.weight": (I, E), "mlp.down_proj.weight": (E, I),
+        "mlp.gate.weight": (X, E), "mlp.experts.gate_proj": (X, IX, E), "mlp.experts.up_proj": (X, IX, E),
+        "mlp.experts.down_proj": (X, E, IX), "mlp.shared_expert.gate_proj.weight": (S, E),
+        "mlp.shared_expert.up_proj.weight": (S, E), "mlp.shared_expert.down_proj.weight": (E, S),
+        "mlp.shared_expert_gate.weight": (1, E),
     }[leaf]
 
 
