@@ -91,6 +91,8 @@ def cmd_ceiling(args) -> int:
     bw = args.bw_tbs * 1e12 if args.bw_tbs else hw.bandwidth
     m = get_model(args.model)
     n_params = args.params or m.n_params
+    # a mixture of experts' active parameters, experts and top-k: the flags, else its config.json's
+    active, experts, top_k = args.active_params or m.n_active, args.experts or m.n_experts, args.top_k or m.top_k
     wb = n_params * dtype_bytes(args.dtype)
     rows = []
     for b in args.batch:
@@ -98,17 +100,17 @@ def cmd_ceiling(args) -> int:
                "weights_only_tok/s": kvmath.decode_ceiling_weights_only(n_params, bw, args.dtype, b),
                "weights+KV_tok/s": kvmath.decode_ceiling_tps(wb, bw, b, args.seq_len, m, args.kv_dtype),
                "KV/weights bytes": kvmath.kv_cache_bytes(m, args.seq_len, b, args.kv_dtype) / wb}
-        if args.active_params:   # a mixture of experts reads only the weights its tokens route to
-            read = kvmath.moe_params_read(n_params, args.active_params, b, args.experts, args.top_k)
+        if active:   # a mixture of experts reads only the weights its tokens route to
+            read = kvmath.moe_params_read(n_params, active, b, experts, top_k)
             row["MoE_params_read_B"] = read / 1e9
-            row["MoE_weights_only_tok/s"] = kvmath.moe_decode_ceiling(n_params, args.active_params, bw, args.dtype,
-                                                                      b, args.experts, args.top_k)
+            row["MoE_weights_only_tok/s"] = kvmath.moe_decode_ceiling(n_params, active, bw, args.dtype,
+                                                                      b, experts, top_k)
             row["MoE_weights+KV_tok/s"] = kvmath.decode_ceiling_tps(read * dtype_bytes(args.dtype), bw, b,
                                                                     args.seq_len, m, args.kv_dtype)
         rows.append(row)
     print(f"{n_params / 1e9:.3g}B parameters in {args.dtype} ({wb / GB:.1f} GB), {bw / 1e12:.3g} TB/s")
-    if args.active_params and not (args.experts and args.top_k):
-        print(f"MoE: {args.active_params / 1e9:.3g}B active parameters read per step at every batch "
+    if active and not (experts and top_k):
+        print(f"MoE: {active / 1e9:.3g}B active parameters read per step at every batch "
               "(give --experts and --top-k for the experts a batch's tokens touch)")
     print(table(rows))
     return 0
@@ -244,7 +246,7 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--batch", type=int, nargs="*", default=[1, 32]); p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--active-params", type=float, default=None,
-                   help="mixture of experts: parameters active per token (trunk + top-k experts)")
+                   help="mixture of experts: parameters active per token (trunk + top-k experts; default: from the model's config.json)")
     p.add_argument("--experts", type=int, default=None, help="MoE: experts per layer")
     p.add_argument("--top-k", type=int, default=None, help="MoE: experts routed per token")
     p.set_defaults(func=cmd_ceiling)

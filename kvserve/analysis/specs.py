@@ -118,6 +118,8 @@ class ModelSpec:
     n_params: float
     n_active: float | None = None
     tie_embeddings: bool = False
+    n_experts: int | None = None      # a mixture of experts: routed experts per MoE layer
+    top_k: int | None = None          # and experts routed per token
 
     @property
     def d_attn(self) -> int:
@@ -180,9 +182,32 @@ def model_from_hf_config(config: dict | str, name: str | None = None) -> ModelSp
     ff = int(c.get("intermediate_size") or 4 * d)
     V = int(c["vocab_size"])
     tie = bool(config.get("tie_word_embeddings", c.get("tie_word_embeddings", False)))
-    qk_norm = "qwen3" in str(c.get("model_type", "")).lower()
+    model_type = str(c.get("model_type", "")).lower()
+    qk_norm = model_type.startswith("qwen3")
     n = count_params(L, d, h, kv, hd, ff, V, tie, qk_norm=qk_norm)
-    return ModelSpec(name or str(c.get("model_type", "model")), L, d, h, kv, hd, ff, V, float(n), None, tie)
+    n_active, n_experts, top_k = None, None, None
+    if model_type.startswith("qwen2") or c.get("attention_bias"):   # q, k, v biases
+        n += L * (h + 2 * kv) * hd
+    if model_type == "olmoe":                     # its q / k norms span all heads, not one head
+        n += L * (h + kv) * hd
+    n_experts = int(c.get("num_local_experts") or c.get("num_experts") or 0) or None
+    if n_experts:
+        # A mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): each MoE layer holds a router
+        # (d x E), E gated experts of width moe_intermediate_size (Mixtral and OLMoE: intermediate_size)
+        # and, in Qwen2-MoE, a shared expert with its sigmoid gate (d x 1); a token multiplies the
+        # top-k experts only (N_act, seed 001). Layers listed in mlp_only_layers, or off the
+        # decoder_sparse_step, keep the dense MLP of width intermediate_size (transformers' rule).
+        top_k = int(c["num_experts_per_tok"])
+        ff_e = int(c.get("moe_intermediate_size") or ff)
+        ff_s = int(c.get("shared_expert_intermediate_size") or 0)
+        step, dense_only = int(c.get("decoder_sparse_step") or 1), set(c.get("mlp_only_layers") or [])
+        n_moe = sum(1 for i in range(L) if i not in dense_only and (i + 1) % step == 0)
+        expert, shared = 3 * d * ff_e, 3 * d * ff_s + (d if ff_s else 0)
+        per_layer = d * n_experts + n_experts * expert + shared - 3 * d * ff   # replaces the dense MLP
+        n += n_moe * per_layer
+        n_active = n - n_moe * (n_experts - top_k) * expert
+    return ModelSpec(name or str(c.get("model_type", "model")), L, d, h, kv, hd, ff, V, float(n),
+                     None if n_active is None else float(n_active), tie, n_experts, top_k)
 
 
 def get_model(name: str | ModelSpec) -> ModelSpec:

@@ -1,0 +1,76 @@
+"""The planner's parameter counts from a config.json against transformers' own models: total
+parameters (memory) and, for a mixture of experts, the parameters a token multiplies (decode
+bandwidth, seed 001's N_act), and `kvserve plan ceiling` reading both from a model directory."""
+import subprocess
+import sys
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+import torch  # noqa: E402
+
+from kvserve.analysis.specs import model_from_hf_config  # noqa: E402
+
+BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=200, tie_word_embeddings=False)
+CONFIGS = {
+    "llama": (transformers.LlamaConfig, {}),
+    "qwen2": (transformers.Qwen2Config, {}),
+    "qwen3": (transformers.Qwen3Config, {"head_dim": 16}),
+    "mixtral": (transformers.MixtralConfig, {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, {"num_experts": 6, "num_experts_per_tok": 2,
+                                                 "moe_intermediate_size": 32,
+                                                 "shared_expert_intermediate_size": 48}),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, {"num_experts": 8, "num_experts_per_tok": 2, "head_dim": 16,
+                                                 "moe_intermediate_size": 24, "mlp_only_layers": [1]}),
+    "olmoe": (transformers.OlmoeConfig, {"num_experts": 4, "num_experts_per_tok": 3}),
+}
+
+
+def _routed_expert_params(model) -> int:
+    """What a token does not multiply: every MoE layer's unrouted experts, read off the modules."""
+    skipped = 0
+    for layer in model.model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is None:
+            continue
+        n_experts = model.config.num_local_experts if hasattr(model.config, "num_local_experts") \
+            else model.config.num_experts
+        per_expert = sum(p.numel() for p in experts.parameters()) // n_experts
+        skipped += (n_experts - model.config.num_experts_per_tok) * per_expert
+    return skipped
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_param_counts_equal_transformers(kind):
+    cls, extra = CONFIGS[kind]
+    config = cls(**BASE, **extra)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    spec = model_from_hf_config(config.to_dict(), kind)
+    total = sum(p.numel() for p in model.parameters())
+    assert spec.n_params == total
+    assert spec.n_act == total - _routed_expert_params(model)
+    if "num_experts_per_tok" in extra:
+        assert spec.n_act < spec.n_params and spec.top_k == extra["num_experts_per_tok"]
+        assert spec.n_experts == extra.get("num_local_experts", extra.get("num_experts"))
+    else:
+        assert spec.n_active is None and spec.n_experts is None
+
+
+def test_plan_ceiling_reads_a_moe_directory(tmp_path):
+    cls, extra = CONFIGS["qwen2_moe"]
+    cls(**BASE, **extra).save_pretrained(tmp_path)
+    spec = model_from_hf_config(str(tmp_path))
+    out = subprocess.run([sys.executable, "-m", "kvserve.cli", "plan", "ceiling", "--model", str(tmp_path),
+                          "--batch", "1", "4", "--seq-len", "128"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "MoE_params_read_B" in out.stdout
+    lines = out.stdout.splitlines()
+    assert lines[1].split()[-3] == "MoE_params_read_B"       # the table's last three columns are MoE's
+    rows = {line.split()[0]: {"MoE_params_read_B": line.split()[-3]} for line in lines
+            if line.split()[:1] in (["1"], ["4"])}
+    # one token reads the active parameters; four tokens touch more experts, never more than all
+    assert float(rows["1"]["MoE_params_read_B"]) == pytest.approx(spec.n_act / 1e9, rel=5e-3)
+    assert spec.n_act / 1e9 < float(rows["4"]["MoE_params_read_B"]) < spec.n_params / 1e9
