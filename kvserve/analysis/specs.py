@@ -210,8 +210,20 @@ def model_from_hf_config(config: dict | str, name: str | None = None) -> ModelSp
                      None if n_active is None else float(n_active), tie, n_experts, top_k)
 
 
+# Mixtures of experts from their published config.json shapes: Mixtral 8x7B (46.7B parameters,
+# 12.9B active, Mistral's figures) and Qwen3-30B-A3B (30.5B, 3.3B active, Qwen's).
+MODELS["mixtral-8x7b"] = model_from_hf_config(dict(
+    model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, vocab_size=32000, num_local_experts=8, num_experts_per_tok=2), "Mixtral 8x7B")
+MODELS["qwen3-30b-a3b"] = model_from_hf_config(dict(
+    model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+    num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+    num_experts=128, num_experts_per_tok=8), "Qwen3-30B-A3B")
+
+
 def get_model(name: str | ModelSpec) -> ModelSpec:
-    """A preset by name ('llama-3.1-8b', 'llama-3.1-70b', 'llama-13b', 'qwen3-0.6b'), or a path to a
+    """A preset by name ('llama-3.1-8b', 'llama-3.1-70b', 'llama-13b', 'qwen3-0.6b', 'mixtral-8x7b',
+    'qwen3-30b-a3b'), or a path to a
     config.json / model directory."""
     if isinstance(name, ModelSpec):
         return name

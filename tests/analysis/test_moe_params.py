@@ -74,3 +74,12 @@ def test_plan_ceiling_reads_a_moe_directory(tmp_path):
     # one token reads the active parameters; four tokens touch more experts, never more than all
     assert float(rows["1"]["MoE_params_read_B"]) == pytest.approx(spec.n_act / 1e9, rel=5e-3)
     assert spec.n_act / 1e9 < float(rows["4"]["MoE_params_read_B"]) < spec.n_params / 1e9
+
+
+def test_moe_presets_match_published_counts():
+    from kvserve.analysis.specs import MODELS
+    mixtral, qwen = MODELS["mixtral-8x7b"], MODELS["qwen3-30b-a3b"]
+    # Mistral: 46.7B parameters, 12.9B active per token; Qwen: 30.5B, 3.3B active (3.35B: it rounds down)
+    assert (round(mixtral.n_params / 1e9, 1), round(mixtral.n_act / 1e9, 1)) == (46.7, 12.9)
+    assert (round(qwen.n_params / 1e9, 1), round(qwen.n_act / 1e9, 1)) == (30.5, 3.4)
+    assert (mixtral.n_experts, mixtral.top_k, qwen.n_experts, qwen.top_k) == (8, 2, 128, 8)
