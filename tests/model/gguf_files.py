@@ -60,17 +60,11 @@ def add_stories_tokenizer(writer) -> None:
     writer.add_add_space_prefix(True)
 
 
-def write_hf_as_gguf(hf_dir: Path, out: Path, qtype: str, arch: str = "llama",
-                     rope_freqs: np.ndarray | None = None) -> Path:
-    """Convert the random-weight HF model in `hf_dir` to a GGUF file at `out`."""
-    import gguf
-    from safetensors.torch import load_file
-
-    cfg = json.loads((hf_dir / "config.json").read_text())
+def add_decoder_hparams(w, cfg: dict) -> tuple[int, int, int]:
+    """A Llama-style decoder's hyperparameters from an HF config.json, as llama.cpp's converter
+    writes them; returns (heads, kv heads, head_dim)."""
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    weights = load_file(str(hf_dir / "model.safetensors"))
-    w = gguf.GGUFWriter(str(out), arch)
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
@@ -82,6 +76,19 @@ def write_hf_as_gguf(hf_dir: Path, out: Path, qtype: str, arch: str = "llama",
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(float(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    return heads, kv, head_dim
+
+
+def write_hf_as_gguf(hf_dir: Path, out: Path, qtype: str, arch: str = "llama",
+                     rope_freqs: np.ndarray | None = None) -> Path:
+    """Convert the random-weight HF model in `hf_dir` to a GGUF file at `out`."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    weights = load_file(str(hf_dir / "model.safetensors"))
+    w = gguf.GGUFWriter(str(out), arch)
+    heads, kv, head_dim = add_decoder_hparams(w, cfg)
     add_stories_tokenizer(w)
     qt = gguf.GGMLQuantizationType[qtype]
     for name, t in weights.items():

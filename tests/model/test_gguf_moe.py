@@ -15,7 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvserve.model.loaders.gguf import load_gguf
-from tests.model.gguf_files import add_stories_tokenizer, gguf_name, permute_rope_rows
+from tests.model.gguf_files import add_decoder_hparams, add_stories_tokenizer, gguf_name, permute_rope_rows
+from tests.model.test_gguf_quant import AGREEMENT
+from tests.model.test_quant import teacher_forced
 from tests.model.test_moe_models import build_moe_model, check, prompts_for
 
 gguf = pytest.importorskip("gguf")
@@ -49,22 +51,9 @@ def write_moe_gguf(hf_dir, out, qtype: str = "F32", drop=(), reshape=None, exper
     cfg = json.loads((hf_dir / "config.json").read_text())
     arch = ARCH[cfg["model_type"]]
     E = cfg.get("num_experts") or cfg["num_local_experts"]
-    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     weights = load_file(str(hf_dir / "model.safetensors"))
     w = gguf.GGUFWriter(str(out), arch)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
-    rope = cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]
-    w.add_rope_freq_base(float(rope))
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    heads, kv, _ = add_decoder_hparams(w, cfg)
     w.add_expert_count(expert_count or E)
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     if cfg.get("moe_intermediate_size"):
@@ -180,8 +169,10 @@ def test_bad_expert_tensors_are_refused_before_reading(edit, words, moe_hf, tmp_
 
 @pytest.mark.parametrize("qtype,kind", [("Q8_0", "Int8Weight"), ("Q4_0", "Int4Weight")])
 def test_quantized_experts_run_in_their_own_type(qtype, kind, moe_hf, tmp_path):
-    """The default load keeps each expert quantized (Q8_0: per-row int8, Q4_0: int4) and gives
-    the greedy tokens of the same file run dequantized."""
+    """The default load keeps each expert quantized (Q8_0: per-row int8, Q4_0: int4) and tracks
+    the same file run dequantized as the dense quantized files do (test_gguf_quant's AGREEMENT,
+    teacher-forced): the kernels' bfloat16 scales and per-row requantization differ by ISA, so
+    greedy tokens of a random model need not be equal on every CPU (AVX2 flipped some)."""
     from kvserve import LLM, SamplingParams
     from kvserve.model.quant.formats import keeps_quantized
 
@@ -191,7 +182,9 @@ def test_quantized_experts_run_in_their_own_type(qtype, kind, moe_hf, tmp_path):
     native = LLM(str(path), dtype="float32")
     if keeps_quantized("cpu"):
         assert {type(w).__name__ for layer in native.engine.model.layers for w in layer.experts_gate_up} == {kind}
-    got = [o.outputs[0].token_ids for o in native.generate(prompts, params)]
-    ref = [o.outputs[0].token_ids for o in LLM(str(path), dtype="float32", quantization="dequant").generate(
-        prompts, params)]
-    assert got == ref
+    ref_llm = LLM(str(path), dtype="float32", quantization="dequant")
+    ref = [o.outputs[0].token_ids for o in ref_llm.generate(prompts, params)]
+    top1, kl = teacher_forced(native.engine.model, ref_llm.engine.model, prompts_for(3), ref)
+    print(f"{qtype} experts: top-1 {top1:.3f}, KL {kl:.5f}")
+    min_top1, max_kl = AGREEMENT[qtype]
+    assert top1 >= min_top1 and kl <= max_kl, (top1, kl)
