@@ -53,6 +53,12 @@ NON_DEFAULTS = {
     "kv_tiers": ("cpu:1MiB,redis://127.0.0.1:6379", ["--kv-tiers", "cpu:1MiB,redis://127.0.0.1:6379"]),
     "kv_tier_reload": ("always", ["--kv-tier-reload", "always"]),
     "kv_role": ("prefill", ["--role", "prefill"]),
+    "kv_transfer": ("stream", ["--kv-transfer", "stream"]),
+    "kv_stream_address": ("127.0.0.1:7000", ["--kv-stream-address", "127.0.0.1:7000"]),
+    "kv_stream_buffer": ("64MiB", ["--kv-stream-buffer", "64MiB"]),
+    "kv_stream_timeout": (5.0, ["--kv-stream-timeout", "5"]),
+    "kv_stream_rate": ("10MB", ["--kv-stream-rate", "10MB"]),
+    "kv_stream_unit": ("prompt", ["--kv-stream-unit", "prompt"]),
     "max_grammar_compile_s": (2.5, ["--max-grammar-compile-s", "2.5"]),
 }
 

@@ -9,6 +9,7 @@ token sees its own sequence's cached tokens and the new ones up to itself.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -85,6 +86,9 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None   # [num_decodes] int64
     decode_key_mask: torch.Tensor | None = None       # [num_decodes, 1, 1, max_blocks*block_size]
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # Called with a layer's index once its K/V of the step are in the pool (layer-wise KV
+    # streaming, kv/stream_sender.py); None: nobody asks
+    kv_written: Callable[[int], None] | None = field(default=None, repr=False, compare=False)
     # Derived once per step, at the first layer that asks (not sent to tensor-parallel workers);
     # the masks once per sliding window (Gemma's layers alternate between two)
     _block_offset: tuple | None = field(default=None, init=False, repr=False, compare=False)

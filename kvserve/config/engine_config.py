@@ -125,6 +125,30 @@ class EngineConfig:
         "disaggregated serving (kvserve proxy): prefill writes each prompt's KV to the shared "
         "--kv-tiers store as it is computed, decode reloads it", choices=("both", "prefill", "decode"),
         aliases=("--role",)))
+    # Layer-wise KV streaming between a PD pair (kv/stream_*.py): the prefill instance sends each
+    # layer's KV of each full prompt block over TCP as it is written; the decode instance decodes
+    # once the last layer lands (a failed or stalled stream: it recomputes the prompt)
+    kv_transfer: str = field(default="store", metadata=flag(
+        "how a PD pair moves a prompt's KV: store (the shared --kv-tiers store, after the prefill) or "
+        "stream (layer by layer over TCP while the prefill runs; a --kv-tiers store, if any, stays "
+        "the fallback)", choices=("store", "stream")))
+    kv_stream_address: str = field(default="127.0.0.1:0", metadata=flag(
+        "--kv-role decode --kv-transfer stream: HOST:PORT this instance takes KV streams on (port 0: "
+        "a free one; GET /health names it)", metavar="HOST:PORT"))
+    kv_stream_buffer: str = field(default="1GiB", metadata=flag(
+        "--kv-role decode --kv-transfer stream: the most KV bytes held for streams at once (reserved "
+        "or received, not yet in the pool); a prompt that does not fit is refused before its prefill",
+        metavar="SIZE"))
+    kv_stream_timeout: float = field(default=60.0, metadata=flag(
+        "--kv-transfer stream: seconds without a frame after which a transfer has stalled and its "
+        "prompt is recomputed on the decode side"))
+    kv_stream_rate: str = field(default="0", metadata=flag(
+        "--kv-role prefill --kv-transfer stream: the link's rate in bytes/s, a token bucket on the "
+        "sender (0: unlimited; to measure what streaming hides on a slow link)", metavar="SIZE"))
+    kv_stream_unit: str = field(default="layer", metadata=flag(
+        "--kv-role prefill --kv-transfer stream: send each layer as it is written (layer), or the "
+        "whole prompt's KV once its prefill ends (prompt, the baseline streaming is measured against)",
+        choices=("layer", "prompt")))
     # Structured outputs (kvserve/structured/): a request's grammar compiles off the engine loop
     max_grammar_compile_s: float = field(default=10.0, metadata=flag(
         "longest a request's structured-outputs grammar may take to compile; a request whose "
@@ -216,6 +240,38 @@ class EngineConfig:
         from kvserve.kv.tiers import split_tier_specs
         return tuple(split_tier_specs(self.kv_tiers) or ())
 
+    @property
+    def kv_stream_buffer_bytes(self) -> int:
+        from kvserve.kv.tiers import parse_size
+        return parse_size(str(self.kv_stream_buffer))
+
+    @property
+    def kv_stream_rate_bytes(self) -> int:
+        from kvserve.kv.tiers import parse_size
+        return parse_size(str(self.kv_stream_rate))
+
+    def _check_kv_stream(self) -> None:
+        from kvserve.kv.stream_wire import parse_address
+        if self.kv_role == "both":
+            raise ValueError("kv_transfer='stream' is for a PD pair: give kv_role 'prefill' or 'decode'.")
+        if self.prefix_cache_kind != "hash":
+            raise ValueError("kv_transfer='stream' needs the hash prefix cache (enable_prefix_caching, "
+                             "prefix_cache='hash'): streamed blocks are keyed by its block hashes.")
+        if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
+            raise ValueError("kv_transfer='stream' needs tensor_parallel_size=1 and pipeline_parallel_size=1.")
+        parse_address(self.kv_stream_address)
+        for name in ("kv_stream_buffer", "kv_stream_rate"):
+            try:
+                getattr(self, name + "_bytes")
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
+        if self.kv_stream_buffer_bytes <= 0:
+            raise ValueError("kv_stream_buffer must be > 0.")
+        if not self.kv_stream_timeout > 0:
+            raise ValueError(f"kv_stream_timeout must be > 0, got {self.kv_stream_timeout}.")
+        if self.kv_stream_unit not in ("layer", "prompt"):
+            raise ValueError(f"kv_stream_unit must be 'layer' or 'prompt', got {self.kv_stream_unit!r}.")
+
     def _check_kv_tiers(self) -> None:
         from kvserve.kv.tiers import parse_tier_spec
         tiers = self.kv_tier_list
@@ -223,7 +279,11 @@ class EngineConfig:
             raise ValueError(f"kv_tier_reload must be 'auto', 'always' or 'never', got {self.kv_tier_reload!r}.")
         if self.kv_role not in ("both", "prefill", "decode"):
             raise ValueError(f"kv_role must be 'both', 'prefill' or 'decode', got {self.kv_role!r}.")
-        if self.kv_role != "both" and not any(t.startswith(("disk:", "redis://")) for t in tiers):
+        if self.kv_transfer not in ("store", "stream"):
+            raise ValueError(f"kv_transfer must be 'store' or 'stream', got {self.kv_transfer!r}.")
+        if self.kv_transfer == "stream":
+            self._check_kv_stream()
+        elif self.kv_role != "both" and not any(t.startswith(("disk:", "redis://")) for t in tiers):
             raise ValueError(f"kv_role={self.kv_role!r} needs a KV tier that both roles share: "
                              "--kv-tiers redis://HOST:PORT (or disk:/shared/path:SIZE on one machine).")
         if tiers:

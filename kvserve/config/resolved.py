@@ -90,6 +90,12 @@ class TierConfig:
     kv_tiers: tuple[str, ...]           # top first; () for none
     kv_tier_reload: str
     kv_role: str
+    kv_transfer: str                    # store | stream (layer-wise, over TCP: kv/stream_*.py)
+    kv_stream_address: str
+    kv_stream_buffer: int               # bytes
+    kv_stream_timeout: float
+    kv_stream_rate: float               # bytes/s, 0: unlimited
+    kv_stream_unit: str                 # layer | prompt
 
 
 @dataclass(frozen=True)
@@ -148,5 +154,7 @@ def resolve_config(engine: "EngineConfig", max_pos: int) -> Config:
         scheduler=_section(SchedulerConfig, engine, cache_aware_scheduling=engine.use_cache_aware_scheduling),
         parallel=_section(ParallelConfig, engine),
         speculative=resolve_speculative(engine.speculative, device),
-        tiers=_section(TierConfig, engine, kv_tiers=engine.kv_tier_list),
+        tiers=_section(TierConfig, engine, kv_tiers=engine.kv_tier_list,
+                       kv_stream_buffer=engine.kv_stream_buffer_bytes,
+                       kv_stream_rate=float(engine.kv_stream_rate_bytes)),
         structured_outputs=_section(StructuredOutputsConfig, engine))

@@ -78,3 +78,5 @@ class CoreLimits:
     watermark_blocks: int
     eos_token_id: int | None
     max_grammar_compile_s: float = 10.0           # a structured-outputs check's deadline
+    kv_stream_role: str | None = None             # "prefill" | "decode": takes kv_transfer_params
+    kv_stream_address: str | None = None          # decode: where its KV streams come in (host:port)

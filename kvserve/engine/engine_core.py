@@ -42,7 +42,8 @@ from kvserve.engine.beam_search import BeamGroup
 from kvserve.engine.core_io import (BeamResult, CoreLimits, EngineCoreOutput, EngineCoreRequest,
                                     SequenceDelta)
 from kvserve.engine.fairness import make_policy
-from kvserve.engine.kv_sizing import num_kv_blocks
+from kvserve.engine.kv_sizing import num_kv_blocks, served_context
+from kvserve.engine.remote_kv import check_kv_transfer_side, kv_stream_side, stream_inbox
 from kvserve.engine.request import GRAMMAR_ERROR, Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.stats import EngineStats, collect_stats
@@ -87,31 +88,24 @@ class EngineCore:
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %s, %d bytes/token",
                     num_blocks, r.cache.block_size, num_blocks * r.cache.block_size,
                     r.cache.kv_cache_dtype, per_block // r.cache.block_size)
-        # The served context, one number for the frontend's checks, the scheduler and the server:
-        # the model's max_model_len, or what the pool holds if that is less (a sequence of n
-        # tokens needs KV slots for n - 1 of them; blocks x block_size always fits an empty pool)
-        self.max_model_len = r.model.max_model_len
-        if num_blocks * r.cache.block_size < self.max_model_len:
-            logger.warning("the KV cache holds %d tokens, fewer than max_model_len %d: serving with "
-                           "max_model_len %d (raise --num-kv-blocks / --kv-cache-memory, or set "
-                           "--max-model-len, to say so yourself)", num_blocks * r.cache.block_size,
-                           self.max_model_len, num_blocks * r.cache.block_size)
-            self.max_model_len = num_blocks * r.cache.block_size
+        self.max_model_len = served_context(r, num_blocks)   # the frontend's, scheduler's and server's
         num_cpu_blocks = 0
         if r.scheduler.preemption_mode == "swap":
             num_cpu_blocks = min(r.cache.swap_space // per_block, 4 * num_blocks)
+        scope = store_scope(r.model.model, r.model.dtype, r.cache.kv_cache_dtype, r.model.quantization,
+                            r.model.quantization_group_size, r.cache.block_size)
+        inbox = stream_inbox(r.tiers)            # PD decode side: streamed blocks, the top tier
         self.kv = KVCacheManager(num_blocks, r.cache.block_size, prefix_cache=r.cache.prefix_cache_kind,
                                  cache_namespace=f"{r.model.model}|{r.model.dtype}|{r.cache.kv_cache_dtype}",
                                  num_cpu_blocks=num_cpu_blocks, kv_connector=TieredConnector.from_specs(
-                                     r.tiers.kv_tiers, r.cache.block_size, r.tiers.kv_tier_reload,
-                                     store_scope(r.model.model, r.model.dtype, r.cache.kv_cache_dtype,
-                                                 r.model.quantization, r.model.quantization_group_size,
-                                                 r.cache.block_size)))
+                                     r.tiers.kv_tiers, r.cache.block_size, r.tiers.kv_tier_reload, scope, inbox))
         self.runner = (DriverRunner(self.model, num_blocks, r.cache.block_size, self.workers) if self.workers
                        else ModelRunner(self.model, num_blocks, r.cache.block_size))
         self.runner.init_swap_space(num_cpu_blocks)
         if self.kv.connector is not None:            # KV tiers: saves/loads run in the runner
             self.kv.connector.attach_runner(self.runner)
+        # PD layer-wise KV streaming: the prefill side's StreamOut or the decode side's RemoteKVWaits
+        self.kv_stream = kv_stream_side(r, self.runner, self.kv, inbox, scope)
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         if eos is None:
             eos = model_cfg.eos_token_id[0] if isinstance(model_cfg.eos_token_id, list) else model_cfg.eos_token_id
@@ -156,7 +150,8 @@ class EngineCore:
         r = self.config
         return CoreLimits(self.model_config.vocab_size, self.max_model_len, r.scheduler.max_num_seqs,
                           self.kv.pool.num_blocks, r.cache.block_size, self.scheduler.watermark_blocks,
-                          self.eos_token_id, r.structured_outputs.max_grammar_compile_s)
+                          self.eos_token_id, r.structured_outputs.max_grammar_compile_s,
+                          *((s.role, s.address) if (s := self.kv_stream) is not None else ()))
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -181,7 +176,11 @@ class EngineCore:
             return
         seqs = [new_seq(rid if params.n == 1 else f"{rid}#{i}", i,
                         None if params.seed is None else params.seed + i) for i in range(params.n)]
+        ktp = params.kv_transfer_params
+        check_kv_transfer_side(self.kv_stream, ktp)
         self.groups[rid] = seqs
+        if ktp is not None and self.kv_stream.add(rid, seqs, ktp):    # decode: queued once its KV is in
+            return
         if params.structured_outputs is not None:      # queued once its grammar is compiled
             self.grammars.add(rid, seqs, params.structured_outputs)
             return
@@ -217,7 +216,7 @@ class EngineCore:
             self._retire(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or len(self.grammars) > 0
+        return self.scheduler.has_unfinished() or len(self.grammars) > 0 or bool(self.kv_stream)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.groups)
@@ -248,8 +247,10 @@ class EngineCore:
         """(requests that ended waiting for a grammar, the step's plan, its SchedulerOutput)."""
         if len(self.grammars) and not self.scheduler.has_unfinished():
             self.grammars.wait(GRAMMAR_IDLE_WAIT_S)    # nothing else to run: wait, do not spin
-        ended = self._take_grammars()
+        ended = self._take_waiting()
         sched = self.scheduler.schedule(self.spec.propose(self.scheduler) if self.spec else None)
+        if self.kv_stream is not None:          # prefill: the blocks it streams; decode: the admitted
+            self.kv_stream.after_schedule(sched.scheduled, self.groups)
         ops = self.kv.take_pending()                 # checked: no read after a write
         if ops:
             self.runner.apply_kv_ops(ops)
@@ -273,7 +274,7 @@ class EngineCore:
         """Async scheduling: the step after `prev` planned and started while `prev` runs, or
         None where it must wait for `prev` (Scheduler.schedule_ahead; the grammar wait list,
         KV tiers and speculation always wait)."""
-        if len(self.grammars) or self.kv.connector is not None or self.spec is not None:
+        if len(self.grammars) or self.kv.connector is not None or self.spec is not None or self.kv_stream is not None:
             return None
         plan = self.scheduler.schedule_ahead(prev)
         if plan is None:
@@ -287,7 +288,9 @@ class EngineCore:
         """A step's result applied: the scheduler's update, the outputs, finished requests retired."""
         touched, deltas, prompt_entries = self.scheduler.update_from_output(sched, result)
         self.worker_view.note_sampled(result.sampled)
-        if self.config.tiers.kv_role == "prefill":     # the prompt's KV is in the shared store before its answer
+        if self.kv_stream is not None:
+            self.kv_stream.after_step()
+        if self.config.tiers.kv_role == "prefill" and self.kv.connector:   # the prompt's KV in the store first
             self.kv.connector.flush(self.runner)
         if self.spec is not None:
             self.spec.after_step(self.scheduler)
@@ -300,10 +303,17 @@ class EngineCore:
         self._stats.step_time_total += time.perf_counter() - t0
         return outputs
 
-    def _take_grammars(self) -> list[str]:
-        """Constrained requests whose grammar is ready join the queue, each sequence with a
-        matcher of its own; those whose compile failed or ran out of time finish with the
-        reason. Returns the ids of the requests that finished."""
+    def _take_waiting(self) -> list[str]:
+        """Requests that waited off the queue join it: PD decode requests whose prompt's KV landed
+        (or whose transfer failed: they compute it), constrained ones once their grammar is ready,
+        each sequence with its own matcher (a failed or timed-out compile finishes them with the
+        reason). Returns the ids of the requests that finished."""
+        idle = not self.scheduler.has_unfinished() and not len(self.grammars)
+        for rid, live in self.kv_stream.take_ready(idle) if self.kv_stream is not None else ():
+            if (so := live[0].params.structured_outputs) is not None:
+                self.grammars.add(rid, live, so)
+            else:
+                self._enqueue(live)
         ended = []
         for g in self.grammars.take_ready():
             live = [r for r in g.seqs if not r.is_finished]
@@ -346,6 +356,8 @@ class EngineCore:
 
     def _retire(self, request_id: str) -> None:
         self.grammars.discard(request_id)
+        if self.kv_stream is not None:
+            self.kv_stream.discard(request_id)
         self.groups.pop(request_id, None)
         self._finish_sent.pop(request_id, None)
         self.scheduler.beam_groups.pop(request_id, None)
@@ -361,6 +373,8 @@ class EngineCore:
             self.kv.connector.close(self.runner)     # pending saves, then the disk writer
         if getattr(self, "grammars", None) is not None:
             self.grammars.compiler.close()
+        if getattr(self, "kv_stream", None) is not None:   # (the receiver's port, the sender's thread)
+            self.kv_stream.close()
 
     def stats(self) -> EngineStats:
         return collect_stats(self)
@@ -378,7 +392,9 @@ class EngineCore:
         for rid, seqs in self.groups.items():
             assert any(not r.is_finished for r in seqs), f"request {rid} finished but is still registered"
             for r in seqs:      # a grammar's state is that of the sequence's output, at every step
-                if r.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                if r.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                    assert rid in self.kv_stream, r
+                elif r.status == RequestStatus.WAITING_FOR_GRAMMAR:
                     assert rid in self.grammars and r.grammar is None, r
                 elif r.params.structured_outputs is not None and not r.is_finished:
                     assert r.grammar is not None and r.grammar.num_accepted == r.num_output_tokens, r

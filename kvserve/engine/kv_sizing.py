@@ -74,6 +74,19 @@ def kv_pool_sizes(r: "Config", rank_model_cfg, model_cfg, device: torch.device |
     return KVPoolSizes(int(n), c.block_size, per_block, draft_per_block, budget)
 
 
+def served_context(r: "Config", num_blocks: int) -> int:
+    """The served context, one number for the frontend's checks, the scheduler and the server:
+    the model's max_model_len, or what the pool holds if that is less (a sequence of n tokens
+    needs KV slots for n - 1 of them; blocks x block_size always fits an empty pool)."""
+    held = num_blocks * r.cache.block_size
+    if held < r.model.max_model_len:
+        logger.warning("the KV cache holds %d tokens, fewer than max_model_len %d: serving with "
+                       "max_model_len %d (raise --num-kv-blocks / --kv-cache-memory, or set "
+                       "--max-model-len, to say so yourself)", held, r.model.max_model_len, held)
+        return held
+    return r.model.max_model_len
+
+
 def num_kv_blocks(r: "Config", rank_model_cfg, model_cfg, device: torch.device | str) -> int:
     """The number of blocks of the target's pool (`kv_pool_sizes`); logs the split with a draft."""
     sizes = kv_pool_sizes(r, rank_model_cfg, model_cfg, device)

@@ -25,6 +25,7 @@ GRAMMAR_ERROR = "grammar_error"
 
 
 class RequestStatus(enum.Enum):
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # PD decode side: its prompt's KV is streaming in
     WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # structured outputs: its grammar is compiling
     WAITING = "waiting"                      # in the waiting queue, no blocks, never ran
     WAITING_FOR_FORK = "waiting_for_fork"    # sample i > 0 of n: forks sample 0 after its prefill
@@ -49,6 +50,7 @@ class RequestStatus(enum.Enum):
 S = RequestStatus
 FINISHED = frozenset({S.FINISHED_STOPPED, S.FINISHED_LENGTH, S.FINISHED_ABORTED, S.FINISHED_ERROR})
 TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
+    S.WAITING_FOR_REMOTE_KV: frozenset({S.WAITING, S.WAITING_FOR_GRAMMAR}) | FINISHED,
     S.WAITING_FOR_GRAMMAR: frozenset({S.WAITING}) | FINISHED,
     S.WAITING: frozenset({S.RUNNING, S.WAITING_FOR_FORK}) | FINISHED,
     S.WAITING_FOR_FORK: frozenset({S.RUNNING}) | FINISHED,
@@ -120,7 +122,11 @@ class Request(PromptAndOutput):
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None   # prefix-cache hit at first admission
         # A constrained request (structured outputs) waits for its grammar before it queues.
+        # A PD decode request whose prompt's KV streams in waits for it first (engine/remote_kv.py).
         self.status = S.WAITING if params.structured_outputs is None else S.WAITING_FOR_GRAMMAR
+        ktp = params.kv_transfer_params
+        if ktp is not None and "stream_to" not in ktp:
+            self.status = S.WAITING_FOR_REMOTE_KV
         self.grammar = None         # its structured.matcher.SequenceGrammar, once compiled
         self.eos_token_id = eos_token_id
         self.stop_reason: int | str | None = None

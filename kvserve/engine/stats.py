@@ -45,6 +45,9 @@ class EngineStats:
     # KV tiers (kv/connector.py; {} when off): per tier hits, bytes, measured bandwidth; the
     # measured prefill throughput, seed 003's reload break-even and the reload/recompute decisions
     kv_tiers: dict = field(default_factory=dict)
+    # Layer-wise KV streaming of a PD pair (engine/remote_kv.py; {} when off): the sender's or
+    # the receiver's counters, the decode side's completed transfers and fallbacks by reason
+    kv_stream: dict = field(default_factory=dict)
     # Structured outputs (kvserve/structured/; {} until the engine has one): grammar compiles,
     # errors, timeouts, cache hits, the compile-time histogram, requests waiting for a grammar
     structured_outputs: dict = field(default_factory=dict)
@@ -80,6 +83,8 @@ def collect_stats(engine) -> EngineStats:
     s.max_preemptions_per_request = c.max_preemptions_per_request
     if getattr(kv, "connector", None) is not None:
         s.kv_tiers = kv.connector.stats_dict()
+    if getattr(engine, "kv_stream", None) is not None:
+        s.kv_stream = engine.kv_stream.stats_dict()
     if getattr(engine, "grammars", None) is not None:
         s.structured_outputs = engine.grammars.stats()
     spec = getattr(engine, "spec", None)

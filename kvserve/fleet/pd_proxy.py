@@ -29,12 +29,25 @@ byte reached the client is counted as a failure and the request sent to another,
 instances that are all busy give the client their 503 with `Retry-After` (dist/router.py). The
 prefill instance frees its blocks when its one-token request finishes: the store holds the KV,
 so no hand-shake is needed before freeing.
+
+Layer-wise streaming (`--kv-transfer stream` on both instances; kv/stream_*.py): when the chosen
+decode instance names a KV stream address in its /health, the proxy first reserves room for the
+prompt's KV there (a TCP exchange; a full decode instance refuses, and the proxy tries another,
+then answers 503 with Retry-After: backpressure before any prefill work), then sends the two
+requests at once: the prefill instance gets `kv_transfer_params: {"transfer_id", "stream_to"}` and
+sends each layer's KV as it is written, the decode instance gets `{"transfer_id"}` and waits
+(WAITING_FOR_REMOTE_KV) until the last layer lands, so only the last layer's transfer is left on
+TTFT. A prefill that fails everywhere cancels the transfer: the decode instance computes the
+prompt at once. A transfer that fails or stalls is a fallback the decode instance counts
+(`kvserve:kv_stream_events`) and recomputes: the answer is the same.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
+import uuid
 from contextlib import asynccontextmanager
 
 import httpx
@@ -45,6 +58,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from kvserve.fleet.breaker import DEFAULT_COOLDOWN_S, DEFAULT_FAILURE_THRESHOLD, backpressure_reason
 from kvserve.fleet.replicas import ReplicaSet
 from kvserve.fleet.router import Router, error_response, forward_headers
+from kvserve.kv.stream_wire import cancel, reserve
 
 logger = logging.getLogger("kvserve.proxy")
 
@@ -70,6 +84,10 @@ class PDMetrics:
         self.prefill_backpressure = Counter("kvserve:proxy_prefill_backpressure", "Backpressure "
                                             "answers (429, 503 with Retry-After) from a prefill "
                                             "instance.", ["instance", "reason"], registry=r)
+        self.streamed = Counter("kvserve:proxy_kv_streams", "Requests whose prompt's KV streamed layer by "
+                                "layer from a prefill to a decode instance.", registry=r)
+        self.stream_refused = Counter("kvserve:proxy_kv_stream_refused", "KV stream reservations a decode "
+                                      "instance refused (its stream buffer full).", ["instance"], registry=r)
         self.fallbacks = Counter("kvserve:proxy_prefill_fallbacks", "Requests whose prompt the decode "
                                  "instance computed because no prefill instance could.", registry=r)
         self.prefill_time = Histogram("kvserve:proxy_prefill_time_seconds", "Prefill request time, "
@@ -85,6 +103,7 @@ class PDProxy:
         self.prefill, self.decode = prefill, decode
         self.prefill_timeout = prefill_timeout
         self.metrics = PDMetrics()
+        self._prefills: set[asyncio.Task] = set()      # streamed requests' prefills, running beside their decode
 
     async def start(self) -> None:
         await self.prefill.start()
@@ -104,13 +123,71 @@ class PDProxy:
             parsed = json.loads(body)
         except ValueError:
             parsed = None
+        if isinstance(parsed, dict) and not parsed.get("use_beam_search") and "kv_transfer_params" not in parsed:
+            answer = await self._streamed(request, path, parsed, hashes, len(body))
+            if answer is not None:
+                return answer
         if isinstance(parsed, dict):
             await self._prefill(request, path, parsed, hashes)
         return await self.decode.forward(request, path, body, hashes)
 
-    async def _prefill(self, request: Request, path: str, parsed: dict, hashes: list[bytes]) -> None:
-        """Prefill on some prefill instance; on failure of all, leave the prompt to decode."""
-        content = json.dumps(prefill_body(parsed)).encode()
+    async def _streamed(self, request: Request, path: str, parsed: dict, hashes: list[bytes],
+                        body_bytes: int) -> Response | None:
+        """Layer-wise streaming to a decode instance that offers it (the module docstring), or
+        None where none does (the shared store's path)."""
+        streams = [r for r in self.decode.replicas.available() if r.kv_stream]
+        if not streams:
+            return None
+        # an upper bound on the prompt's tokens: the routing key's blocks plus one, else the body's bytes
+        bs = getattr(self.decode.hasher, "block_size", 0)
+        tokens = (len(hashes) + 1) * bs + 1 if hashes and bs else body_bytes
+        tried, refused = [r for r in self.decode.replicas.replicas if not r.kv_stream], None
+        while (pick := self.decode.replicas.pick(hashes, exclude=tried)) is not None:
+            r = pick.replica
+            tried.append(r)
+            tid = uuid.uuid4().hex
+            try:
+                ok, why = await asyncio.to_thread(reserve, r.kv_stream, tid, tokens)
+            except OSError as e:
+                self.decode._fail(r, f"KV stream reservation: {type(e).__name__}: {e}")
+                continue
+            if not ok:
+                refused = why
+                self.decode._busy(r, "kv_stream_full")
+                self.metrics.stream_refused.labels(r.url).inc()
+                continue
+            self.metrics.streamed.inc()
+            task = asyncio.create_task(self._prefill(request, path, parsed, hashes,
+                                                     {"transfer_id": tid, "stream_to": r.kv_stream}))
+            self._prefills.add(task)
+            task.add_done_callback(lambda t, r=r, tid=tid: self._prefill_ended(t, r, tid))
+            decode_body = json.dumps({**parsed, "kv_transfer_params": {"transfer_id": tid}}).encode()
+            return await self.decode.forward(request, path, decode_body, hashes, pin=r)
+        if refused is not None:
+            return error_response(503, f"no decode instance has room for this prompt's KV ({refused}); "
+                                  "retry later", "kv_stream_full", headers={"Retry-After": "1"})
+        return None
+
+    def _prefill_ended(self, task: asyncio.Task, r, tid: str) -> None:
+        """A streamed request's prefill that reached no prefill instance cancels its transfer."""
+        self._prefills.discard(task)
+        if task.cancelled() or task.exception() is not None or not task.result():
+            asyncio.get_running_loop().run_in_executor(None, self._cancel, r.kv_stream, tid)
+
+    @staticmethod
+    def _cancel(addr: str, tid: str) -> None:
+        try:
+            cancel(addr, tid, "no prefill instance took the request")
+        except OSError as e:
+            logger.warning("could not cancel KV stream %s at %s: %s", tid, addr, e)
+
+    async def _prefill(self, request: Request, path: str, parsed: dict, hashes: list[bytes],
+                       kv_transfer_params: dict | None = None) -> bool:
+        """Prefill on some prefill instance (True); on failure of all, leave the prompt to decode."""
+        body = prefill_body(parsed)
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
+        content = json.dumps(body).encode()
         headers = forward_headers(request)
         tried = []
         while (pick := self.prefill.replicas.pick(hashes, exclude=tried)) is not None:
@@ -135,12 +212,13 @@ class PDProxy:
                 continue
             finally:
                 self.prefill.replicas.end(r, probe)
-            # 2xx: the KV is in the store. 4xx: the request is bad; decode will say so itself.
+            # 2xx: the KV is in the store (or streamed). 4xx: the request is bad; decode will say so itself.
             self.metrics.prefills.labels(r.url).inc()
             self.metrics.prefill_time.observe(time.perf_counter() - t0)
-            return
+            return resp.status_code < 400
         self.metrics.fallbacks.inc()
         logger.warning("no prefill instance could take a request: the decode instance computes its prompt")
+        return False
 
 
 def build_proxy_app(proxy: PDProxy) -> FastAPI:

@@ -87,6 +87,7 @@ class Replica:
     failures: int = 0           # times the breaker opened
     backpressured: int = 0      # answers that said "not now" (429, 503 with Retry-After, ...)
     last_error: str | None = None
+    kv_stream: str | None = None  # a decode instance's KV stream address (its /health says)
 
     @property
     def healthy(self) -> bool:
@@ -98,7 +99,7 @@ class Replica:
                 "consecutive_failures": self.breaker.consecutive_failures,
                 "in_flight": self.in_flight, "routed": self.routed, "failures": self.failures,
                 "backpressured": self.backpressured, "cached_blocks": len(self.lru),
-                "last_error": self.last_error}
+                "last_error": self.last_error, **({"kv_stream": self.kv_stream} if self.kv_stream else {})}
 
 
 @dataclass

@@ -118,6 +118,10 @@ class Router:
             try:
                 resp = await self.client.get(r.url + "/health", timeout=timeout)
                 if resp.status_code == 200:
+                    try:
+                        r.kv_stream = resp.json().get("kv_stream")    # PD decode side (fleet/pd_proxy.py)
+                    except (ValueError, AttributeError):
+                        r.kv_stream = None
                     return
                 why = f"/health answered {resp.status_code}"
             except httpx.HTTPError as e:

@@ -17,6 +17,7 @@ import time
 from kvserve.engine.core_io import CoreLimits, EngineCoreRequest
 from kvserve.engine.fairness import PROMPT_FIELDS, prompt_fields
 from kvserve.kv.manager import cdiv
+from kvserve.kv.stream_wire import parse_address
 from kvserve.sample.params import SamplingParams
 from kvserve.structured import check_structured_outputs
 
@@ -125,6 +126,8 @@ class Processor:
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab}).")
         params.verify_for_model(vocab)
+        if params.kv_transfer_params is not None:
+            check_kv_transfer(params.kv_transfer_params, lim.kv_stream_role)
         if params.structured_outputs is not None:     # the compiler's message, before anything queues
             check_structured_outputs(params.structured_outputs, self.tokenizer, vocab, lim)
         seats = params.beam_width if params.use_beam_search else params.n
@@ -141,3 +144,14 @@ class Processor:
                 raise ValueError(f"beam search with beam_width={params.beam_width} may need {need} KV "
                                  f"blocks but the pool has {room}: lower beam_width or max_tokens, "
                                  "or raise kv_cache_memory / num_kv_blocks.")
+
+
+def check_kv_transfer(ktp: dict, role: str | None) -> None:
+    """kv_transfer_params only where this instance streams KV in that role (engine/remote_kv.py)."""
+    want = "prefill" if "stream_to" in ktp else "decode"
+    if role != want:
+        raise ValueError(f"kv_transfer_params {'with' if want == 'prefill' else 'without'} 'stream_to' needs "
+                         f"a --kv-role {want} --kv-transfer stream instance; this one is "
+                         f"{'not streaming KV' if role is None else 'the ' + role + ' side'}.")
+    if "stream_to" in ktp:
+        parse_address(ktp["stream_to"])

@@ -60,6 +60,11 @@ def write_blocks(runner, block_ids: list[int], data: torch.Tensor) -> None:
         off += per
 
 
+def store_key(scope: bytes, block_hash: bytes) -> bytes:
+    """A block's key in a store (a tier, a KV stream): sha256(scope + chained block hash)."""
+    return hashlib.sha256(scope + block_hash).digest() if scope else block_hash
+
+
 def block_bytes(runner) -> int:
     return sum(t[0].numel() * t.element_size() for t in runner.kv_cache_tensors())
 

@@ -29,13 +29,13 @@ Payloads: kv/block_io.py.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvserve.kv.block_io import PAYLOAD_OVERHEAD, block_bytes, load_into, pack_block, read_blocks, unpack_block
+from kvserve.kv.block_io import (PAYLOAD_OVERHEAD, block_bytes, load_into, pack_block, read_blocks, store_key,
+                                 unpack_block)
 from kvserve.kv.prefix_cache import PrefixHit
 from kvserve.kv.reload_rule import ReloadRule
 from kvserve.kv.tiers import KVStore, parse_tier_spec, split_tier_specs
@@ -113,19 +113,20 @@ class TieredConnector(KVConnector):
         self._saves: dict[int, tuple[bytes, bool]] = {}   # gpu block -> (hash, evicted)
         self._loads: list[tuple[int, bytes]] = []         # (gpu block, verified data)
         self._wt = [i for i, s in enumerate(stores) if s.write_through]
+        self._evict_to = next((i for i, s in enumerate(stores) if s.saves), None)   # evicted blocks' tier
         self._written: OrderedDict[bytes, None] = OrderedDict()   # recently written through
         self._down_until = [0.0] * len(stores)      # monotonic time until which a store is skipped
 
     @classmethod
-    def from_specs(cls, specs, block_size: int, reload: str, scope: bytes) -> "TieredConnector | None":
-        """The stack `specs` names (--kv-tiers, top first), None for none; `scope`: store_scope's."""
-        specs = split_tier_specs(specs)
-        if not specs:
-            return None
-        return cls([parse_tier_spec(s) for s in specs], block_size, reload, scope)
+    def from_specs(cls, specs, block_size: int, reload: str, scope: bytes, top: KVStore | None = None
+                   ) -> "TieredConnector | None":
+        """The stack `specs` names (--kv-tiers, top first) under `top` (a KV stream's inbox), None
+        for none; `scope`: store_scope's."""
+        stores = ([top] if top is not None else []) + [parse_tier_spec(s) for s in split_tier_specs(specs)]
+        return cls(stores, block_size, reload, scope) if stores else None
 
     def _key(self, block_hash: bytes) -> bytes:
-        return hashlib.sha256(self.scope + block_hash).digest() if self.scope else block_hash
+        return store_key(self.scope, block_hash)
 
     # -- the KV manager's side ---------------------------------------------------------------
     def bind(self, manager) -> None:
@@ -184,7 +185,8 @@ class TieredConnector(KVConnector):
             src.append(ti)
         if not src:
             return hit
-        wins = {ti: self.rule is None or self.rule.reload_wins(self.stats[ti].bandwidth) for ti in set(src)}
+        wins = {ti: self.rule is None or self.stores[ti].always_reload
+                or self.rule.reload_wins(self.stats[ti].bandwidth) for ti in set(src)}
         k = next((i for i, ti in enumerate(src) if not wins[ti]), len(src))
         return TierHit(list(hit.blocks), None, 0, (g + k) * bs, tier_hashes=rest[:k], tier_src=src[:k],
                        skipped=len(src) - k)
@@ -309,7 +311,7 @@ class TieredConnector(KVConnector):
             payloads[h] = (k, pack_block(k, data[i].numpy().tobytes()))
         for ti in range(len(self.stores)):
             keys = [h for _, h, evicted in saves
-                    if (ti == 0 and evicted) or ti in self._wt]
+                    if (ti == self._evict_to and evicted) or ti in self._wt]
             self._put(ti, [payloads[h] for h in keys])
         if self._wt:
             for _, h, _ in saves:

@@ -134,6 +134,10 @@ class KVCacheManager:
         table when the object is not the one it saw (engine/worker_view.py)."""
         return self.block_tables.get(request_id)
 
+    def block_hashes(self, req, n_blocks: int) -> list[bytes]:
+        """The chained hashes of req's first `n_blocks` blocks (the hash prefix cache's)."""
+        return self.cache.hashes(req, self._state(req), n_blocks)
+
     def _state(self, req) -> SeqCacheState:
         st = self.cache_state.get(req.request_id)
         if st is None:

@@ -13,6 +13,8 @@ class KVStore:
 
     kind = "store"
     write_through = False
+    saves = True          # the connector saves blocks here (a KV stream's inbox is read-only)
+    always_reload = False   # loading always beats recomputing (no reload-rule check)
     failures = 0          # writes the store itself saw fail (the disk's background writer)
     bytes_refused = 0     # payload bytes it did not store because of them, or of a full disk
 

@@ -87,8 +87,8 @@ class GemmaModel(LlamaModel):
             return cos[positions].to(self.dtype).unsqueeze(1), sin[positions].to(self.dtype).unsqueeze(1)
         full = table(self.rope_cos, self.rope_sin)                    # [T, 1, rotary_dim] each
         local = full if self.local_rope is None else table(*self.local_rope)
-        for layer, attn, windowed, (k_cache, v_cache) in zip(self.layers, self.layer_attn, self.windowed,
-                                                             kv_caches):
+        for i, (layer, attn, windowed, (k_cache, v_cache)) in enumerate(zip(
+                self.layers, self.layer_attn, self.windowed, kv_caches)):
             h = gemma_norm(x, layer.input_norm, eps)
             qkv = linear(h, layer.qkv, layer.qkv_bias)                # [T, (H + 2KV) * D]
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
@@ -98,6 +98,8 @@ class GemmaModel(LlamaModel):
                                 gemma_norm(qk[:, H:], layer.k_norm, eps)], dim=1)
             qk = self.rope(qk, *(local if windowed else full))
             o = attn.forward(qk[:, :H], qk[:, H:], v, k_cache, v_cache, meta)   # [T, H, D]
+            if meta.kv_written is not None:                           # this layer's K/V are in the pool
+                meta.kv_written(i)
             x = x + gemma_norm(reduced(linear(o.reshape(T, H * D), layer.o)), layer.post_norm, eps)
             h = gemma_norm(x, layer.pre_ff_norm, eps)
             mlp = layer.mlp(h)

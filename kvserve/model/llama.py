@@ -198,10 +198,13 @@ class LlamaModel:
         T = x.shape[0]
         tp = self.tp
         if self.fused is not None and self.fused.takes(T, meta.num_decode_tokens):
-            return self.fused.run(x, positions, meta, kv_caches)
+            x = self.fused.run(x, positions, meta, kv_caches)
+            for i in range(len(self.layers) if meta.kv_written is not None else 0):
+                meta.kv_written(i)
+            return x
         cos = self.rope_cos[positions].to(self.dtype).unsqueeze(1)   # [T, 1, D]
         sin = self.rope_sin[positions].to(self.dtype).unsqueeze(1)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = linear(h, layer.qkv, layer.qkv_bias)                # [T, (H + 2KV) * D]
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
@@ -218,6 +221,8 @@ class LlamaModel:
             qk = self.rope(qk, cos, sin)                              # q and k heads at once
             q, k = qk[:, :H], qk[:, H:]
             o = self.attn.forward(q, k, v, k_cache, v_cache, meta)    # [T, H, D]
+            if meta.kv_written is not None:                           # this layer's K/V are in the pool
+                meta.kv_written(i)
             attn_out = linear(o.reshape(T, H * D), layer.o)           # [T, hidden] (partial if tp)
             x = x + (attn_out if tp is None else tp.all_reduce(attn_out))
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)

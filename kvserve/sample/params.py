@@ -74,6 +74,9 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None    # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
     # The output must match a JSON schema, regex, choice or grammar (kvserve/structured/).
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's: a PD pair's KV transfer (engine/remote_kv.py): {"transfer_id", "stream_to": "host:port"}
+    # on the prefill instance, {"transfer_id"} on the decode instance
+    kv_transfer_params: dict | None = None
     stop_strings: list[str] = field(init=False, repr=False)
     # stop_token_ids as a frozenset, kept in step with every assignment to stop_token_ids: the
     # per-step stop check (engine/output.py) is O(1) however many ids a request names.
@@ -114,6 +117,19 @@ class SamplingParams:
     def _fail(self, msg: str):
         raise ValueError(msg)
 
+    def _check_kv_transfer_params(self) -> None:
+        ktp = self.kv_transfer_params
+        if not isinstance(ktp, dict) or set(ktp) - {"transfer_id", "stream_to"}:
+            self._fail("kv_transfer_params must be an object with 'transfer_id' (and, on a prefill "
+                       f"instance, 'stream_to': 'host:port'), got {ktp!r}.")
+        tid = ktp.get("transfer_id")
+        if not isinstance(tid, str) or not 1 <= len(tid) <= 128:
+            self._fail("kv_transfer_params.transfer_id must be a string of 1 to 128 characters.")
+        if "stream_to" in ktp and not (isinstance(ktp["stream_to"], str) and ":" in ktp["stream_to"]):
+            self._fail(f"kv_transfer_params.stream_to must be 'host:port', got {ktp['stream_to']!r}.")
+        if self.use_beam_search:
+            self._fail("kv_transfer_params cannot be used with beam search.")
+
     def _check_real(self, name: str, lo: float, hi: float, *, lo_open: bool = False, rule: str = "") -> None:
         v = getattr(self, name)
         ok = _is_finite_real(v) and (lo < v if lo_open else lo <= v) and v <= hi
@@ -126,6 +142,8 @@ class SamplingParams:
         vocabulary) are in `verify_for_model`."""
         if not _is_int(self.n) or self.n < 1:
             self._fail(f"n must be an integer >= 1, got {self.n!r}.")
+        if self.kv_transfer_params is not None:
+            self._check_kv_transfer_params()
         self._check_real("temperature", 0.0, MAX_TEMPERATURE, rule=" (0 means greedy)")
         self._check_real("top_p", 0.0, 1.0, lo_open=True, rule=" (1 disables it)")
         if not _is_int(self.top_k) or not -1 <= self.top_k <= INT64_MAX:

@@ -164,7 +164,8 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
         dead = state.core_client.dead
         if dead is not None:        # the exception is in the log, under the id
             return JSONResponse({"status": "error", "error": state.engine_failure.message(dead)}, 500)
-        return JSONResponse({"status": "ok"})
+        stream = engine.limits.kv_stream_address       # PD decode side: the proxy streams KV here
+        return JSONResponse({"status": "ok", **({"kv_stream": stream} if stream else {})})
 
     @app.get("/metrics")
     async def metrics(request: Request):

@@ -36,6 +36,8 @@ after every step, because the engine is not thread-safe) at scrape time:
 KV tiers (kv/connector.py): kvserve:kv_tier_{hit_blocks,bytes_loaded,saved_blocks,bytes_saved,
 corrupt_blocks,failures,bytes_refused}_total{tier}, kvserve:kv_tier_bandwidth_bytes_per_second{tier},
 kvserve:kv_tier_{reload,recompute}_decisions_total.
+Layer-wise KV streams of a PD pair (engine/remote_kv.py): kvserve:kv_stream_events_total{role,event},
+kvserve:kv_stream_bytes_total{role} (both families: server/kv_metrics.py).
 
 Structured outputs (kvserve/structured/metrics.py): kvserve:grammar_compile_time_seconds
 (histogram), kvserve:grammar_{compiles,compile_errors,compile_timeouts,cache_hits}_total,
@@ -79,8 +81,10 @@ from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported fo
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from kvserve.server.kv_metrics import kv_stream_metrics, kv_tier_metrics
 from kvserve.server.memory_metrics import MemoryCollector
 from kvserve.structured.metrics import structured_output_metrics
+
 
 # Fine at the low end: on a small model a decode step takes a millisecond or two.
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2,
@@ -154,40 +158,9 @@ class _EngineStatsCollector:
             for pos, value in enumerate(per_pos):
                 fam.add_metric([self.model_name, str(pos)], float(value))
             yield fam
-        yield from _kv_tier_metrics(self.model_name, getattr(snap, "kv_tiers", None))
+        yield from kv_tier_metrics(self.model_name, getattr(snap, "kv_tiers", None))
+        yield from kv_stream_metrics(self.model_name, getattr(snap, "kv_stream", None))
         yield from structured_output_metrics(self.model_name, getattr(snap, "structured_outputs", None))
-
-
-# engine.stats().kv_tiers per tier (kv/connector.py) -> kvserve:kv_tier_*_total{model_name,tier}
-_TIER_COUNTERS = (("hit_blocks", "blocks loaded from the tier instead of computed"),
-                  ("bytes_loaded", "bytes fetched from the tier and verified"),
-                  ("saved_blocks", "blocks written into the tier"),
-                  ("bytes_saved", "bytes written into the tier"),
-                  ("corrupt_blocks", "payloads that failed their checksum (recomputed)"),
-                  ("failures", "store errors: unreachable (skipped for a while) or a failed write"),
-                  ("bytes_refused", "payload bytes the tier did not store (failed writes, a full disk)"))
-
-
-def _kv_tier_metrics(model_name: str, tiers: dict | None):
-    """KV tiers' counters, the reload/recompute decisions and each tier's measured bandwidth."""
-    if not tiers:
-        return
-    for key, doc in _TIER_COUNTERS:
-        fam = CounterMetricFamily(f"kvserve:kv_tier_{key}", f"KV tiers: {doc}.", labels=["model_name", "tier"])
-        for t in tiers["tiers"]:
-            fam.add_metric([model_name, t["name"]], float(t[key]))
-        yield fam
-    bw = GaugeMetricFamily("kvserve:kv_tier_bandwidth_bytes_per_second",
-                           "KV tiers: measured fetch bandwidth.", labels=["model_name", "tier"])
-    for t in tiers["tiers"]:
-        if t.get("bandwidth") is not None:
-            bw.add_metric([model_name, t["name"]], float(t["bandwidth"]))
-    yield bw
-    for key in ("reload_decisions", "recompute_decisions"):
-        fam = CounterMetricFamily(f"kvserve:kv_tier_{key}", "KV tiers: requests whose tier hit was "
-                                  f"{key.split('_')[0]}ed (seed 003's break-even).", labels=["model_name"])
-        fam.add_metric([model_name], float(tiers.get(key, 0)))
-        yield fam
 
 
 class ServerMetrics:

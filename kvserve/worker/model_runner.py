@@ -50,6 +50,7 @@ class ModelRunner:
         # last in it (both before the forward pass), after_forward(scheduled, seconds) at the
         # end of execute. It reads and writes blocks through kv_cache_tensors().
         self.kv_connector = None
+        self.kv_stream = None         # PD prefill side: a KVStreamSender, told as each layer is written
         self.sampling: StepSampler | None = None     # the sampling stage (init_sampling)
         self.kv_caches = [tuple(kv_quant.allocate(shape, self.kv_cache_dtype, model.dtype, self.device)
                                 for _ in range(2)) for _ in range(cfg.num_layers)]
@@ -80,6 +81,22 @@ class ModelRunner:
         """The device KV pools as tensors whose dim 0 is the block id: for each layer, K then V,
         values then scales when quantized (float8 viewed as bytes)."""
         return self._pools(self.kv_caches)
+
+    def kv_layer_layout(self) -> tuple[int, int]:
+        """(layers, bytes of one block in one layer): kv_cache_tensors() is layer-major."""
+        tensors, n = self.kv_cache_tensors(), len(self.kv_caches)
+        return n, sum(t[0].numel() * t.element_size() for t in tensors[:len(tensors) // n])
+
+    def _kv_written(self, layer: int) -> None:
+        """Layer-wise KV streaming (kv/stream_sender.py): layer `layer`'s K/V of the step are in
+        the pool; hand the sender a copy of its slices of the blocks planned this step."""
+        tensors = self.kv_cache_tensors()
+        g = len(tensors) // len(self.kv_caches)
+        for o, block_ids, keys in self.kv_stream.step_plan():
+            idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+            parts = [t.index_select(0, idx).reshape(len(block_ids), -1).view(torch.uint8)
+                     for t in tensors[layer * g:(layer + 1) * g]]
+            self.kv_stream.layer_data(o, layer, keys, torch.cat(parts, dim=1).cpu().numpy().tobytes())
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy on write: block src -> dst in every layer's K and V cache."""
@@ -209,6 +226,8 @@ class ModelRunner:
             return self.model.forward_micro_batches(
                 [(st.input_ids, st.positions, st.meta, st.logits_indices) for st in steps], self.kv_caches)
         st = steps[0]
+        if self.kv_stream is not None and self.kv_stream.step_plan():
+            st.meta.kv_written = self._kv_written
         return [self.model.forward(st.input_ids, st.positions, st.meta, self.kv_caches, st.logits_indices)]
 
 

@@ -21,7 +21,7 @@ import pytest
 from kvserve.kv import disk_store
 from kvserve.kv.block_io import pack_block
 from kvserve.kv.disk_store import DiskStore
-from kvserve.server.metrics import _kv_tier_metrics
+from kvserve.server.kv_metrics import kv_tier_metrics as _kv_tier_metrics
 from tests.kv.test_tiers import make_engine, reference, run, workload
 
 BLOCK = 4096

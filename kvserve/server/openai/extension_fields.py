@@ -11,6 +11,9 @@ vLLM's
                                       with skip_special_tokens false is refused
     request_id                        the response id's suffix (an X-Request-Id header wins, as in
                                       vLLM), echoed as X-Request-Id, and in the request log
+    kv_transfer_params                a PD pair's KV transfer, as `kvserve proxy` sets it: {"transfer_id",
+                                      "stream_to"} on a --kv-transfer stream prefill instance,
+                                      {"transfer_id"} on a decode one (engine/remote_kv.py); elsewhere 400
 llama-server's
     n_predict       max_tokens (-1: as the context allows); both given and different: 400
     repeat_penalty  repetition_penalty (over the whole context: llama's repeat_last_n -1)
@@ -57,6 +60,11 @@ def rule_error(param: str, message: str) -> PydanticCustomError:
     return PydanticCustomError(EXTENSION_RULE_CODE, message, {"param": param})
 
 
+class KVTransferParams(Strict):
+    transfer_id: Text = Field(..., min_length=1, max_length=128)
+    stream_to: Optional[Text] = Field(None, max_length=300, pattern=r"^.+:[0-9]{1,5}$")   # host:port
+
+
 class ExtensionFields(Strict):
     # vLLM's
     use_beam_search: bool = False
@@ -68,6 +76,7 @@ class ExtensionFields(Strict):
     truncate_prompt_tokens: Optional[int] = Field(None, ge=-1, le=INT64_MAX)    # 0 refused
     spaces_between_special_tokens: bool = True
     request_id: Optional[Annotated[Text, Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS)]] = None
+    kv_transfer_params: Optional[KVTransferParams] = None
     # llama-server's
     n_predict: Optional[int] = Field(None, ge=-1, le=INT64_MAX)
     repeat_penalty: Optional[float] = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1],
@@ -163,4 +172,6 @@ class ExtensionFields(Strict):
         for name in ("bad_words", "allowed_token_ids", "truncate_prompt_tokens", "typical_p"):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
+        if self.kv_transfer_params is not None:
+            kw["kv_transfer_params"] = self.kv_transfer_params.model_dump(exclude_none=True)
         return kw

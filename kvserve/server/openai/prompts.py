@@ -48,7 +48,7 @@ def truncate_prompt(state, req, ids: list[int]) -> list[int]:
     limit = state.engine.limits.max_model_len
     if k is not None and k > limit:
         raise APIError(f"truncate_prompt_tokens ({k}) must not exceed max_model_len ({limit})",
-                       param="truncate_prompt_tokens")
+                       param="truncate_prompt_tokens", code="context_length_exceeded")
     return truncated(ids, k, limit)
 
 
