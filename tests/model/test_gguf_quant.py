@@ -293,3 +293,19 @@ def test_smollm2_q4_1_natively():
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0]
     assert "Paris" in out.text, out.text
+
+
+def test_smollm2_chunked_prefill_samples_nothing_in_its_first_chunks():
+    """A prompt longer than the step's token budget: its first chunks sample nothing, so the tied
+    Q8_0 lm_head (two int4 planes) sees 0 rows; that once failed the engine (a reshape of 0 rows),
+    which took down a server given any prompt over max_num_batched_tokens. Now the chunked answer
+    equals the unchunked one."""
+    from kvserve import SamplingParams
+
+    prompt = "Once upon a time, in a land far away, there lived a curious fox who loved to read " * 2
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    whole = LLM(str(SMOLLM2), max_model_len=256, kv_cache_memory=16 << 20).generate([prompt], params)
+    chunked = LLM(str(SMOLLM2), max_model_len=256, kv_cache_memory=16 << 20, max_num_batched_tokens=16,
+                  max_num_seqs=4).generate([prompt], params)
+    assert len(chunked[0].prompt_token_ids) > 2 * 16
+    assert chunked[0].outputs[0].token_ids == whole[0].outputs[0].token_ids

@@ -104,8 +104,8 @@ class Int8BlockWeight(QuantizedWeight):
 
     def _twice(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] -> [T, 2K], each block of 32 repeated: one copy per plane."""
-        T = x.shape[0]
-        return x.view(T, -1, 1, QK8).expand(T, -1, 2, QK8).reshape(T, 2 * self.shape[1])
+        T, nb = x.shape[0], self.shape[1] // QK8            # (named: T may be 0, a chunk that samples nothing)
+        return x.view(T, nb, 1, QK8).expand(T, nb, 2, QK8).reshape(T, 2 * self.shape[1])
 
     def linear(self, x, bias=None):
         return self.planes.linear(self._twice(x), bias)
