@@ -171,14 +171,20 @@ def cmd_preempt(args) -> int:
 
 
 def cmd_disagg(args) -> int:
-    from .disagg import disagg_plan, prefill_time, transfer_fraction, transfer_time
+    from .disagg import disagg_plan, prefill_time, streamed_transfer_left, transfer_fraction, transfer_time
     hw, m = get_hardware(args.hw), get_model(args.model)
     link = args.link_gbs * GB
+    t_x = transfer_time(m, args.T_in, link, args.kv_dtype)
+    t_p = args.prefill_ms / 1e3 if args.prefill_ms else prefill_time(m, hw, args.T_in, args.n_gpu, args.mfu, args.dtype)
+    chunk = min(args.chunk or args.T_in, args.T_in)
+    left = streamed_transfer_left(t_x, t_p, m.n_layers, (args.T_in - (math.ceil(args.T_in / chunk) - 1) * chunk) / args.T_in)
     print(kv_table([
         ("KV transfer / prefill (attention ignored)", transfer_fraction(m, hw, link, args.n_gpu, args.mfu, args.dtype)),
         (f"KV of a {args.T_in}-token prompt (GB)", kvmath.kv_cache_bytes(m, args.T_in, 1, args.kv_dtype) / GB),
-        ("transfer time (ms)", transfer_time(m, args.T_in, link, args.kv_dtype) * 1e3),
-        ("prefill time (ms)", prefill_time(m, hw, args.T_in, args.n_gpu, args.mfu, args.dtype) * 1e3)]))
+        ("transfer time (ms)", t_x * 1e3),
+        ("prefill time (ms)" + (", measured" if args.prefill_ms else ""), t_p * 1e3),
+        ("layer-wise streaming: transfer left on TTFT (ms)", left * 1e3),
+        ("layer-wise streaming: TTFT it hides (ms)", (t_x - left) * 1e3)]))
     if args.rate:
         p = disagg_plan(args.rate, args.T_in, args.T_out, m, hw, link, args.ttft_ms / 1e3, args.tpot_ms / 1e3,
                         mfu=args.mfu, max_util=args.max_util, c_half=args.c_half, n_gpu=args.n_gpu,
@@ -282,6 +288,9 @@ def register(subparsers) -> None:
     p.add_argument("--ttft-ms", type=float, default=1000); p.add_argument("--tpot-ms", type=float, default=50)
     p.add_argument("--max-util", type=float, default=0.8); p.add_argument("--c-half", type=float, default=256)
     p.add_argument("--t0-ms", type=float, default=0.0)
+    p.add_argument("--prefill-ms", type=float, default=None, help="a measured prefill time (default: the roofline's)")
+    p.add_argument("--chunk", type=int, default=None, help="tokens per prefill step (max_num_batched_tokens; "
+                   "default: the whole prompt in one step)")
     p.set_defaults(func=cmd_disagg)
 
     p = ps.add_parser("pipeline", help="pipeline parallelism's bubble for P stages and M micro-batches (seed 004)")

@@ -71,6 +71,16 @@ def transfer_time(model: ModelSpec, T_in: float, link_bw: float, kv_dtype: str =
     return T_in * kv_bytes_per_token(model, kv_dtype) / link_bw
 
 
+def streamed_transfer_left(t_x: float, t_prefill: float, n_layers: int, last_step_frac: float = 1.0) -> float:
+    """Seed 000 ("as soon as layer 1 finishes its prefill, it starts transmitting ... only the
+    transfer of the last layer delays the decode"): the part of a prompt's KV transfer t_x that
+    lands on TTFT when each layer's KV leaves as it is written, against all of t_x for a transfer
+    after the prefill. A link that keeps up with the prefill leaves the last layer's part of the
+    last step's KV, t_x f / L (f: the last step's share of the prompt, 1 unchunked); a slower
+    link leaves what it could not carry while the prefill ran, t_x - t_prefill, when that is more."""
+    return max(t_x - t_prefill, t_x * last_step_frac / n_layers)
+
+
 def transfer_fraction(model: ModelSpec, hw: HardwareSpec, link_bw: float, n_gpu: int = 1, mfu: float = 0.5,
                       dtype: str = "bf16", kv_dtype: str = "bf16") -> float:
     """Seed 003: t_x / t_prefill = m_KV n_gpu pi MFU / (2 N_act b_link), the prompt length cancels

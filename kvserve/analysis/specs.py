@@ -162,6 +162,8 @@ MODELS: dict[str, ModelSpec] = {
     # seed 001 exercise 3: "a 13B-parameter model" -- Llama 2 13B's shape (full MHA), N = 13e9 exactly.
     "llama-13b": _preset("13B (Llama 2 13B shape)", 40, 5120, 40, 40, 128, 13824, 32000, n_params=13e9),
     # Qwen3-0.6B config.json: 28 layers, 16 heads, 8 KV heads of 128, tied embeddings, qk-norm.
+    # SmolLM2-135M config.json (kvserve's default model): 30 layers, 9 heads, 3 KV heads of 64, tied.
+    "smollm2-135m": _preset("SmolLM2-135M", 30, 576, 9, 3, 64, 1536, 49152, tie=True),
     "qwen3-0.6b": _preset("Qwen3-0.6B", 28, 1024, 16, 8, 128, 3072, 151936, tie=True, qk_norm=True),
 }
 

@@ -136,8 +136,9 @@ class EngineConfig:
         "--kv-role decode --kv-transfer stream: HOST:PORT this instance takes KV streams on (port 0: "
         "a free one; GET /health names it)", metavar="HOST:PORT"))
     kv_stream_buffer: str = field(default="1GiB", metadata=flag(
-        "--kv-role decode --kv-transfer stream: the most KV bytes held for streams at once (reserved "
-        "or received, not yet in the pool); a prompt that does not fit is refused before its prefill",
+        "--kv-transfer stream: the most KV bytes held for streams at once; decode: reserved or received "
+        "and not yet in the pool (a prompt that does not fit is refused before its prefill); prefill: "
+        "copied and not yet sent (past it a transfer is aborted and the decode side recomputes)",
         metavar="SIZE"))
     kv_stream_timeout: float = field(default=60.0, metadata=flag(
         "--kv-transfer stream: seconds without a frame after which a transfer has stalled and its "

@@ -7,7 +7,7 @@ import argparse
 import os
 
 from kvserve.config.placement import STRATEGIES
-from kvserve.fleet.router_cli import add_policy_args, serve_data_parallel
+from kvserve.fleet.router_cli import add_policy_args, serve_data_parallel, serve_disaggregated
 from kvserve.server.cli import add_cli_args
 from kvserve.server.cli import cmd_serve as serve_one
 
@@ -39,6 +39,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "group of this strategy, one bundle per rank (kvserve/config/placement.py); "
                         "a router is put in front even of one replica")
     add_policy_args(g, "router-")
+    d = p.add_argument_group("disaggregated prefill/decode pools (kvserve/fleet/router_cli.py)")
+    d.add_argument("--prefill-replicas", type=int, default=0,
+                   help="serve a pool of N `--role prefill` replicas and one of --decode-replicas `--role "
+                        "decode` replicas behind `kvserve proxy` (with --distributed-executor-backend ray: "
+                        "placed on the Ray cluster's nodes)")
+    d.add_argument("--decode-replicas", type=int, default=0, help="the decode pool's replicas (see --prefill-replicas)")
 
 
 def model_from_positional(args) -> None:
@@ -56,6 +62,8 @@ def model_from_positional(args) -> None:
 def cmd_serve(args) -> int:
     """One server (server/cli.py), or N replicas behind the router with --data-parallel-size N."""
     model_from_positional(args)
+    if args.prefill_replicas or args.decode_replicas:
+        return serve_disaggregated(args)
     if args.data_parallel_size > 1 or args.ray_placement_strategy is not None:
         return serve_data_parallel(args)
     return serve_one(args)

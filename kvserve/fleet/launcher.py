@@ -154,6 +154,12 @@ class LocalReplicas:
             stop_server(p, timeout)
 
 
+def _streams_kv_in(argv: list[str]) -> bool:
+    """A `--kv-role decode --kv-transfer stream` replica's command line."""
+    pairs = set(zip(argv, argv[1:]))
+    return bool({("--kv-role", "decode"), ("--role", "decode")} & pairs) and ("--kv-transfer", "stream") in pairs
+
+
 class ServeReplica:
     """A Ray actor running one `kvserve serve` on its node (decorated in `RayReplicas`)."""
 
@@ -167,6 +173,8 @@ class ServeReplica:
         self.port = free_port(self.host)
         # A replica's own Ray use (tensor-parallel workers) joins this cluster, not a new one.
         env = {"RAY_ADDRESS": ctx.gcs_address, **env}
+        if _streams_kv_in(argv) and "--kv-stream-address" not in argv:    # PD decode: reachable from
+            argv = [*argv, "--kv-stream-address", f"{self.host}:0"]       # the prefill pool's nodes
         self.proc = spawn_server(argv, self.host, self.port, env)
 
     def url(self) -> str:

@@ -19,6 +19,13 @@ may bring it back (vllm-router's names; fleet/breaker.py).
 starts N replicas (`kvserve serve` with the same engine and server flags on free loopback
 ports, or Ray actors) and the router on --host/--port; SIGTERM or Ctrl-C stops the router
 (in-flight requests finish, up to --shutdown-timeout), then every replica.
+
+    kvserve serve [MODEL] --prefill-replicas P --decode-replicas D [--kv-transfer stream | --kv-tiers redis://..]
+                  [--distributed-executor-backend ray [--ray-placement-strategy SPREAD]] [engine flags...]
+
+starts the two pools of a disaggregated deployment (P `--role prefill` and D `--role decode`
+replicas with the same engine flags, local or Ray actors on the cluster's nodes, each in a
+placement group with a strategy) and `kvserve proxy` in front of them on --host/--port.
 """
 from __future__ import annotations
 
@@ -167,6 +174,63 @@ def serve_data_parallel(args) -> int:
         if replicas is not None:
             replicas.stop(timeout=args.shutdown_timeout)
         log.info("stopped the router and %d replicas", n)
+
+
+def serve_disaggregated(args) -> int:
+    """`kvserve serve --prefill-replicas P --decode-replicas D`: both pools and the proxy in front."""
+    from kvserve.fleet.launcher import LocalReplicas, RayReplicas, replica_argv
+    from kvserve.model.loaders.default_model import default_model_path
+
+    _logging(args.log_level)
+    if args.prefill_replicas < 1 or args.decode_replicas < 1:
+        raise ValueError("--prefill-replicas and --decode-replicas: give both, each at least 1")
+    if args.data_parallel_size > 1 or args.kv_role != "both":
+        raise ValueError("--prefill-replicas / --decode-replicas give each pool its role and size: leave "
+                         "--data-parallel-size and --kv-role out")
+    from kvserve.kv.tiers import split_tier_specs
+    tiers = [t for t in split_tier_specs(args.kv_tiers) or () if t.startswith(("disk:", "redis://"))]
+    if args.kv_transfer == "store" and not tiers:
+        raise ValueError("the pools need a way to move the prompt's KV: --kv-transfer stream, or a shared "
+                         "--kv-tiers redis://HOST:PORT (disk:/path:SIZE on one machine)")
+    backend = args.distributed_executor_backend
+    if args.ray_placement_strategy is not None and backend != "ray":
+        raise ValueError("--ray-placement-strategy places replicas on a Ray cluster: give it with "
+                         "--distributed-executor-backend ray")
+    replica_flags = ArgumentParser()
+    add_cli_args(replica_flags)
+    argv = replica_argv(args, replica_flags)
+    n = args.prefill_replicas + args.decode_replicas
+    env = {}
+    if not args.engine_threads and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))   # no oversubscription
+    signal.signal(signal.SIGTERM, _sigterm_exit)
+    pools = []
+    try:
+        for role, size in (("prefill", args.prefill_replicas), ("decode", args.decode_replicas)):
+            pool_argv = argv + ["--kv-role", role]
+            if backend == "ray":
+                pools.append(RayReplicas(size, pool_argv, env, num_cpus=args.ray_replica_num_cpus,
+                                         strategy=args.ray_placement_strategy,
+                                         ranks=args.tensor_parallel_size * args.pipeline_parallel_size))
+            else:
+                pools.append(LocalReplicas(size, pool_argv, env=env))
+        for pool in pools:
+            pool.wait_healthy()
+        args.prefill, args.decode = ",".join(pools[0].urls), ",".join(pools[1].urls)
+        args.model = args.model or str(default_model_path())
+        args.policy, args.health_interval = args.router_policy, args.router_health_interval
+        args.cb_failure_threshold = args.router_cb_failure_threshold
+        args.cb_timeout_duration_secs = args.router_cb_timeout_duration_secs
+        return cmd_proxy(args)
+    except RuntimeError as e:
+        log.error("%s", e)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for pool in pools:
+            pool.stop(timeout=args.shutdown_timeout)
+        log.info("stopped the proxy, %d prefill and %d decode replicas", args.prefill_replicas,
+                 args.decode_replicas)
 
 
 def cmd_proxy(args) -> int:

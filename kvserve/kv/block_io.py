@@ -27,16 +27,49 @@ def pack_block(key: bytes, data: bytes) -> bytes:
     return b"".join((MAGIC, key, struct.pack("<Q", len(data)), data, struct.pack("<I", crc)))
 
 
-def unpack_block(key: bytes, payload: bytes | None, size: int) -> bytes | None:
-    """The block's data, or None when missing, for another key, truncated or corrupt."""
+def unpack_block(key: bytes, payload: bytes | None, size: int, verified: bool = False) -> bytes | None:
+    """The block's data, or None when missing, for another key, truncated or corrupt;
+    `verified`: the store checked the checksum as the payload came in (a KV stream's inbox)."""
     if payload is None or len(payload) != _HEAD + size + 4 or payload[:4] != MAGIC:
         return None
     if payload[4:36] != key or struct.unpack_from("<Q", payload, 36)[0] != size:
         return None
     data = memoryview(payload)[_HEAD:_HEAD + size]
-    if zlib.crc32(data, zlib.crc32(key)) != struct.unpack_from("<I", payload, _HEAD + size)[0]:
+    if not verified and zlib.crc32(data, zlib.crc32(key)) != struct.unpack_from("<I", payload, _HEAD + size)[0]:
         return None
     return data
+
+
+class BlockAssembly:
+    """One block's payload built in place as its parts arrive in order (a KV stream's layers):
+    the envelope of `pack_block`, the checksum carried along, no copy at the end."""
+
+    __slots__ = ("buf", "off", "crc", "end")
+
+    def __init__(self, key: bytes, size: int):
+        self.buf = bytearray(_HEAD + size + 4)
+        self.buf[:_HEAD] = MAGIC + key + struct.pack("<Q", size)
+        self.off, self.end, self.crc = _HEAD, _HEAD + size, zlib.crc32(key)
+
+    def add(self, part) -> None:
+        """The next `len(part)` bytes of the data (in order)."""
+        n = len(part)
+        self.buf[self.off:self.off + n] = part
+        self.crc = zlib.crc32(part, self.crc)
+        self.off += n
+
+    @property
+    def received(self) -> int:
+        """Bytes of the data in so far."""
+        return self.off - _HEAD
+
+    @property
+    def full(self) -> bool:
+        return self.off == self.end
+
+    def payload(self) -> bytearray:
+        struct.pack_into("<I", self.buf, self.end, self.crc)
+        return self.buf
 
 
 # -- the runner side: block bytes in and out of the per-layer pools ----------------------------
@@ -55,7 +88,7 @@ def write_blocks(runner, block_ids: list[int], data: torch.Tensor) -> None:
     n, off = len(block_ids), 0
     for t in runner.kv_cache_tensors():
         per = t[0].numel() * t.element_size()
-        chunk = data[:, off:off + per].contiguous().view(t.dtype).reshape((n,) + tuple(t.shape[1:]))
+        chunk = data[:, off:off + per].view(t.dtype).view((n,) + tuple(t.shape[1:]))    # a view: no copy
         t.index_copy_(0, idx, chunk)
         off += per
 
@@ -74,8 +107,10 @@ PAYLOAD_OVERHEAD = _HEAD + 4
 
 def load_into(runner, loads: list[tuple[int, bytes]], size: int) -> None:
     """loads: (pool block, verified data of `size` bytes) -> written into the pool."""
-    data = torch.frombuffer(bytearray(b"".join(d for _, d in loads)), dtype=torch.uint8)
-    write_blocks(runner, [b for b, _ in loads], data.view(len(loads), size))
+    buf = bytearray(len(loads) * size)                  # one copy of the payloads' data, no more
+    for i, (_, d) in enumerate(loads):
+        buf[i * size:(i + 1) * size] = d
+    write_blocks(runner, [b for b, _ in loads], torch.frombuffer(buf, dtype=torch.uint8).view(len(loads), size))
 
 
 def _sample_digest(path: Path, h) -> None:

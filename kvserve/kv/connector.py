@@ -233,7 +233,7 @@ class TieredConnector(KVConnector):
         except Exception:      # noqa: BLE001 -- an unreachable store is a miss, not a failure
             self._mark_down(ti)
             return [None] * len(keys)
-        out = [unpack_block(k, p, self.block_bytes) for k, p in zip(keys, payloads)]
+        out = [unpack_block(k, p, self.block_bytes, store.verified) for k, p in zip(keys, payloads)]
         dt = time.perf_counter() - t0
         nbytes = 0
         for k, p, d in zip(keys, payloads, out):

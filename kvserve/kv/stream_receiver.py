@@ -26,7 +26,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvserve.kv.block_io import pack_block
+from kvserve.kv.block_io import BlockAssembly
 from kvserve.kv.stream_wire import (ABORT, CANCEL, DONE, LAYER, OPEN, REPLY, RESERVE, WireError, json_frame,
                                     parse_layer, read_frame)
 from kvserve.kv.tier_store import KVStore
@@ -43,6 +43,7 @@ class StreamInbox(KVStore):
     kind = "stream"
     saves = False            # the connector never saves an evicted block here
     always_reload = True     # already in memory: loading beats recomputing
+    verified = True          # every frame's checksum and each block's were checked on arrival
 
     def __init__(self):
         super().__init__("stream")
@@ -92,7 +93,7 @@ class Transfer:
     reserved: int                      # bytes held back for it
     state: str = PENDING
     reason: str = ""
-    parts: dict = field(default_factory=dict)     # key -> [layer data or None] x num_layers
+    parts: dict = field(default_factory=dict)     # key -> its BlockAssembly (layers arrive in order)
     held: int = 0                      # bytes of its parts, then of its payloads
     keys: list = field(default_factory=list)      # its blocks in the inbox, once complete
     claimed: bool = False              # a request waits on it
@@ -284,30 +285,34 @@ class KVStreamReceiver:
             if t.state != PENDING:
                 return
             t.touched = time.monotonic()
-            grow = len(data)
-            if t.held + grow > t.reserved and self.used() + grow > self.capacity:
+            grow = sum(k not in t.parts for k in keys) * self.block_bytes      # blocks' buffers, at layer 0
+            extra = max(t.reserved, t.held + grow) - max(t.reserved, t.held)   # past its reservation
+            if extra and self.used() + extra > self.capacity:
                 self._fail(t, "overflow")
                 return
             for i, k in enumerate(keys):
-                parts = t.parts.setdefault(k, [None] * self.num_layers)
-                if parts[layer] is None:
-                    parts[layer] = bytes(data[i * lb:(i + 1) * lb])
-                    t.held += lb
+                a = t.parts.get(k)
+                if a is None:
+                    if layer:
+                        raise WireError(f"block {k.hex()[:8]}'s layer {layer} before its layer 0")
+                    a = t.parts[k] = BlockAssembly(k, self.block_bytes)
+                    t.held += self.block_bytes
+                elif a.received != layer * lb:
+                    raise WireError(f"block {k.hex()[:8]}'s layer {layer} out of order")
+                a.add(data[i * lb:(i + 1) * lb])
             self.bytes_received += len(data)
 
     def _done(self, t: Transfer, req: dict) -> None:
         with self._lock:
             if t.state != PENDING:
                 return
-            missing = [k for k, parts in t.parts.items() if any(p is None for p in parts)]
-            if missing or len(t.parts) != int(req.get("num_blocks", -1)):
+            if not all(a.full for a in t.parts.values()) or len(t.parts) != int(req.get("num_blocks", -1)):
                 self._fail(t, "incomplete")
                 return
-            items = [(k, pack_block(k, b"".join(parts))) for k, parts in t.parts.items()]
+            items = [(k, a.payload()) for k, a in t.parts.items()]
             t.parts = {}
             self.inbox.add(items)
             t.keys = [k for k, _ in items]
-            t.held = sum(len(p) for _, p in items)
             t.state, t.t_done, t.touched = COMPLETE, time.monotonic(), time.monotonic()
             self.blocks_received += len(items)
             self.counts["completed"] += 1

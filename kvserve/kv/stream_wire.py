@@ -137,7 +137,7 @@ class TokenBucket:
 
     def __init__(self, rate: float, burst: float | None = None):
         self.rate = float(rate)
-        self.burst = float(burst if burst is not None else max(rate / 20, 1 << 16))
+        self.burst = float(burst if burst is not None else rate / 20)     # 50 ms of the link
         self._level = self.burst
         self._t = time.monotonic()
         self._lock = threading.Lock()

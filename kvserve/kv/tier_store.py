@@ -15,6 +15,7 @@ class KVStore:
     write_through = False
     saves = True          # the connector saves blocks here (a KV stream's inbox is read-only)
     always_reload = False   # loading always beats recomputing (no reload-rule check)
+    verified = False      # payloads were checksummed on the way in (not again at load)
     failures = 0          # writes the store itself saw fail (the disk's background writer)
     bytes_refused = 0     # payload bytes it did not store because of them, or of a full disk
 

@@ -44,6 +44,10 @@ def test_plan_step_preempt_disagg(tmp_path, capsys):
     rc, out = run(["plan", "disagg", "--model", "llama-3.1-70b", "--n-gpu", "8", "--T-in", "32768",
                    "--link-gbs", "50"], capsys)
     assert rc == 0 and "0.184" in out and "215" in out and "1,525" in out
+    assert "layer-wise streaming: transfer left on TTFT (ms)  2.68" in out     # 215 ms / 80 layers
+    rc, out = run(["plan", "disagg", "--model", "smollm2-135m", "--T-in", "4096", "--link-gbs", "0.02",
+                   "--prefill-ms", "1000", "--chunk", "2048"], capsys)
+    assert rc == 0 and "4,719" in out and "3,719" in out      # the link is slower than that prefill
     rc, out = run(["plan", "disagg", "--rate", "10", "--T-in", "2000", "--T-out", "300", "--ttft-ms", "300",
                    "--tpot-ms", "12"], capsys)
     assert rc == 0 and "winner: disaggregated" in out

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvserve.analysis import kvmath, roofline
 from kvserve.analysis.disagg import (prefill_time, recompute_time, stall_time, swap_break_even_bw, swap_time,
-                                     tier_reload_wins, transfer_fraction, transfer_time)
+                                     streamed_transfer_left, tier_reload_wins, transfer_fraction, transfer_time)
 from kvserve.analysis.specs import HARDWARE, MODELS, model_from_hf_config
 from kvserve.analysis.stepmodel import StepModel
 
@@ -280,6 +280,16 @@ def test_32k_prompt_10_7_gb_215_ms_1_53_s():
     assert close(kvmath.kv_cache_bytes(L70, 32768) / 1e9, 10.7)
     assert close(transfer_time(L70, 32768, 50e9), 0.215)
     assert close(prefill_time(L70, H100, 32768, n_gpu=8), 1.53)
+
+
+def test_layer_wise_streaming_leaves_one_layers_share_or_what_the_link_could_not_carry():
+    # seed 000: the 70B's 32k prompt (215 ms over one NIC, 1.53 s of prefill, 80 layers): the link
+    # keeps up, so only the last layer's part of the last step's KV waits for the decode
+    t_x, t_p = transfer_time(L70, 32768, 50e9), prefill_time(L70, H100, 32768, n_gpu=8)
+    assert close(streamed_transfer_left(t_x, t_p, 80), t_x / 80)
+    assert close(streamed_transfer_left(t_x, t_p, 80, last_step_frac=0.25), t_x / 320)
+    # a link 20x slower than that carries 4.3 s: what it could not carry during the prefill stays
+    assert close(streamed_transfer_left(20 * t_x, t_p, 80), 20 * t_x - t_p)
 
 
 def test_tier_reload_is_swap_break_even_with_one_transfer():

@@ -92,3 +92,58 @@ def test_placement_strategy_needs_ray():
     assert r.returncode != 0
     assert "--ray-placement-strategy places replicas on a Ray cluster" in r.stderr
     assert "--distributed-executor-backend ray" in r.stderr
+
+
+def test_prefill_and_decode_pools_on_a_ray_cluster():
+    """`kvserve serve --prefill-replicas 1 --decode-replicas 1 --kv-transfer stream
+    --distributed-executor-backend ray`: each pool's replica is a Ray actor on its own node of a
+    two-node cluster (each node has one CPU, the head none), the decode replica takes the KV stream
+    on its node's address, and the proxy in front answers exactly what one process answers, the
+    prompts' KV streamed from the prefill node to the decode node."""
+    from ray.cluster_utils import Cluster
+
+    from kvserve import LLM, SamplingParams
+
+    expected = [o.outputs[0].text for o in LLM(model=str(STORIES_HF)).generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=16))]
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    proc = None
+    try:
+        nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
+        cluster.wait_for_nodes()
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        log_path = Path(tempfile.mkstemp(prefix="kvserve-ray-pd-", suffix=".log")[1])
+        cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(STORIES_HF), "--port", str(port),
+               "--prefill-replicas", "1", "--decode-replicas", "1", "--kv-transfer", "stream", "--block-size", "4",
+               "--distributed-executor-backend", "ray", "--ray-replica-num-cpus", "1",
+               "--log-level", "info", "--shutdown-timeout", "5", "--engine-layout", "thread"]
+        env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_ADDRESS=cluster.address, **ENV)
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        wait_health(proc, url, log_path)
+        deadline = time.monotonic() + 30           # the proxy learns the decode's stream address
+        while "kv_stream" not in (health := httpx.get(url + "/health", trust_env=False).json())["decode"][0]:
+            assert time.monotonic() < deadline, health
+            time.sleep(0.2)
+        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+        assert ray.available_resources().get("CPU", 0) == 0      # one replica on each one-CPU node
+        assert len(nodes) == 2
+        for prompt, want in zip(PROMPTS, expected):
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0}
+            r = httpx.post(url + "/v1/completions", json=body, timeout=120, trust_env=False)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == want
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 4     # it came streamed
+        metrics = httpx.get(url + "/metrics", trust_env=False).text
+        assert "kvserve:proxy_kv_streams_total 2.0" in metrics
+        dec = httpx.get(health["decode"][0]["url"] + "/metrics", trust_env=False).text
+        assert 'event="streamed"' in dec and 'event="fallback' not in dec
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        if proc is not None:
+            rc = stop_server(proc, timeout=60)
+            assert rc == 0, log_path.read_text()[-4000:]
+        cluster.shutdown()
