@@ -47,6 +47,7 @@ NON_DEFAULTS = {
     "speculative_config": ('{"method": "ngram", "num_speculative_tokens": 3}',
                            ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']),
     "tensor_parallel_size": (1, []),                # kv_tiers needs 1
+    "enable_expert_parallel": (True, ["--enable-expert-parallel"]),
     "pipeline_parallel_size": (1, []),              # kv_tiers needs 1 (tested in tests/distributed/)
     "pipeline_micro_batches": (0, []),              # needs pipeline_parallel_size > 1
     "distributed_executor_backend": ("ray", ["--distributed-executor-backend", "ray"]),

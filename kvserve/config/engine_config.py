@@ -102,6 +102,9 @@ class EngineConfig:
     tensor_parallel_size: int = field(default=1, metadata=flag(
         "split heads, MLP and vocabulary over this many ranks (torch.distributed)", aliases=("-tp",)))
     # Pipeline parallelism (kvserve/distributed/pipeline.py): the layers split into N stages
+    enable_expert_parallel: bool = field(default=False, metadata=flag(
+        "mixture-of-experts models: split the experts across the tensor-parallel ranks (each rank "
+        "holds E / tensor_parallel_size whole experts; attention heads split as usual)"))
     pipeline_parallel_size: int = field(default=1, metadata=flag(
         "split the layers into this many stages, one process each, holding only their layers' "
         "weights and KV (torch.distributed)", aliases=("-pp",)))

@@ -79,6 +79,7 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int
+    enable_expert_parallel: bool        # MoE: experts split across the tensor-parallel ranks
     pipeline_parallel_size: int
     pipeline_micro_batches: int         # 0: one per stage
     distributed_executor_backend: str

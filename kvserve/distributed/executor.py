@@ -75,7 +75,7 @@ def run_worker(config, rank: int, size: int, init_method: str) -> None:
         model = PipelineStage(model, model.stage, config.parallel.pipeline_micro_batches)
     else:
         model = build_model(config.model, config.cache.block_size, config.cache.kv_cache_dtype, device,
-                            rank=rank, tp_size=size).model
+                            rank=rank, tp_size=size, expert_parallel=config.parallel.enable_expert_parallel).model
     group = _init_group(rank, size, init_method, device)
     try:
         _, num_blocks, num_cpu_blocks = _recv(group)

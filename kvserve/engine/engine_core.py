@@ -73,7 +73,7 @@ class EngineCore:
         tp, pp = r.parallel.tensor_parallel_size, r.parallel.pipeline_parallel_size
         # this process is rank 0 of tp, or stage 0 of pp (kvserve/distributed/): its part, then the workers
         built = build_model(r.model, r.cache.block_size, r.cache.kv_cache_dtype, self.device, tp_size=tp,
-                            pp_size=pp, loaded=loaded)
+                            pp_size=pp, loaded=loaded, expert_parallel=r.parallel.enable_expert_parallel)
         del loaded
         self.model, self.model_config, self.tokenizer = built.model, built.config, built.tokenizer
         if pp > 1:      # (stage 0 holds the most layers: its KV sizes every stage's pool)

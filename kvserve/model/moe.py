@@ -50,7 +50,8 @@ def experts_forward(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, g
     w_sorted = weights.reshape(-1)[order]                             # [T * k]
     start = 0
     for e, n in enumerate(counts):
-        if n == 0:
+        if n == 0 or gate_up[e] is None:          # (None: another rank's expert, expert parallelism)
+            start += n
             continue
         rows = token_of[start:start + n]                              # [n]
         x = h.index_select(0, rows)                                   # [n, hidden]
@@ -67,6 +68,13 @@ def shared_expert_forward(h: torch.Tensor, gate_up, down, sigmoid_gate: torch.Te
     g, u = linear(h, gate_up).chunk(2, dim=-1)
     y = linear(F.silu(g) * u, down)
     return y if sigmoid_gate is None else torch.sigmoid(F.linear(h, sigmoid_gate)) * y
+
+
+def held_experts(shapes, m: str) -> set[int]:
+    """The experts whose per-expert tensors are under MLP prefix `m` (under expert parallelism a
+    rank holds only its own: model/sharding.py)."""
+    return {int(x.group(1)) for name in shapes if name.startswith(m)
+            and (x := _EXPERT.match(name[len(m):])) is not None and x.group(2) in EXPERT_PARTS}
 
 
 def expert_layout(shapes: dict[str, tuple], layer: str) -> tuple[str, str, int]:

@@ -13,7 +13,9 @@ A checkpoint stores the experts per expert (`experts.{e}.gate_proj.weight`, Mixt
 the model is built (loaders/checkpoint.py). Each expert is one fused gate/up and one down linear
 weight, built like a dense MLP's, so `quantization` (int8 / int4) quantizes every expert; the
 router and the shared expert's gate stay in the model dtype. The fused CPU decode step runs dense
-MLPs only (fused_decode.py turns itself off here); tensor parallelism is refused (sharding.py).
+MLPs only (fused_decode.py turns itself off here); tensor parallelism splits the
+model by experts (`--enable-expert-parallel`, model/sharding.py): a rank builds its own experts,
+the others' entries are None, and its MLP output is a partial sum the all-reduce completes.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch
 
 from kvserve.model.config import ModelConfig
 from kvserve.model.llama import LlamaLayer, LlamaModel
-from kvserve.model.moe import expert_layout, experts_forward, route, shared_expert_forward
+from kvserve.model.moe import expert_layout, experts_forward, held_experts, route, shared_expert_forward
 
 
 class MoeLayer(LlamaLayer):
@@ -43,13 +45,14 @@ class MoeLayer(LlamaLayer):
             gate_up, down = raw[m + "experts.gate_up_proj"], raw[m + "experts.down_proj"]
             self.experts_gate_up = [lin(f"{m}experts.{e}.gate_up_proj", [gate_up[e]]) for e in range(n)]
             self.experts_down = [lin(f"{m}experts.{e}.down_proj", [down[e]]) for e in range(n)]
-        else:
-            gate, up, down = (("w1", "w3", "w2") if m + "experts.0.w1.weight" in shapes   # Mixtral's
-                              else ("gate_proj", "up_proj", "down_proj"))
-            experts = [f"{m}experts.{e}." for e in range(n)]
-            self.experts_gate_up = [lin(p + "gate_up_proj", [f"{p}{gate}.weight", f"{p}{up}.weight"])
+        else:                 # (expert parallelism: this rank's experts only, the others None)
+            held = held_experts(shapes, m)
+            gate, up, down = (("w1", "w3", "w2") if any(f"{m}experts.{e}.w1.weight" in shapes for e in held)
+                              else ("gate_proj", "up_proj", "down_proj"))           # Mixtral's, or HF's
+            experts = [f"{m}experts.{e}." if e in held else None for e in range(cfg.num_experts)]
+            self.experts_gate_up = [p and lin(p + "gate_up_proj", [f"{p}{gate}.weight", f"{p}{up}.weight"])
                                     for p in experts]
-            self.experts_down = [lin(p + "down_proj", [f"{p}{down}.weight"]) for p in experts]
+            self.experts_down = [p and lin(p + "down_proj", [f"{p}{down}.weight"]) for p in experts]
         s = m + "shared_expert."
         self.shared_gate_up = self.shared_down = self.shared_gate = None
         if s + "gate_proj.weight" in shapes:                          # Qwen2-MoE
@@ -70,7 +73,8 @@ class MoeLayer(LlamaLayer):
         if self.dense_mlp:
             return super().linears()
         shared = [self.shared_gate_up, self.shared_down] if self.shared_gate_up is not None else []
-        return [self.qkv, self.o, *self.experts_gate_up, *self.experts_down, *shared]
+        experts = [w for w in (*self.experts_gate_up, *self.experts_down) if w is not None]
+        return [self.qkv, self.o, *experts, *shared]
 
 
 class MoeModel(LlamaModel):
@@ -82,7 +86,3 @@ class MoeModel(LlamaModel):
     own_suffixes = ("proj.weight", "w1.weight", "w2.weight", "w3.weight", "experts.gate_up_proj",
                     "experts.down_proj")
 
-    def __init__(self, cfg: ModelConfig, weights: dict, *args, tp=None, **kwargs):
-        if tp is not None:
-            raise ValueError(f"tensor parallelism is not built for mixture-of-experts models ({cfg.architecture}).")
-        super().__init__(cfg, weights, *args, tp=tp, **kwargs)

@@ -26,7 +26,7 @@ from kvserve.config.resolved import resolve_device
 from kvserve.model.config import ModelConfig
 from kvserve.model.loaders.checkpoint import checkpoint_dtype, load_model_dir, resolve_dtype
 from kvserve.model.registry import architecture
-from kvserve.model.sharding import TPGroup, shard_config, shard_weights
+from kvserve.model.sharding import TPGroup, check_expert_parallel, shard_config, shard_weights
 from kvserve.model.stages import stage_config, stage_of, stage_weights
 from kvserve.model.tokenizers.tokenizer import Tokenizer
 
@@ -68,8 +68,9 @@ def load_and_resolve(config: "EngineConfig") -> tuple["Config", tuple]:
     loaded = load_checkpoint(config, config.device)
     model_cfg = loaded[0]
     r = config.resolve(model_cfg)
-    tp = r.parallel.tensor_parallel_size
-    heads = shard_config(model_cfg, tp) if tp > 1 else model_cfg         # what one rank attends over
+    tp, ep = r.parallel.tensor_parallel_size, r.parallel.enable_expert_parallel
+    check_expert_parallel(model_cfg, ep)
+    heads = shard_config(model_cfg, tp, ep) if tp > 1 else model_cfg     # what one rank attends over
     backend = select_attention_backend(r.model.attention_backend, heads, torch.device(r.model.device),
                                        r.model.torch_dtype, r.cache.kv_cache_dtype)
     return dataclasses.replace(r, model=dataclasses.replace(r.model, attention_backend=backend.name)), loaded
@@ -77,11 +78,13 @@ def load_and_resolve(config: "EngineConfig") -> tuple["Config", tuple]:
 
 def build_model(load: "ModelLoadConfig", block_size: int, kv_cache_dtype: str, device: torch.device | str, *,
                 rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
-                attention: type[AttentionBackend] | None = None, loaded: tuple | None = None) -> BuiltModel:
+                attention: type[AttentionBackend] | None = None, loaded: tuple | None = None,
+                expert_parallel: bool = False) -> BuiltModel:
     """Load `load.model` (or take `loaded`, `load_checkpoint`'s answer for it) and build rank
     `rank` of `tp_size` of it on `device` -- or pipeline stage `pp_rank` of `pp_size`: its layers
     only (model/stages.py; kvserve/distributed/pipeline.py runs it). A GGUF file's tensors load in
-    their own types unless quantization "dequant" asks for `load.dtype`."""
+    their own types unless quantization "dequant" asks for `load.dtype`. `expert_parallel`: an MoE
+    model's ranks hold whole experts, E / tp_size each (model/sharding.py)."""
     device = torch.device(device)
     cfg, weights, tokenizer = loaded or load_checkpoint(load, device)
     run_cfg, tp, stage = cfg, None, {}
@@ -89,7 +92,7 @@ def build_model(load: "ModelLoadConfig", block_size: int, kv_cache_dtype: str, d
         raise ValueError("tensor_parallel_size and pipeline_parallel_size both above 1 is not built: "
                          "choose one of them.")
     if tp_size > 1:
-        run_cfg = shard_config(cfg, tp_size)
+        run_cfg = shard_config(cfg, tp_size, expert_parallel)
         weights = shard_weights(weights, cfg, rank, tp_size)
         tp = TPGroup(rank, tp_size, cfg.vocab_size)
     if pp_size > 1:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -38,24 +39,22 @@ def wait_health(proc, url: str, log_path: Path, timeout: float = 240) -> None:
         time.sleep(0.5)
 
 
-def test_pipeline_replicas_spread_over_a_ray_cluster():
+@contextmanager
+def serving_on_a_cluster(cpus_per_node: list[int], *flags: str):
+    """A Ray cluster of a CPU-less head and one node per entry (its CPUs), and `kvserve serve
+    FLAGS --distributed-executor-backend ray` on it, healthy: (the URL, the nodes)."""
     from ray.cluster_utils import Cluster
 
-    from kvserve import LLM, SamplingParams
-
-    expected = [o.outputs[0].text for o in LLM(model=str(STORIES_HF)).generate(
-        PROMPTS, SamplingParams(temperature=0, max_tokens=16))]
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     proc = None
     try:
-        nodes = [cluster.add_node(num_cpus=1) for _ in range(4)]
+        nodes = [cluster.add_node(num_cpus=n) for n in cpus_per_node]
         cluster.wait_for_nodes()
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         log_path = Path(tempfile.mkstemp(prefix="kvserve-ray-cluster-", suffix=".log")[1])
         cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(STORIES_HF), "--port", str(port),
-               "-pp", "2", "--data-parallel-size", "2", "--distributed-executor-backend", "ray",
-               "--ray-placement-strategy", "STRICT_SPREAD", "--ray-replica-num-cpus", "1",
+               *flags, "--distributed-executor-backend", "ray", "--ray-replica-num-cpus", "1",
                "--log-level", "info", "--shutdown-timeout", "5", "--engine-layout", "thread"]
         env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_ADDRESS=cluster.address, **ENV)
         with open(log_path, "wb") as log:
@@ -63,6 +62,27 @@ def test_pipeline_replicas_spread_over_a_ray_cluster():
                                     start_new_session=True)
         wait_health(proc, url, log_path)
         ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+        yield url, nodes
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        if proc is not None:
+            rc = stop_server(proc, timeout=60)
+            assert rc == 0, log_path.read_text()[-4000:]
+        cluster.shutdown()
+
+
+def expected_answers() -> list[str]:
+    from kvserve import LLM, SamplingParams
+
+    return [o.outputs[0].text for o in LLM(model=str(STORIES_HF)).generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=16))]
+
+
+def test_pipeline_replicas_spread_over_a_ray_cluster():
+    expected = expected_answers()
+    with serving_on_a_cluster([1, 1, 1, 1], "-pp", "2", "--data-parallel-size", "2",
+                              "--ray-placement-strategy", "STRICT_SPREAD") as (url, nodes):
         groups = [g for g in ray.util.placement_group_table().values()
                   if g["name"].startswith("kvserve-") and g["state"] == "CREATED"]
         assert len(groups) == 2
@@ -76,13 +96,6 @@ def test_pipeline_replicas_spread_over_a_ray_cluster():
                 r = httpx.post(url + "/v1/completions", json=body, timeout=120, trust_env=False)
                 assert r.status_code == 200, r.text
                 assert r.json()["choices"][0]["text"] == want
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        if proc is not None:
-            rc = stop_server(proc, timeout=60)
-            assert rc == 0, log_path.read_text()[-4000:]
-        cluster.shutdown()
 
 
 def test_placement_strategy_needs_ray():
@@ -100,50 +113,20 @@ def test_prefill_and_decode_pools_on_a_ray_cluster():
     two-node cluster (each node has one CPU, the head none), the decode replica takes the KV stream
     on its node's address, and the proxy in front answers exactly what one process answers, the
     prompts' KV streamed from the prefill node to the decode node."""
-    from ray.cluster_utils import Cluster
-
-    from kvserve import LLM, SamplingParams
-
-    expected = [o.outputs[0].text for o in LLM(model=str(STORIES_HF)).generate(
-        PROMPTS, SamplingParams(temperature=0, max_tokens=16))]
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    proc = None
-    try:
-        nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
-        cluster.wait_for_nodes()
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        log_path = Path(tempfile.mkstemp(prefix="kvserve-ray-pd-", suffix=".log")[1])
-        cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(STORIES_HF), "--port", str(port),
-               "--prefill-replicas", "1", "--decode-replicas", "1", "--kv-transfer", "stream", "--block-size", "4",
-               "--distributed-executor-backend", "ray", "--ray-replica-num-cpus", "1",
-               "--log-level", "info", "--shutdown-timeout", "5", "--engine-layout", "thread"]
-        env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_ADDRESS=cluster.address, **ENV)
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        wait_health(proc, url, log_path)
+    expected = expected_answers()
+    with serving_on_a_cluster([1, 1], "--prefill-replicas", "1", "--decode-replicas", "1",
+                              "--kv-transfer", "stream", "--block-size", "4") as (url, nodes):
         deadline = time.monotonic() + 30           # the proxy learns the decode's stream address
         while "kv_stream" not in (health := httpx.get(url + "/health", trust_env=False).json())["decode"][0]:
             assert time.monotonic() < deadline, health
             time.sleep(0.2)
-        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
         assert ray.available_resources().get("CPU", 0) == 0      # one replica on each one-CPU node
-        assert len(nodes) == 2
         for prompt, want in zip(PROMPTS, expected):
             body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0}
             r = httpx.post(url + "/v1/completions", json=body, timeout=120, trust_env=False)
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == want
             assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 4     # it came streamed
-        metrics = httpx.get(url + "/metrics", trust_env=False).text
-        assert "kvserve:proxy_kv_streams_total 2.0" in metrics
+        assert "kvserve:proxy_kv_streams_total 2.0" in httpx.get(url + "/metrics", trust_env=False).text
         dec = httpx.get(health["decode"][0]["url"] + "/metrics", trust_env=False).text
         assert 'event="streamed"' in dec and 'event="fallback' not in dec
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        if proc is not None:
-            rc = stop_server(proc, timeout=60)
-            assert rc == 0, log_path.read_text()[-4000:]
-        cluster.shutdown()

@@ -6,7 +6,8 @@ default engine, with small blocks, chunked prefill and prefix caching, and with 
 the model drafting for speculative decoding. Also: the fused expert layout loads to the same
 outputs; checkpoints whose experts do not match config.json are refused before a model is
 built; int8 / int4 quantize every expert; the fused CPU decode step stays off; pipeline stages
-keep each layer's kind; tensor parallelism is refused; ModelConfig.mlp_params (the draft
+keep each layer's kind; tensor parallelism without expert parallelism is refused
+(tests/distributed/test_expert_parallel.py runs it); ModelConfig.mlp_params (the draft
 footprint's count) counts every expert."""
 from __future__ import annotations
 
@@ -209,8 +210,8 @@ def test_quantization_covers_every_expert(method, moe_dir):
     assert top1 >= {"int8": 0.85, "int4": 0.3}[method] and kl <= {"int8": 0.005, "int4": 0.3}[method]
 
 
-def test_tensor_parallelism_is_refused(moe_dir):
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not built for mixture-of-experts"):
+def test_tensor_parallelism_needs_expert_parallelism(moe_dir):
+    with pytest.raises(ValueError, match="by experts: give --enable-expert-parallel"):
         LLM(str(moe_dir("mixtral")), dtype="float32", tensor_parallel_size=2)
 
 
