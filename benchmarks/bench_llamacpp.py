@@ -51,9 +51,10 @@ torch.set_num_threads({threads})
 path, n, rep, batches, kwargs = {path!r}, {n}, {rep}, {batches!r}, {kwargs!r}
 llm = LLM(path, enable_prefix_caching=False, max_model_len=512, kv_cache_memory=1 << 30, **kwargs)
 seed = iter(range(1000 * rep + 1, 1 << 30))
+span = min(1000, llm.engine.core.model_config.vocab_size - 3)     # ids 3 .. 1002, or the vocabulary's
 
 def timed(m, b=1):
-    prompts = [{{"prompt_token_ids": [1] + [(7 * s + 13 * i) % 1000 + 3 for i in range(n - 1)]}}
+    prompts = [{{"prompt_token_ids": [1] + [(7 * s + 13 * i) % span + 3 for i in range(n - 1)]}}
                for s in [next(seed) for _ in range(b)]]
     t = time.perf_counter()
     out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
@@ -230,6 +231,7 @@ def main() -> None:
     ap.add_argument("--batches", default="8,32", help="decode batch sizes besides 1 (llama-batched-bench)")
     ap.add_argument("--quantize-activations", action="store_true",
                     help="kvserve runs int8 weights W8A8 above 8 rows (also in its perplexity run)")
+    ap.add_argument("--no-perplexity", action="store_true", help="speed only (a random-weight file)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -240,8 +242,10 @@ def main() -> None:
     print(f"model {model}\nspeed: {args.repeats} repeats, {THREADS} threads", flush=True)
     kwargs = {"quantize_activations": True} if args.quantize_activations else {}
     speed = measure_speed(args.llama_cpp_bin, model, args.repeats, batches, kwargs)
-    print(f"perplexity of {STORY.relative_to(ROOT)}, ctx {args.ctx}", flush=True)
-    ppl = measure_perplexity(args.llama_cpp_bin, model, args.ctx, args.quantize_activations)
+    ppl = None
+    if not args.no_perplexity:
+        print(f"perplexity of {STORY.relative_to(ROOT)}, ctx {args.ctx}", flush=True)
+        ppl = measure_perplexity(args.llama_cpp_bin, model, args.ctx, args.quantize_activations)
 
     m = speed["medians"]
     rows = [
@@ -251,13 +255,21 @@ def main() -> None:
           for b in batches),
         ("prefill tok/s (pp128)", m["llama_pp128"], m["kvserve_prefill"]),
         ("weights, MB (llama.cpp: model size)", m["llama_model_bytes"] / 1e6, m["kvserve_weight_bytes"] / 1e6),
-        (f"perplexity (ctx {args.ctx})", ppl["llama_ppl"], ppl["kvserve_ppl"]),
+        *([(f"perplexity (ctx {args.ctx})", ppl["llama_ppl"], ppl["kvserve_ppl"])] if ppl else []),
     ]
     print(f"\n{Path(model).name}, {THREADS} threads; speeds are medians of {args.repeats}")
     print(f"  {'':30s} {'llama.cpp':>10s} {'kvserve':>10s} {'kvserve/llama.cpp':>18s}")
     for name, a, b in rows:
         digits = 4 if name.startswith("perplexity") else 2
         print(f"  {name:30s} {a:10.{digits}f} {b:10.{digits}f} {b / a:17.4f}x")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({
+            "model": model, "threads": THREADS, "repeats": args.repeats, "kvserve_kwargs": kwargs,
+            "table": {name: {"llama_cpp": a, "kvserve": b, "ratio": b / a} for name, a, b in rows},
+            "speed": speed, "perplexity": ppl}, indent=1))
+    if ppl is None:
+        return
     print(f"  {'PPL +/-':30s} {ppl['llama_ppl_err']:10.4f} {ppl['kvserve_ppl_err']:10.4f}")
     print(f"  {'perplexity chunks':30s} {ppl['llama_chunks']!s:>10s} {ppl['kvserve_chunks']!s:>10s}")
     print(f"  {'text tokens':30s} {'%d-%d' % tuple(ppl['llama_total_tokens_range']):>10s} "
@@ -266,12 +278,6 @@ def main() -> None:
           f"{ppl['tokens_identical_over_chunks']}"
           + ("" if ppl["first_mismatch"] is None else
              f" (first difference at {ppl['first_mismatch']}: {ppl['mismatch_context']})"))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({
-            "model": model, "threads": THREADS, "repeats": args.repeats, "kvserve_kwargs": kwargs,
-            "table": {name: {"llama_cpp": a, "kvserve": b, "ratio": b / a} for name, a, b in rows},
-            "speed": speed, "perplexity": ppl}, indent=1))
 
 
 if __name__ == "__main__":

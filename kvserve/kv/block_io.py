@@ -88,8 +88,10 @@ def write_blocks(runner, block_ids: list[int], data: torch.Tensor) -> None:
     n, off = len(block_ids), 0
     for t in runner.kv_cache_tensors():
         per = t[0].numel() * t.element_size()
-        chunk = data[:, off:off + per].view(t.dtype).view((n,) + tuple(t.shape[1:]))    # a view: no copy
-        t.index_copy_(0, idx, chunk)
+        chunk = data[:, off:off + per]
+        if off % t.element_size() or data.shape[1] % t.element_size():     # not aligned to the dtype
+            chunk = chunk.contiguous()
+        t.index_copy_(0, idx, chunk.view(t.dtype).view((n,) + tuple(t.shape[1:])))    # else a view: no copy
         off += per
 
 
