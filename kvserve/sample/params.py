@@ -125,7 +125,7 @@ class SamplingParams:
         tid = ktp.get("transfer_id")
         if not isinstance(tid, str) or not 1 <= len(tid) <= 128:
             self._fail("kv_transfer_params.transfer_id must be a string of 1 to 128 characters.")
-        if "stream_to" in ktp and not (isinstance(ktp["stream_to"], str) and ":" in ktp["stream_to"]):
+        if "stream_to" in ktp and not (isinstance(ktp["stream_to"], str) and ktp["stream_to"]):
             self._fail(f"kv_transfer_params.stream_to must be 'host:port', got {ktp['stream_to']!r}.")
         if self.use_beam_search:
             self._fail("kv_transfer_params cannot be used with beam search.")

@@ -104,6 +104,7 @@ class ServerState:
         if self.chat is not None:
             self.chat.escape_special_tokens = escape_special_tokens    # server/openai/chat_renderer.py
         self.max_model_len = engine.limits.max_model_len      # the core's served context (engine_core.py)
+        self.kv_stream_address = engine.limits.kv_stream_address    # PD decode side (engine/remote_kv.py)
         bound = max_bytes_per_token(tok) if tok is not None else MIN_BYTES_PER_TOKEN_BOUND
         self.limits = ServerLimits(self.max_model_len, max_prompts_per_request, max_waiting, bound)
         self.tokenization = Tokenization()
@@ -164,7 +165,7 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
         dead = state.core_client.dead
         if dead is not None:        # the exception is in the log, under the id
             return JSONResponse({"status": "error", "error": state.engine_failure.message(dead)}, 500)
-        stream = engine.limits.kv_stream_address       # PD decode side: the proxy streams KV here
+        stream = state.kv_stream_address                 # PD decode side: the proxy streams KV here
         return JSONResponse({"status": "ok", **({"kv_stream": stream} if stream else {})})
 
     @app.get("/metrics")

@@ -472,6 +472,12 @@ def check_documents(api):
     assert api.refused("documents", documents=docs)["code"] == "chat_template_error"     # this template reads none
 
 
+def check_kv_transfer_params(api):
+    # a server that streams no KV refuses both sides' params (honoured: tests/fleet/test_pd_stream.py)
+    api.refused("kv_transfer_params", kv_transfer_params={"transfer_id": "t"})
+    api.refused("kv_transfer_params", kv_transfer_params={"transfer_id": "t", "stream_to": "127.0.0.1:9"})
+
+
 def refused(param, value):
     def check(api):
         api.refused(param, **{param: value})
@@ -521,7 +527,7 @@ SHARED = {name: globals()[f"check_{name}"] for name in (
     "prompt_logprobs", "return_tokens_as_token_ids", "user",
     "use_beam_search", "length_penalty", "bad_words", "allowed_token_ids", "truncate_prompt_tokens",
     "spaces_between_special_tokens", "request_id", "n_predict", "repeat_penalty", "typical_p", "n_probs",
-    "samplers", "cache_prompt", "mirostat", "dry_multiplier", "id_slot")}
+    "samplers", "cache_prompt", "mirostat", "dry_multiplier", "id_slot", "kv_transfer_params")}
 CHAT = {**SHARED, **{name: globals()[f"check_{name}"] for name in (
     "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt",
     "continue_final_message", "echo", "chat_template_kwargs", "add_special_tokens", "chat_template", "documents")},

@@ -122,6 +122,10 @@ CASES = [
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_tokens": 2}, True),
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, False),
     ({"messages": [{"role": "user", "content": "hi", "name": 7}]}, False),
+    ({"prompt": "hi", "max_tokens": 2, "length_penalty": 0.0}, False),      # only with beam search
+    ({"prompt": "hi", "max_tokens": 2, "length_penalty": 1.0}, True),
+    ({"prompt": "hi", "max_tokens": 2, "n": 2, "use_beam_search": True, "length_penalty": 0.5}, True),
+    ({"prompt": "hi", "max_tokens": 2, "kv_transfer_params": {"transfer_id": ""}}, False),
 ]
 
 
@@ -167,6 +171,10 @@ def test_semantic_400s_carry_their_codes(client):
     assert code({"prompt": [1, 99999]}) == "engine_rejected"
     assert code({"prompt": "hi", "stop_token_ids": [512]}) == "engine_rejected"
     assert code({"prompt": "hi", "max_tokens": 500}) == "context_length_exceeded"
+    assert code({"prompt": "hi", "truncate_prompt_tokens": 4096}) == "context_length_exceeded"
+    assert code({"prompt": "hi", "kv_transfer_params": {"transfer_id": "t", "stream_to": "h:1"}}) == "engine_rejected"
+    assert code({"prompt": "hi", "n": 2, "use_beam_search": True, "response_format": {"type": "json_object"}}
+                ) == "sampling_params_conflict"
     assert code({"messages": [{"role": "user", "content": "hi"}], "min_tokens": 500}) == \
         "context_length_exceeded"
     assert code({"prompt": "hi", "max_tokens": 2, "min_tokens": 3}) == "min_tokens_exceeds_max_tokens"

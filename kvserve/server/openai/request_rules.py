@@ -23,7 +23,7 @@ NOT_NULL = {"not": {"type": "null"}}
 
 class Implies(NamedTuple):
     """When `field` holds a value `when` admits, `other` must be `need`. `when` is a JSON Schema:
-    `{"const": v}`, or `NOT_NULL` (any value but null)."""
+    `{"const": v}`, `NOT_NULL` (any value but null) or `{"not": {"enum": [...]}}` (any other value)."""
     field: str
     when: dict
     other: str
@@ -31,7 +31,11 @@ class Implies(NamedTuple):
     message: str
 
     def applies(self, value) -> bool:
-        return value is not None if self.when is NOT_NULL else value == self.when["const"]
+        if self.when is NOT_NULL:
+            return value is not None
+        if "not" in self.when:
+            return value not in self.when["not"]["enum"]
+        return value == self.when["const"]
 
     def json_schema(self, other_default) -> dict:
         then: dict = {"properties": {self.other: {"const": self.need}}}

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from kvserve.sample.params import SamplingParams
-from kvserve.server.openai.protocol import INVALID_STRUCTURED_OUTPUT, PRIORITY_CODE, APIError
+from kvserve.server.openai.protocol import INVALID_STRUCTURED_OUTPUT, PRIORITY_CODE, SAMPLING_RULE_CODE, APIError
 
 
 # generation_config.json's keys that become a request's defaults (vLLM's `--generation-config`)
@@ -80,4 +80,5 @@ def sampling_params(req, max_tokens: int, logprobs: int | None, prompt_logprobs:
         return SamplingParams(**kw)
     except (ValueError, TypeError) as e:
         fields = sorted(type(req).model_fields, key=len, reverse=True)
-        raise APIError(str(e), param=next((f for f in fields if str(e).startswith(f)), None)) from None
+        raise APIError(str(e), param=next((f for f in fields if str(e).startswith(f)), None),
+                       code=SAMPLING_RULE_CODE) from None
