@@ -35,7 +35,7 @@ from pydantic_core import PydanticCustomError
 from kvserve.sample.params import (
     INT64_MAX, MAX_ABS_LENGTH_PENALTY, MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_LOGPROBS,
     REPETITION_PENALTY_RANGE)
-from kvserve.server.openai.request_rules import EXTENSION_RULE_CODE
+from kvserve.server.openai.request_rules import EXTENSION_RULE_CODE, Implies
 from kvserve.server.openai.wire_types import Strict, Text
 
 MAX_REQUEST_ID_CHARS = 256
@@ -58,6 +58,11 @@ BadWord = Annotated[Text, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]
 def rule_error(param: str, message: str) -> PydanticCustomError:
     """A 400 naming `param` (server/body.py reads RULE_ERROR's ctx)."""
     return PydanticCustomError(EXTENSION_RULE_CODE, message, {"param": param})
+
+
+# length_penalty ranks beams only (vLLM's rule): a schema rule of both endpoints (protocol.py)
+LENGTH_PENALTY_RULE = Implies("length_penalty", {"not": {"enum": [None, 1.0]}}, "use_beam_search", True,
+                              "length_penalty only ranks beams: it needs use_beam_search=true (vLLM's rule)")
 
 
 class KVTransferParams(Strict):

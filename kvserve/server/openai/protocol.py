@@ -39,7 +39,7 @@ from kvserve.server.openai.request_rules import (
 from kvserve.server.openai.chat_fields import (
     CONTINUE_RULE, MAX_DOCUMENTS, MAX_TEMPLATE_KWARGS, ChatTemplateFields, RefusedChatFields)
 from kvserve.server.openai.structured_fields import ConstraintFields
-from kvserve.server.openai.extension_fields import ExtensionFields
+from kvserve.server.openai.extension_fields import LENGTH_PENALTY_RULE, ExtensionFields
 from kvserve.server.openai.tool_fields import (
     MAX_TOOLS, DeltaToolCall, NamedToolChoice, ToolCall, ToolCallsParam, ToolFields)
 
@@ -79,9 +79,7 @@ ENGINE_REJECTED = "engine_rejected"     # add_request refused it: a token id out
 INVALID_TOOLS = "invalid_tools"         # tools and tool_choice disagree (server/openai/tool_choice.py)
 INVALID_STRUCTURED_OUTPUT, GRAMMAR_ERROR = "invalid_structured_output", "grammar_error"   # spec refused; failed decoding
 NO_MESSAGE_CODE = "no_input_message"       # a Responses input of reasoning items alone
-# SamplingParams refused a combination of fields the schema admits one by one (beam search with
-# sampling fields or an output constraint): rules over many nullable fields, as CONSTRAINTS_CODE's
-SAMPLING_RULE_CODE = "sampling_params_conflict"
+SAMPLING_RULE_CODE = "sampling_params_conflict"   # SamplingParams refused fields that conflict (beams + ...)
 SEMANTIC_ERROR_CODES = ("context_length_exceeded", EXTENSION_RULE_CODE, NO_MESSAGE_CODE, SAMPLING_RULE_CODE, ENGINE_REJECTED, INVALID_STRUCTURED_OUTPUT, GRAMMAR_ERROR, "model_not_found", "chat_template_error",
                         MIN_TOKENS_CODE, "too_many_prompts", INVALID_TOOLS, CONSTRAINTS_CODE, PRIORITY_CODE,
                         "invalid_token_id", "previous_response_not_found", "response_not_found",
@@ -177,9 +175,7 @@ class _SamplingFields(ConstraintFields, ExtensionFields):
 
 _NOT_STREAMED = Implies("prompt_logprobs", NOT_NULL, "stream", False,
                         "prompt_logprobs is not available when stream is true (vLLM's rule)")
-_LENGTH_PENALTY = Implies("length_penalty", {"not": {"enum": [None, 1.0]}}, "use_beam_search", True,
-                          "length_penalty only ranks beams: it needs use_beam_search=true (vLLM's rule)")
-_COMPLETION_RULES = (_NOT_STREAMED, _LENGTH_PENALTY,
+_COMPLETION_RULES = (_NOT_STREAMED, LENGTH_PENALTY_RULE,
     Implies("max_tokens", {"const": 0}, "echo", True,
             "max_tokens=0 is only allowed with echo=true (score the prompt, generate nothing)"),
     Implies("best_of", {"const": 1}, "n", 1, "best_of must equal n (only 1 is supported; use n)"),
@@ -235,7 +231,7 @@ class ChatMessageParam(_Strict):
 
 
 _CHAT_RULES = (Implies("top_logprobs", NOT_NULL, "logprobs", True, "top_logprobs needs logprobs: true"),
-               _NOT_STREAMED, CONTINUE_RULE, _LENGTH_PENALTY)
+               _NOT_STREAMED, CONTINUE_RULE, LENGTH_PENALTY_RULE)
 
 
 class ChatCompletionRequest(_SamplingFields, ToolFields, ChatTemplateFields, RefusedChatFields):
