@@ -55,7 +55,7 @@ NON_DEFAULTS = {
     "kv_tier_reload": ("always", ["--kv-tier-reload", "always"]),
     "kv_role": ("prefill", ["--role", "prefill"]),
     "kv_transfer": ("stream", ["--kv-transfer", "stream"]),
-    "kv_stream_address": ("127.0.0.1:7000", ["--kv-stream-address", "127.0.0.1:7000"]),
+    "kv_stream_address": ("127.0.0.1:0", []),      # decode only (kv_role is prefill here): tests/kv/test_kv_stream.py
     "kv_stream_buffer": ("64MiB", ["--kv-stream-buffer", "64MiB"]),
     "kv_stream_timeout": (5.0, ["--kv-stream-timeout", "5"]),
     "kv_stream_rate": ("10MB", ["--kv-stream-rate", "10MB"]),

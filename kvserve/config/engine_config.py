@@ -254,6 +254,20 @@ class EngineConfig:
         from kvserve.kv.tiers import parse_size
         return parse_size(str(self.kv_stream_rate))
 
+    # which --kv-stream-* flags each side reads (the others would be ignored: refused)
+    _STREAM_FLAGS = {"prefill": ("kv_stream_buffer", "kv_stream_timeout", "kv_stream_rate", "kv_stream_unit"),
+                     "decode": ("kv_stream_buffer", "kv_stream_timeout", "kv_stream_address")}
+
+    def _check_kv_stream_flags(self) -> None:
+        side = self.kv_role if self.kv_transfer == "stream" else None
+        for f in dataclasses.fields(self):
+            if f.name.startswith("kv_stream_") and getattr(self, f.name) != f.default \
+                    and f.name not in self._STREAM_FLAGS.get(side, ()):
+                raise ValueError(f"{f.name} is not read {'here' if side is None else 'on the ' + side + ' side'}: "
+                                 "it takes effect with kv_transfer='stream' on "
+                                 + " or ".join(r for r, names in self._STREAM_FLAGS.items() if f.name in names)
+                                 + " (kv_role).")
+
     def _check_kv_stream(self) -> None:
         from kvserve.kv.stream_wire import parse_address
         if self.kv_role == "both":
@@ -285,6 +299,7 @@ class EngineConfig:
             raise ValueError(f"kv_role must be 'both', 'prefill' or 'decode', got {self.kv_role!r}.")
         if self.kv_transfer not in ("store", "stream"):
             raise ValueError(f"kv_transfer must be 'store' or 'stream', got {self.kv_transfer!r}.")
+        self._check_kv_stream_flags()
         if self.kv_transfer == "stream":
             self._check_kv_stream()
         elif self.kv_role != "both" and not any(t.startswith(("disk:", "redis://")) for t in tiers):

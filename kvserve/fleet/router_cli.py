@@ -176,6 +176,22 @@ def serve_data_parallel(args) -> int:
         log.info("stopped the router and %d replicas", n)
 
 
+def _side_argv(argv: list[str], role: str) -> list[str]:
+    """`argv` without the --kv-stream-* flags the other side reads (each side refuses those)."""
+    from kvserve.config import EngineConfig
+
+    keep = EngineConfig._STREAM_FLAGS[role]
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a.startswith("--kv-stream-") and a[2:].replace("-", "_") not in keep:
+            skip = True                                       # the flag and its value
+        else:
+            out.append(a)
+    return out
+
+
 def serve_disaggregated(args) -> int:
     """`kvserve serve --prefill-replicas P --decode-replicas D`: both pools and the proxy in front."""
     from kvserve.fleet.launcher import LocalReplicas, RayReplicas, replica_argv
@@ -207,7 +223,7 @@ def serve_disaggregated(args) -> int:
     pools = []
     try:
         for role, size in (("prefill", args.prefill_replicas), ("decode", args.decode_replicas)):
-            pool_argv = argv + ["--kv-role", role]
+            pool_argv = _side_argv(argv, role) + ["--kv-role", role]
             if backend == "ray":
                 pools.append(RayReplicas(size, pool_argv, env, num_cpus=args.ray_replica_num_cpus,
                                          strategy=args.ray_placement_strategy,

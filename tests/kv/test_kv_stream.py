@@ -171,6 +171,12 @@ def test_what_cannot_stream_is_refused(prefill):
         LLM(kv_transfer="stream", **COMMON)
     with pytest.raises(ValueError, match="hash prefix cache"):
         LLM(kv_role="decode", kv_transfer="stream", **{**COMMON, "prefix_cache": "radix"})
+    with pytest.raises(ValueError, match="kv_stream_rate is not read on the decode side"):
+        LLM(kv_role="decode", kv_transfer="stream", kv_stream_rate="1MB", **COMMON)
+    with pytest.raises(ValueError, match="kv_stream_address is not read on the prefill side"):
+        LLM(kv_role="prefill", kv_transfer="stream", kv_stream_address="127.0.0.1:9", **COMMON)
+    with pytest.raises(ValueError, match="kv_stream_buffer is not read here"):
+        LLM(kv_stream_buffer="1MiB", **COMMON)
     with pytest.raises(ValueError, match="host:port"):
         LLM(kv_role="decode", kv_transfer="stream", kv_stream_address="nowhere", **COMMON)
     with pytest.raises(ValueError, match="--kv-role decode --kv-transfer stream"):
