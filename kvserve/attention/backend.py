@@ -66,5 +66,9 @@ class AttentionBackend:
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         raise NotImplementedError
 
+    def cache_shapes(self, num_blocks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The shapes of one layer's K and V pools (the same, unless a backend says otherwise)."""
+        return self.cache_shape(num_blocks), self.cache_shape(num_blocks)
+
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         raise NotImplementedError

@@ -17,6 +17,8 @@ class FusedCpuAttention(TorchPagedAttention):
 
     @classmethod
     def unsupported(cls, cfg, device, dtype, kv_cache_dtype):
+        if (why := super().unsupported(cfg, device, dtype, kv_cache_dtype)) is not None:
+            return why
         if not kernels.available(device):
             return "no kvserve kernels here (a CPU device and a working C++ build are needed)"
         if dtype not in (torch.float32, torch.bfloat16) and kv_cache_dtype == "auto":

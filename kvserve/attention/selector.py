@@ -15,6 +15,7 @@ import torch
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.cpu_fused import FusedCpuAttention
+from kvserve.attention.mla import MlaAttention
 from kvserve.attention.torch_paged import TorchPagedAttention
 
 logger = logging.getLogger(__name__)
@@ -22,8 +23,9 @@ logger = logging.getLogger(__name__)
 BACKENDS: dict[str, type[AttentionBackend]] = {
     "torch": TorchPagedAttention,        # portable: CPU and CUDA
     "cpu_fused": FusedCpuAttention,      # kvserve's C++ decode kernels, CPU
+    "mla": MlaAttention,                 # multi-head latent attention (DeepSeek-V2), CPU and CUDA
 }
-AUTO_ORDER = ("cpu_fused", "torch")
+AUTO_ORDER = ("cpu_fused", "torch", "mla")
 
 
 def select_attention_backend(name: str, cfg, device, dtype: torch.dtype, kv_cache_dtype: str,

@@ -11,6 +11,30 @@ from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.metadata import AttentionMetadata, PrefillLayout
 
 
+def write_slots(k, v, k_cache, v_cache, meta: AttentionMetadata, block_size: int, kv_cache_dtype: str):
+    """k [T, KV, Dk], v [T, KV, Dv] -> their slots of the [n, KV, block_size, D] pools; returns
+    what the cache now holds for them (dequantized, in the model dtype, when quantized)."""
+    block, offset = meta.block_and_offset(block_size)
+    if not kv_quant.is_quantized(kv_cache_dtype):
+        k_cache[block, :, offset] = k
+        v_cache[block, :, offset] = v
+        return k, v
+    out = []
+    for x, (values, scales) in ((k, k_cache), (v, v_cache)):
+        qx, sx = kv_quant.quantize(x, kv_cache_dtype)                      # [T, KV, D], [T, KV]
+        values[block, :, offset] = qx
+        scales[block, :, offset] = sx
+        out.append(kv_quant.dequantize(qx, sx, x.dtype))
+    return out[0], out[1]
+
+
+def gather_blocks(cache, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Blocks `index` of a pool as [n, KV, bs, D] in `dtype` (dequantized if need be)."""
+    if isinstance(cache, tuple):
+        return kv_quant.dequantize(cache[0].index_select(0, index), cache[1].index_select(0, index), dtype)
+    return cache.index_select(0, index)
+
+
 class TorchPagedAttention(AttentionBackend):
     """Portable backend. Cache layout [num_blocks, KV, block_size, D]: a gathered block is
     `KV` contiguous [block_size, D] matrices, so decode attention runs as batched matmuls
@@ -22,6 +46,12 @@ class TorchPagedAttention(AttentionBackend):
     result does not depend on how a prompt was chunked."""
 
     name = "torch"
+
+    @classmethod
+    def unsupported(cls, cfg, device, dtype, kv_cache_dtype):
+        if getattr(cfg, "kv_lora_rank", 0):
+            return "multi-head latent attention (its cache holds latents: the mla backend)"
+        return None
 
     def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
         """Decode rows: the key mask [B, 1, 1, nb * block_size] of their block tables."""
@@ -38,7 +68,7 @@ class TorchPagedAttention(AttentionBackend):
         return (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        k, v = self._write(k, v, k_cache, v_cache, meta)
+        k, v = write_slots(k, v, k_cache, v_cache, meta, self.block_size, self.kv_cache_dtype)
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:                      # a pure decode step: no copy into `out`
             return self._decode(q, k_cache, v_cache, meta)
@@ -49,29 +79,6 @@ class TorchPagedAttention(AttentionBackend):
         out[nd:] = self._prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta)
         return out
 
-    def _write(self, k, v, k_cache, v_cache, meta):
-        """k, v [T, KV, D] -> their slots; returns what the cache now holds for them."""
-        block, offset = meta.block_and_offset(self.block_size)
-        if not kv_quant.is_quantized(self.kv_cache_dtype):
-            k_cache[block, :, offset] = k
-            v_cache[block, :, offset] = v
-            return k, v
-        out = []
-        for x, (values, scales) in ((k, k_cache), (v, v_cache)):
-            qx, sx = kv_quant.quantize(x, self.kv_cache_dtype)              # [T, KV, D], [T, KV]
-            values[block, :, offset] = qx
-            scales[block, :, offset] = sx
-            out.append(kv_quant.dequantize(qx, sx, x.dtype))
-        return out[0], out[1]
-
-    @staticmethod
-    def _gather(cache, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Blocks `index` of a pool as [n, KV, bs, D] in `dtype` (dequantized if need be)."""
-        if isinstance(cache, tuple):
-            return kv_quant.dequantize(cache[0].index_select(0, index),
-                                       cache[1].index_select(0, index), dtype)
-        return cache.index_select(0, index)
-
     def _decode(self, q, k_cache, v_cache, meta):
         """q [B, H, D]; G = H / KV query heads per KV head. Scores and outputs are computed per
         gathered block with two batched matmuls."""
@@ -80,8 +87,8 @@ class TorchPagedAttention(AttentionBackend):
         tables = meta.decode_block_tables                                   # [B, nb]
         nb = tables.shape[1]
         G = H // KV
-        kb = self._gather(k_cache, tables.reshape(-1), q.dtype)             # [B*nb, KV, bs, D]
-        vb = self._gather(v_cache, tables.reshape(-1), q.dtype)
+        kb = gather_blocks(k_cache, tables.reshape(-1), q.dtype)             # [B*nb, KV, bs, D]
+        vb = gather_blocks(v_cache, tables.reshape(-1), q.dtype)
         qb = q.view(B, 1, KV, G, D).expand(B, nb, KV, G, D).reshape(B * nb * KV, G, D)
         scores = torch.bmm(qb, kb.view(-1, bs, D).transpose(1, 2))          # [B*nb*KV, G, bs]
         scores = scores.view(B, nb, KV, G, bs).permute(0, 2, 3, 1, 4).reshape(B, KV, G, nb * bs)
@@ -134,6 +141,6 @@ class TorchPagedAttention(AttentionBackend):
     def _context(self, cache, lay: PrefillLayout, dtype: torch.dtype) -> torch.Tensor:
         """Each chunk's first L cached tokens: [C, KV, L, D] (one gather for all chunks)."""
         C, nb = lay.block_tables.shape
-        blocks = self._gather(cache, lay.block_tables.reshape(-1), dtype)   # [C * nb, KV, bs, D]
+        blocks = gather_blocks(cache, lay.block_tables.reshape(-1), dtype)   # [C * nb, KV, bs, D]
         blocks = blocks.view(C, nb, self.num_kv_heads, self.block_size, self.head_dim)
         return blocks.transpose(1, 2).reshape(C, self.num_kv_heads, -1, self.head_dim)[:, :, :lay.num_keys]

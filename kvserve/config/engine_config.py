@@ -90,8 +90,9 @@ class EngineConfig:
     # Attention (kvserve/attention/selector.py): "auto" decided once per model, logged at start
     attention_backend: str = field(default="auto", metadata=flag(
         "attention over the paged KV cache: torch (portable, CPU and CUDA), cpu_fused (kvserve's C++ "
-        "decode kernels; also lets a float32 model's decode steps run every layer in one call), or "
-        "auto (cpu_fused where it runs, else torch); any name in kvserve/attention/selector.py's "
+        "decode kernels; also lets a float32 model's decode steps run every layer in one call), mla "
+        "(multi-head latent attention, DeepSeek-V2: the cache holds latents), or "
+        "auto (cpu_fused where it runs, else torch, else mla); any name in kvserve/attention/selector.py's "
         "BACKENDS, checked when the model is built"))
     # Speculative decoding (kvserve/spec_decode/, config/speculative.py): a dict or its JSON
     speculative_config: dict | str | None = field(default=None, metadata=flag(

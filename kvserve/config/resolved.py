@@ -35,7 +35,7 @@ class ModelLoadConfig:
     quantization: str | None            # None | "int8" | "int4" | "dequant"
     quantization_group_size: int | None
     quantize_activations: bool
-    attention_backend: str              # "torch" | "cpu_fused" (decided by worker/build.py) | "auto"
+    attention_backend: str              # "torch" | "cpu_fused" | "mla" (decided by worker/build.py) | "auto"
     seed: int | None
 
     @property

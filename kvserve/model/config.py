@@ -34,6 +34,9 @@ class ModelConfig:
     moe_intermediate_size: int | None = None      # None: intermediate_size (Mixtral)
     norm_topk_prob: bool = False                  # renormalise the top-k router weights
     shared_expert_intermediate_size: int = 0      # Qwen2-MoE: an always-on, sigmoid-gated expert
+    shared_expert_gated: bool = True              # (DeepSeek-V2: shared_experts, summed ungated)
+    routed_scaling_factor: float = 1.0            # DeepSeek-V2: the top-k router weights times this
+    topk_groups: tuple[int, int] | None = None    # DeepSeek-V2 group_limited_greedy: (n_group, topk_group)
     decoder_sparse_step: int = 1                  # layer i is MoE if (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()         # ... and i is not listed here (dense MLP)
     sliding_window: int | None = None
@@ -47,6 +50,21 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     layer_windows: list | None = None   # each layer's sliding window, or None (None: sliding_window for all)
     rope_local_theta: float | None = None  # the RoPE base of the windowed layers (None: rope_theta)
+    # multi-head latent attention (DeepSeek-V2, kvserve/model/deepseek.py); kv_lora_rank 0: none.
+    # head_dim is then a query / key head's width, qk_nope_head_dim + qk_rope_head_dim
+    kv_lora_rank: int = 0          # the compressed KV latent each token caches
+    q_lora_rank: int | None = None  # None: q_proj straight from the hidden state
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0      # the RoPE'd key part, shared by every head, cached beside the latent
+    v_head_dim: int = 0
+
+    def kv_cache_rows(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(heads, width) of the two per-token rows each layer caches: K and V (num_kv_heads of
+        head_dim each), or with multi-head latent attention the latent (1, kv_lora_rank) and the
+        RoPE key part (1, qk_rope_head_dim) -- the K and V pools of kvserve/attention/mla.py."""
+        if self.kv_lora_rank:
+            return (1, self.kv_lora_rank), (1, self.qk_rope_head_dim)
+        return (self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether decoder layer `i` (of the whole model) runs experts (transformers' rule)."""
@@ -79,6 +97,8 @@ class ModelConfig:
             scaling = rope
         if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
             scaling = None
+        if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "yarn":
+            scaling = {"max_position_embeddings": cfg.get("max_position_embeddings", 2048), **scaling}
         sliding = cfg.get("sliding_window")
         if family.sliding_window_opt_in and not cfg.get("use_sliding_window", False):
             sliding = None

@@ -6,10 +6,14 @@ applied once at load so tensor parallelism and pipeline stages see Llama's names
 Phi-3 / Phi-4 (Phi3ForCausalLM) run as LlamaModel: fused qkv_proj and gate_up_proj split into
 q/k/v and gate/up, partial_rotary_factor as ModelConfig.rotary_dim, LongRoPE ("longrope", formerly
 "su") as a rope_scaling that layers.rope_tables reads. Gemma 2 / 3 run as model/gemma.py's GemmaModel.
+DeepSeek-V2 / V2-Lite (DeepseekV2ForCausalLM) run as model/deepseek.py's DeepseekV2Model: its MLA
+widths, routed and shared experts, dense first layers and router rules become ModelConfig fields.
 """
 from __future__ import annotations
 
 import torch
+
+from kvserve.model.layers import yarn_factors, yarn_mscale
 
 
 def _arch(hf: dict) -> str:
@@ -24,7 +28,54 @@ def config_fields(hf: dict) -> dict:
     """ModelConfig fields of a Phi-3 or Gemma config.json that the generic reading leaves out."""
     if _arch(hf).startswith("Gemma"):
         return _gemma_fields(hf)
+    if _arch(hf) == "DeepseekV2ForCausalLM":
+        return _deepseek_fields(hf)
     return _phi3_fields(hf)
+
+
+def _deepseek_fields(hf: dict) -> dict:
+    """DeepSeek-V2: multi-head latent attention (a query / key head is qk_nope_head_dim +
+    qk_rope_head_dim wide, a value head v_head_dim; each token caches kv_lora_rank +
+    qk_rope_head_dim), n_routed_experts routed and n_shared_experts always-on ungated experts of
+    moe_intermediate_size, the first first_k_dense_replace layers dense, the router's top-k
+    weights not renormalised but times routed_scaling_factor, "greedy" or "group_limited_greedy".
+    Refused (ValueError naming the field): what transformers' DeepseekV2 does not run as DeepSeek's
+    own code does (norm_topk_prob, moe_layer_freq != 1), attention biases, another top-k method."""
+    nope, rope = hf.get("qk_nope_head_dim", 128), hf.get("qk_rope_head_dim", 64)
+    if hf.get("norm_topk_prob"):
+        raise ValueError("DeepseekV2ForCausalLM with norm_topk_prob=true: DeepSeek's code renormalises the "
+                         "top-k weights and transformers' does not; kvserve runs neither (set it false).")
+    if (hf.get("moe_layer_freq") or 1) != 1:
+        raise ValueError(f"DeepseekV2ForCausalLM moe_layer_freq={hf['moe_layer_freq']}: kvserve runs every layer "
+                         "from first_k_dense_replace on as experts (moe_layer_freq 1).")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ValueError("DeepseekV2ForCausalLM with attention_bias or mlp_bias is not built (no published "
+                         "DeepSeek-V2 has them).")
+    method = hf.get("topk_method") or "greedy"
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"DeepseekV2ForCausalLM topk_method {method!r}: kvserve runs 'greedy' and "
+                         "'group_limited_greedy'.")
+    experts = hf.get("n_routed_experts") or 0
+    groups = None
+    if method == "group_limited_greedy":
+        groups = (int(hf["n_group"]), int(hf["topk_group"]))
+        if experts % groups[0] or not 1 <= groups[1] <= groups[0]:
+            raise ValueError(f"DeepseekV2ForCausalLM n_group={groups[0]}, topk_group={groups[1]} do not split "
+                             f"its {experts} experts (n_group must divide them, topk_group <= n_group).")
+    moe = hf.get("moe_intermediate_size") or 1407
+    first_dense = hf.get("first_k_dense_replace") or 0
+    scalar = None                 # YaRN's mscale_all_dim: DeepSeek's softmax scale times mscale^2
+    scaling = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if scaling.get("rope_type", scaling.get("type")) == "yarn" and scaling.get("mscale_all_dim"):
+        factor, _ = yarn_factors(scaling, hf.get("max_position_embeddings"))
+        scalar = (nope + rope) / yarn_mscale(factor, scaling["mscale_all_dim"]) ** 4
+    return dict(head_dim=nope + rope, query_pre_attn_scalar=scalar, num_kv_heads=hf["num_attention_heads"], rotary_dim=rope,
+                kv_lora_rank=hf.get("kv_lora_rank", 512), q_lora_rank=hf.get("q_lora_rank"),
+                qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=hf.get("v_head_dim", 128),
+                num_experts=experts, moe_intermediate_size=moe, norm_topk_prob=False,
+                shared_expert_intermediate_size=(hf.get("n_shared_experts") or 0) * moe,
+                shared_expert_gated=False, routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
+                topk_groups=groups, mlp_only_layers=tuple(range(min(first_dense, hf["num_hidden_layers"]))))
 
 
 def _phi3_fields(hf: dict) -> dict:

@@ -38,8 +38,49 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled).float()
-    raise ValueError(f"unsupported rope_scaling type {kind!r}; kvserve supports 'llama3', 'linear' "
-                     "and 'freq_factors'.")
+    if kind == "yarn":
+        return yarn_inv_freq(head_dim, theta, scaling)
+    raise ValueError(f"unsupported rope_scaling type {kind!r}; kvserve supports 'llama3', 'linear', "
+                     "'yarn', 'longrope' and 'freq_factors'.")
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature, 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_factors(scaling: dict, max_positions: int | None = None) -> tuple[float, float]:
+    """(factor, attention factor) of a "yarn" rope_scaling, as transformers reads them: the
+    attention factor multiplies cos and sin; with mscale and mscale_all_dim it is their ratio
+    (DeepSeek-V2, whose softmax scale takes mscale_all_dim's share: model/deepseek.py)."""
+    factor = scaling.get("factor") or max_positions / scaling["original_max_position_embeddings"]
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all) if mscale and mscale_all
+                     else yarn_mscale(factor))
+    return float(factor), float(attention)
+
+
+def yarn_inv_freq(dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN (NTK-by-parts): frequencies that turn fewer than beta_slow times over the original
+    context are interpolated (divided by `factor`), those that turn more than beta_fast times
+    kept, a linear ramp between."""
+    factor, _ = yarn_factors(scaling, scaling.get("max_position_embeddings"))
+    orig = scaling["original_max_position_embeddings"]
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_of(rotations):        # the dim whose frequency turns `rotations` times over `orig`
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    extrapolated = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    interpolated = extrapolated / factor
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high + 0.001 if low == high else high) - low))
+    keep = 1 - ramp.clamp(0, 1)
+    return interpolated * (1 - keep) + extrapolated * keep
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,6 +103,10 @@ def rope_tables(dim: int, theta: float, scaling: dict | None,
     longer than original_max_position_embeddings with long_factor (kvserve: its positions below
     that with short_factor)."""
     kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if kind == "yarn":
+        cos, sin = rope_cos_sin(rope_inv_freq(dim, theta, scaling), max_positions)
+        _, attention = yarn_factors(scaling, scaling.get("max_position_embeddings"))
+        return cos * attention, sin * attention
     if kind != "longrope":
         return rope_cos_sin(rope_inv_freq(dim, theta, scaling), max_positions)
     orig = int(scaling["original_max_position_embeddings"])

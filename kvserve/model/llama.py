@@ -58,7 +58,10 @@ class LlamaLayer:
 
     def linears(self) -> list:
         """Every linear weight of the layer (a tensor or a QuantizedWeight)."""
-        return [self.qkv, self.o, self.gate_up, self.down]
+        return [*self.attention_linears(), self.gate_up, self.down]
+
+    def attention_linears(self) -> list:
+        return [self.qkv, self.o]
 
 
 class LlamaModel:

@@ -27,14 +27,23 @@ FUSED = ("experts.gate_up_proj", "experts.down_proj")
 _EXPERT = re.compile(r"^experts\.(\d+)\.(\w+)\.weight$")
 
 
-def route(h: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """h [T, hidden], gate [E, hidden] -> (weights [T, k] float32, expert ids [T, k] int64)."""
+def route(h: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool, scale: float = 1.0,
+          groups: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [T, hidden], gate [E, hidden] -> (weights [T, k] float32, expert ids [T, k] int64).
+    DeepSeek-V2: `groups` (n_group, topk_group) keeps the experts of the topk_group groups whose
+    best expert scores highest ("group_limited_greedy"), `scale` (routed_scaling_factor)
+    multiplies the weights."""
     probs = torch.softmax(F.linear(h, gate).float(), dim=-1)          # [T, E]
+    if groups is not None:
+        n_group, topk_group = groups
+        T, E = probs.shape
+        best = probs.view(T, n_group, E // n_group).amax(dim=-1)       # [T, n_group]
+        keep = torch.zeros_like(best).scatter_(1, torch.topk(best, topk_group, dim=-1).indices, 1.0)
+        probs = probs.masked_fill(~keep.bool().repeat_interleave(E // n_group, dim=1), 0.0)
     weights, ids = torch.topk(probs, top_k, dim=-1)                   # [T, k]
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+    return (weights * scale if scale != 1.0 else weights), ids
 
 
 def experts_forward(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up, down) -> torch.Tensor:
@@ -62,9 +71,16 @@ def experts_forward(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, g
     return out
 
 
+def shared_expert_prefix(cfg) -> str:
+    """Where a layer's always-on expert sits after its MLP prefix: Qwen2-MoE's gated
+    shared_expert., DeepSeek-V2's ungated shared_experts. (n_shared_experts of them as one)."""
+    return "shared_expert." if cfg.shared_expert_gated else "shared_experts."
+
+
 def shared_expert_forward(h: torch.Tensor, gate_up, down, sigmoid_gate: torch.Tensor | None) -> torch.Tensor:
-    """Qwen2-MoE's always-on expert: h [T, hidden] -> sigmoid(h @ gate^T) * SwiGLU(h) [T, hidden]
-    (gate_up, down: linear weights, tensors or QuantizedWeights)."""
+    """The always-on expert: h [T, hidden] -> sigmoid(h @ gate^T) * SwiGLU(h) [T, hidden]
+    (Qwen2-MoE), or SwiGLU(h) without a gate (DeepSeek-V2); gate_up, down: linear weights,
+    tensors or QuantizedWeights."""
     g, u = linear(h, gate_up).chunk(2, dim=-1)
     y = linear(F.silu(g) * u, down)
     return y if sigmoid_gate is None else torch.sigmoid(F.linear(h, sigmoid_gate)) * y
@@ -135,9 +151,11 @@ def check_expert_tensors(cfg, shapes: dict[str, tuple]) -> None:
                                      f"{', '.join(sorted({'gate', 'up', 'down'} - set(have)))} weight ({field}).")
                 want.update({have["gate"]: (I, H), have["up"]: (I, H), have["down"]: (H, I)})
         if cfg.shared_expert_intermediate_size:
-            s, S = m + "shared_expert.", cfg.shared_expert_intermediate_size
+            s, S = m + shared_expert_prefix(cfg), cfg.shared_expert_intermediate_size
             want.update({s + "gate_proj.weight": (S, H), s + "up_proj.weight": (S, H),
-                         s + "down_proj.weight": (H, S), m + "shared_expert_gate.weight": (1, H)})
+                         s + "down_proj.weight": (H, S)})
+            if cfg.shared_expert_gated:
+                want[m + "shared_expert_gate.weight"] = (1, H)
         for name, shape in want.items():
             if shapes.get(name) != shape:
                 got = "it is missing" if name not in shapes else f"it is {list(shapes[name])}"

@@ -23,7 +23,8 @@ import torch
 
 from kvserve.model.config import ModelConfig
 from kvserve.model.llama import LlamaLayer, LlamaModel
-from kvserve.model.moe import expert_layout, experts_forward, held_experts, route, shared_expert_forward
+from kvserve.model.moe import (expert_layout, experts_forward, held_experts, route, shared_expert_forward,
+                               shared_expert_prefix)
 
 
 class MoeLayer(LlamaLayer):
@@ -41,6 +42,7 @@ class MoeLayer(LlamaLayer):
         m = prefix + mlp
         self.router = w[m + "gate.weight"]                             # [E, hidden]
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.route_scale, self.route_groups = cfg.routed_scaling_factor, cfg.topk_groups   # DeepSeek-V2
         if kind == "fused":
             gate_up, down = raw[m + "experts.gate_up_proj"], raw[m + "experts.down_proj"]
             self.experts_gate_up = [lin(f"{m}experts.{e}.gate_up_proj", [gate_up[e]]) for e in range(n)]
@@ -53,9 +55,9 @@ class MoeLayer(LlamaLayer):
             self.experts_gate_up = [p and lin(p + "gate_up_proj", [f"{p}{gate}.weight", f"{p}{up}.weight"])
                                     for p in experts]
             self.experts_down = [p and lin(p + "down_proj", [f"{p}{down}.weight"]) for p in experts]
-        s = m + "shared_expert."
+        s = m + shared_expert_prefix(cfg)
         self.shared_gate_up = self.shared_down = self.shared_gate = None
-        if s + "gate_proj.weight" in shapes:                          # Qwen2-MoE
+        if s + "gate_proj.weight" in shapes:                          # Qwen2-MoE, DeepSeek-V2
             self.shared_gate_up = lin(s + "gate_up_proj", [s + "gate_proj.weight", s + "up_proj.weight"])
             self.shared_down = lin(s + "down_proj", [s + "down_proj.weight"])
             self.shared_gate = w.get(m + "shared_expert_gate.weight")  # [1, hidden]
@@ -63,7 +65,8 @@ class MoeLayer(LlamaLayer):
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         if self.dense_mlp:
             return super().mlp(h)
-        weights, ids = route(h, self.router, self.top_k, self.renormalize)          # [T, k] each
+        weights, ids = route(h, self.router, self.top_k, self.renormalize, self.route_scale,
+                             self.route_groups)                                # [T, k] each
         out = experts_forward(h, weights, ids, self.experts_gate_up, self.experts_down)
         if self.shared_gate_up is not None:
             out = out + shared_expert_forward(h, self.shared_gate_up, self.shared_down, self.shared_gate)
@@ -74,7 +77,7 @@ class MoeLayer(LlamaLayer):
             return super().linears()
         shared = [self.shared_gate_up, self.shared_down] if self.shared_gate_up is not None else []
         experts = [w for w in (*self.experts_gate_up, *self.experts_down) if w is not None]
-        return [self.qkv, self.o, *experts, *shared]
+        return [*self.attention_linears(), *experts, *shared]
 
 
 class MoeModel(LlamaModel):

@@ -28,6 +28,7 @@ class Architecture:
     sliding_window_opt_in: bool = False     # config.json's sliding_window counts only with use_sliding_window
     experts: bool = False                   # MoE: the checkpoint's expert tensors are checked at load
     adapter: str | None = None  # a module with config_fields(hf) -> dict and/or adapt_weights(weights, cfg)
+    note: str = ""              # what the README's list says of it beside its GGUF name and experts
 
     def adapt(self, hook: str):
         """The adapter module's `hook` function, or None (kvserve/model/families.py)."""
@@ -60,6 +61,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Phi3ForCausalLM": Architecture(LLAMA, adapter=FAMILIES),        # Phi-3, Phi-3.5, Phi-4(-mini)
     "Gemma2ForCausalLM": Architecture(GEMMA, adapter=FAMILIES),
     "Gemma3ForCausalLM": Architecture(GEMMA, adapter=FAMILIES, defaults={"qk_norm": True}),
+    "DeepseekV2ForCausalLM": Architecture("kvserve.model.deepseek:DeepseekV2Model", adapter=FAMILIES, experts=True,
+                                          note="multi-head latent attention"),
 }
 
 
@@ -83,3 +86,13 @@ def gguf_architecture(gguf_name: str, experts: bool = False) -> str | None:
     """The registered architecture whose GGUF files say `general.architecture = gguf_name`, with
     experts or without (llama.cpp's `llama` is Llama or, with `llama.expert_count`, Mixtral)."""
     return next((n for n, a in ARCHITECTURES.items() if a.gguf == gguf_name and a.experts == experts), None)
+
+
+def architectures_line() -> str:
+    """The README's list of architectures, from ARCHITECTURES (tests/model/test_registry.py
+    checks the README holds it, and prints it when not)."""
+    def one(name, a):
+        notes = ([f"GGUF `{a.gguf}`"] if a.gguf else []) + (["experts"] if a.experts else []) + (
+            [a.note] if a.note else [])
+        return f"`{name}`" + (f" ({', '.join(notes)})" if notes else "")
+    return "Architectures: " + ", ".join(one(n, a) for n, a in ARCHITECTURES.items()) + "."

@@ -64,6 +64,9 @@ class TPGroup:
 def check_tp_size(cfg: ModelConfig, size: int, expert_parallel: bool = False) -> None:
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}.")
+    if cfg.kv_lora_rank and size > 1:
+        raise ValueError(f"tensor_parallel_size={size} is not built for multi-head latent attention "
+                         f"({cfg.architecture}): every rank would need the whole latent cache; use 1.")
     if cfg.num_heads % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide the model's {cfg.num_heads} "
                          "attention heads: choose a divisor.")

@@ -41,8 +41,9 @@ class ModelRunner:
         # One preallocated pool per layer and K/V, in the attention backend's layout
         # ([num_blocks + 1, n_kv_heads, block_size, head_dim] for the portable backend: row 0 is
         # the null block, kv/block_pool.py); with a quantized kv_cache_dtype each pool is
-        # (values, scales [num_blocks + 1, KV, block_size]).
-        shape = model.attn.cache_shape(num_blocks + 1)
+        # (values, scales [num_blocks + 1, KV, block_size]). The backend may shape K and V apart
+        # (multi-head latent attention: the latent and the RoPE key part, attention/mla.py).
+        shapes = model.attn.cache_shapes(num_blocks + 1)
         self.kv_cache_dtype = model.attn.kv_cache_dtype
         self.forward_time_total = 0.0   # seconds inside the model's forward pass
         # The KV connector (kv/connector.py's KVConnector, None without KV tiers), called at named
@@ -53,7 +54,7 @@ class ModelRunner:
         self.kv_stream = None         # PD prefill side: a KVStreamSender, told as each layer is written
         self.sampling: StepSampler | None = None     # the sampling stage (init_sampling)
         self.kv_caches = [tuple(kv_quant.allocate(shape, self.kv_cache_dtype, model.dtype, self.device)
-                                for _ in range(2)) for _ in range(cfg.num_layers)]
+                                for shape in shapes) for _ in range(cfg.num_layers)]
         # A model that runs several micro-batches of one step at once (a pipeline stage:
         # kvserve/distributed/pipeline.py) gets the step cut into that many; one InputBatch each
         self.micro_batches = getattr(model, "micro_batches", 1)
@@ -66,10 +67,10 @@ class ModelRunner:
         self.cpu_caches = []
         if num_cpu_blocks <= 0:
             return
-        shape = self.model.attn.cache_shape(num_cpu_blocks)    # CPU block ids 0.. (no null block)
+        shapes = self.model.attn.cache_shapes(num_cpu_blocks)    # CPU block ids 0.. (no null block)
         pin = self.device.type == "cuda"
         self.cpu_caches = [tuple(kv_quant.allocate(shape, self.kv_cache_dtype, self.model.dtype, "cpu",
-                                                   pin_memory=pin, zeros=False) for _ in range(2))
+                                                   pin_memory=pin, zeros=False) for shape in shapes)
                            for _ in self.kv_caches]
 
     @staticmethod
@@ -138,9 +139,11 @@ class ModelRunner:
 
     @staticmethod
     def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
-        """K and V of every layer for block_size tokens (scales included when quantized)."""
-        row = kv_quant.bytes_per_token_head(kv_cache_dtype, cfg.head_dim, dtype)
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * row
+        """K and V of every layer for block_size tokens (scales included when quantized); with
+        multi-head latent attention the latent and the RoPE key part (ModelConfig.kv_cache_rows)."""
+        rows = sum(heads * kv_quant.bytes_per_token_head(kv_cache_dtype, width, dtype)
+                   for heads, width in cfg.kv_cache_rows())
+        return cfg.num_layers * block_size * rows
 
     def execute(self, scheduled: list[tuple[RunnerSequence, int, list[int]]],
                 extra_rows: dict[str, range] | None = None, draft_tokens: dict[str, list[int]] | None = None

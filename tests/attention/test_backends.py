@@ -41,7 +41,7 @@ def test_auto_takes_the_kernels_where_they_run_and_logs_why_not(caplog):
 def test_a_backend_named_that_cannot_run_or_does_not_exist_is_refused():
     with pytest.raises(ValueError, match=r"cpu_fused cannot run this model here \(a float16 cache\)"):
         select("cpu_fused", HEADS, "cpu", torch.float16, "auto")
-    with pytest.raises(ValueError, match="auto or one of torch, cpu_fused, got 'flash'"):
+    with pytest.raises(ValueError, match="auto or one of torch, cpu_fused, mla, got 'flash'"):
         select("flash", HEADS, "cpu", torch.float32, "auto")
     with pytest.raises(ValueError, match="got 'flash'"):
         LLM(str(STORIES_HF), attention_backend="flash")

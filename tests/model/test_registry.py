@@ -94,3 +94,14 @@ def test_family_defaults_come_from_the_registry():
     assert mistral.sliding_window == 64 and not mistral.attention_bias
     assert architecture("LlamaForCausalLM").model_class() is LlamaModel
     assert gguf_architecture("qwen2") == "Qwen2ForCausalLM" and gguf_architecture("gpt2") is None
+
+
+def test_the_readme_lists_the_registry():
+    """The README's list of architectures is the registry's (`architectures_line`)."""
+    from pathlib import Path
+
+    from kvserve.model.registry import architectures_line
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    line = architectures_line()
+    assert line in " ".join(readme.split()), f"put this line in the README's Models item:\n{line}"
