@@ -80,8 +80,14 @@ def cmd_kv(args) -> int:
         hw = get_hardware(args.hw)
         budget = kvmath.kv_budget(hw.memory, m, args.n_gpu, args.dtype, args.gpu_memory_utilization)
         pairs.append((f"KV budget GiB ({args.n_gpu} x {hw.name}, {args.gpu_memory_utilization:.0%})", budget / 2**30))
-    pairs += [(f"contexts of {args.seq_len} that fit", kvmath.contexts_that_fit(budget, args.seq_len, m, args.kv_dtype)),
-              (f"paging waste / seq (blocks of {args.block_size})", kvmath.paging_waste_slots(args.block_size))]
+    pairs += [(f"contexts of {args.seq_len} that fit", kvmath.contexts_that_fit(budget, args.seq_len, m, args.kv_dtype))]
+    if m.kv_lora_rank:        # multi-head latent attention: what full per-head K and V would take
+        full = kvmath.kv_bytes_per_token(m, args.kv_dtype, full_kv=True)
+        pairs += [("MLA: latent + RoPE part / token", f"{m.kv_lora_rank} + {m.qk_rope_head_dim} per layer"),
+                  ("KV bytes / token with full K/V", int(full)),
+                  ("MLA saving (full K/V / latent)", full / per),
+                  (f"contexts of {args.seq_len} that fit with full K/V", int(budget // (full * args.seq_len)))]
+    pairs.append((f"paging waste / seq (blocks of {args.block_size})", kvmath.paging_waste_slots(args.block_size)))
     print(kv_table(pairs))
     return 0
 

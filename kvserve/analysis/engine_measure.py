@@ -29,8 +29,11 @@ def model_spec_of(engine, name: str = "kvserve model") -> ModelSpec:
     n = count_params(c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
                      c.vocab_size, c.tie_word_embeddings, qk_norm=getattr(c, "qk_norm", False))
     n_act = n if c.tie_word_embeddings else n - c.vocab_size * c.hidden_size
+    mla = getattr(c, "kv_lora_rank", 0) or None             # multi-head latent attention's cache
     return ModelSpec(name, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
-                     c.intermediate_size, c.vocab_size, float(n), float(n_act), c.tie_word_embeddings)
+                     c.intermediate_size, c.vocab_size, float(n), float(n_act), c.tie_word_embeddings,
+                     kv_lora_rank=mla, qk_rope_head_dim=mla and c.qk_rope_head_dim,
+                     v_head_dim=mla and c.v_head_dim)
 
 
 def engine_dtype(engine) -> str:

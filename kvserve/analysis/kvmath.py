@@ -22,14 +22,23 @@ def kv_scale_bytes(kv_dtype: str | float) -> float:
 
 def kv_bytes_per_token(model: ModelSpec | None = None, kv_dtype: str | float = "bf16", *,
                        n_layers: int | None = None, n_kv_heads: int | None = None,
-                       head_dim: int | None = None) -> float:
+                       head_dim: int | None = None, full_kv: bool = False) -> float:
     """Seed 003: m_KV = 2 * L * n_kv * d_k * s_KV bytes per token (one key and one value per KV head
     per layer), plus 2 * L * n_kv scales for a quantized (int8 / fp8) cache, as the engine stores
-    them. Pass a ModelSpec, or the three shape numbers as keywords; a number of bytes has no scales."""
+    them. Pass a ModelSpec, or the three shape numbers as keywords; a number of bytes has no scales.
+    Multi-head latent attention caches L * (kv_lora_rank + qk_rope_head_dim) numbers and 2 L
+    scales (kvserve/attention/mla.py); `full_kv` gives what its per-head keys (nope + rope wide)
+    and values (v_head_dim) would take instead."""
+    scale = kv_scale_bytes(kv_dtype)
+    if model is not None and model.kv_lora_rank and n_kv_heads is None and head_dim is None:
+        L = n_layers if n_layers is not None else model.n_layers
+        if full_kv:
+            return L * model.n_kv_heads * ((model.head_dim + model.v_head_dim) * dtype_bytes(kv_dtype) + 2 * scale)
+        return L * ((model.kv_lora_rank + model.qk_rope_head_dim) * dtype_bytes(kv_dtype) + 2 * scale)
     L = n_layers if n_layers is not None else model.n_layers
     kv = n_kv_heads if n_kv_heads is not None else model.n_kv_heads
     hd = head_dim if head_dim is not None else model.head_dim
-    return 2 * L * kv * (hd * dtype_bytes(kv_dtype) + kv_scale_bytes(kv_dtype))
+    return 2 * L * kv * (hd * dtype_bytes(kv_dtype) + scale)
 
 
 def kv_cache_bytes(model: ModelSpec, seq_len: float, batch: float = 1, kv_dtype: str | float = "bf16") -> float:
@@ -92,7 +101,11 @@ def flops_per_token_seed000(d_model: int, context: float) -> tuple[float, float]
 
 def decode_attention_intensity(model: ModelSpec, kv_dtype: str | float = "bf16") -> float:
     """Seed 001: arithmetic intensity of decode attention, 4 S H_q d_h FLOPs over 2 S H_kv d_h P bytes
-    = 2 H_q / (H_kv P) FLOP/byte, independent of S and B (4 for Llama 3 8B in bf16)."""
+    = 2 H_q / (H_kv P) FLOP/byte, independent of S and B (4 for Llama 3 8B in bf16). Absorbed
+    multi-head latent attention: 2 S H (2 R + P) FLOPs over S (R + P) P bytes a layer."""
+    if model.kv_lora_rank:
+        R, P = model.kv_lora_rank, model.qk_rope_head_dim
+        return 2 * model.n_heads * (2 * R + P) / ((R + P) * dtype_bytes(kv_dtype))
     return 2 * model.n_heads / (model.n_kv_heads * dtype_bytes(kv_dtype))
 
 

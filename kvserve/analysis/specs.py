@@ -120,6 +120,11 @@ class ModelSpec:
     tie_embeddings: bool = False
     n_experts: int | None = None      # a mixture of experts: routed experts per MoE layer
     top_k: int | None = None          # and experts routed per token
+    # multi-head latent attention (DeepSeek-V2): a token caches kv_lora_rank + qk_rope_head_dim
+    # numbers a layer; head_dim is then a query / key head's width (nope + rope), v_head_dim a value's
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
 
     @property
     def d_attn(self) -> int:
@@ -208,8 +213,32 @@ def model_from_hf_config(config: dict | str, name: str | None = None) -> ModelSp
         per_layer = d * n_experts + n_experts * expert + shared - 3 * d * ff   # replaces the dense MLP
         n += n_moe * per_layer
         n_active = n - n_moe * (n_experts - top_k) * expert
+    if c.get("kv_lora_rank"):
+        return _deepseek_v2(c, name, L, d, h, ff, V, tie)
     return ModelSpec(name or str(c.get("model_type", "model")), L, d, h, kv, hd, ff, V, float(n),
                      None if n_active is None else float(n_active), tie, n_experts, top_k)
+
+
+def _deepseek_v2(c: dict, name, L, d, h, ff, V, tie) -> ModelSpec:
+    """DeepSeek-V2's shape: multi-head latent attention (q straight or through q_lora_rank, the
+    latent kv_a [d x (R + P)] with its norm, kv_b [R x H (nope + v)], o [H v x d]), the first
+    first_k_dense_replace layers a dense MLP, the others n_routed_experts experts of
+    moe_intermediate_size (top num_experts_per_tok) plus n_shared_experts always-on ones."""
+    R, P = int(c["kv_lora_rank"]), int(c.get("qk_rope_head_dim", 64))
+    nope, v, qr = int(c.get("qk_nope_head_dim", 128)), int(c.get("v_head_dim", 128)), c.get("q_lora_rank")
+    q = d * qr + qr + qr * h * (nope + P) if qr else d * h * (nope + P)
+    attn = q + d * (R + P) + R + R * h * (nope + v) + h * v * d + 2 * d
+    E, k = int(c.get("n_routed_experts") or 0), int(c.get("num_experts_per_tok") or 0)
+    ff_e = int(c.get("moe_intermediate_size") or 1407)
+    shared = 3 * d * ff_e * int(c.get("n_shared_experts") or 0)
+    n_dense = min(int(c.get("first_k_dense_replace") or 0), L) if E else L
+    n_moe = L - n_dense
+    expert = 3 * d * ff_e
+    emb = V * d * (1 if tie else 2)
+    n = emb + L * attn + n_dense * 3 * d * ff + n_moe * (d * E + E * expert + shared) + d
+    n_active = n - n_moe * (E - k) * expert
+    return ModelSpec(name or str(c.get("model_type", "deepseek_v2")), L, d, h, h, nope + P, ff, V, float(n),
+                     float(n_active), tie, E or None, k or None, R, P, v)
 
 
 # Mixtures of experts from their published config.json shapes: Mixtral 8x7B (46.7B parameters,
@@ -223,9 +252,17 @@ MODELS["qwen3-30b-a3b"] = model_from_hf_config(dict(
     num_experts=128, num_experts_per_tok=8), "Qwen3-30B-A3B")
 
 
+# DeepSeek-V2-Lite's config.json shape (15.7B parameters, 2.4B active, DeepSeek's figures).
+MODELS["deepseek-v2-lite"] = model_from_hf_config(dict(
+    model_type="deepseek_v2", hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+    num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, vocab_size=102400, kv_lora_rank=512,
+    q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=64,
+    n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1), "DeepSeek-V2-Lite")
+
+
 def get_model(name: str | ModelSpec) -> ModelSpec:
     """A preset by name ('llama-3.1-8b', 'llama-3.1-70b', 'llama-13b', 'qwen3-0.6b', 'mixtral-8x7b',
-    'qwen3-30b-a3b'), or a path to a
+    'qwen3-30b-a3b', 'deepseek-v2-lite'), or a path to a
     config.json / model directory."""
     if isinstance(name, ModelSpec):
         return name

@@ -24,6 +24,16 @@ CONFIGS = {
     "qwen3_moe": (transformers.Qwen3MoeConfig, {"num_experts": 8, "num_experts_per_tok": 2, "head_dim": 16,
                                                  "moe_intermediate_size": 24, "mlp_only_layers": [1]}),
     "olmoe": (transformers.OlmoeConfig, {"num_experts": 4, "num_experts_per_tok": 3}),
+    # multi-head latent attention (with and without q_lora_rank), a dense first layer, shared experts
+    "deepseek_v2": (transformers.DeepseekV2Config, {"n_routed_experts": 6, "num_experts_per_tok": 2,
+                                                     "moe_intermediate_size": 24, "n_shared_experts": 2,
+                                                     "first_k_dense_replace": 1, "kv_lora_rank": 32,
+                                                     "q_lora_rank": 48, "qk_nope_head_dim": 16,
+                                                     "qk_rope_head_dim": 8, "v_head_dim": 12}),
+    "deepseek_v2_lite": (transformers.DeepseekV2Config, {"n_routed_experts": 4, "num_experts_per_tok": 2,
+                                                          "moe_intermediate_size": 24, "kv_lora_rank": 32,
+                                                          "q_lora_rank": None, "qk_nope_head_dim": 16,
+                                                          "qk_rope_head_dim": 8, "v_head_dim": 12}),
 }
 
 
@@ -53,7 +63,7 @@ def test_param_counts_equal_transformers(kind):
     assert spec.n_act == total - _routed_expert_params(model)
     if "num_experts_per_tok" in extra:
         assert spec.n_act < spec.n_params and spec.top_k == extra["num_experts_per_tok"]
-        assert spec.n_experts == extra.get("num_local_experts", extra.get("num_experts"))
+        assert spec.n_experts == extra.get("num_local_experts", extra.get("num_experts", extra.get("n_routed_experts")))
     else:
         assert spec.n_active is None and spec.n_experts is None
 
@@ -83,3 +93,21 @@ def test_moe_presets_match_published_counts():
     assert (round(mixtral.n_params / 1e9, 1), round(mixtral.n_act / 1e9, 1)) == (46.7, 12.9)
     assert (round(qwen.n_params / 1e9, 1), round(qwen.n_act / 1e9, 1)) == (30.5, 3.4)
     assert (mixtral.n_experts, mixtral.top_k, qwen.n_experts, qwen.top_k) == (8, 2, 128, 8)
+    # DeepSeek: V2-Lite has 15.7B parameters (2.4B active: without the 0.2B input embedding table)
+    lite = MODELS["deepseek-v2-lite"]
+    assert round(lite.n_params / 1e9, 1) == 15.7
+    assert 2.4 <= (lite.n_act - lite.vocab_size * lite.d_model) / 1e9 < 2.5          # (DeepSeek rounds down)
+
+
+def test_plan_kv_reports_the_mla_saving(capsys):
+    """`kvserve plan kv` on DeepSeek-V2-Lite: 27 layers x (512 + 64) bf16 numbers a token against
+    27 x 16 heads x (192 + 128) with full K/V, 8.9x, and the contexts that fit either way."""
+    from kvserve.analysis.cli import main
+
+    assert main(["plan", "kv", "--model", "deepseek-v2-lite", "--seq-len", "4096", "--budget-gib", "8"]) == 0
+    out = {line[:41].strip(): line[41:].strip() for line in capsys.readouterr().out.splitlines()}
+    assert out["KV bytes / token"] == f"{27 * 576 * 2:,}"
+    assert out["KV bytes / token with full K/V"] == f"{27 * 16 * 320 * 2:,}"
+    assert out["MLA saving (full K/V / latent)"] == "8.89"
+    assert out["contexts of 4096 that fit"] == str(8 * 2**30 // (27 * 576 * 2 * 4096))
+    assert out["contexts of 4096 that fit with full K/V"] == str(8 * 2**30 // (27 * 16 * 320 * 2 * 4096))
