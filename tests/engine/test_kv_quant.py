@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ import torch
 from kvserve import LLM
 from kvserve.analysis import kvmath
 from kvserve.config import EngineConfig
+from kvserve.model.config import ModelConfig
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.attention import kv_quant
 from kvserve.quality.perplexity import make_chunks, perplexity, tokenize
@@ -30,7 +30,8 @@ def test_unknown_kv_cache_dtype_is_refused_at_config_time():
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_one_byte_cache_holds_about_twice_the_tokens_of_bf16(head_dim):
-    cfg = SimpleNamespace(num_layers=32, num_kv_heads=8, head_dim=head_dim)
+    cfg = ModelConfig("LlamaForCausalLM", vocab_size=8, hidden_size=8 * head_dim, intermediate_size=8, num_layers=32,
+                      num_heads=8, num_kv_heads=8, head_dim=head_dim)
     bf16 = ModelRunner.kv_bytes_per_block(cfg, 16, torch.bfloat16)
     fp32 = ModelRunner.kv_bytes_per_block(cfg, 16, torch.float32)
     for name in ("int8", "fp8_e4m3", "fp8_e5m2"):
