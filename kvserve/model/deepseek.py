@@ -4,8 +4,7 @@ of routed and shared experts, exact against transformers' DeepseekV2.
 Attention per layer (shapes for T tokens, H heads):
     q      = x W_Q (V2-Lite) or RMSNorm(x W_QA) W_QB       [T, H, nope + P] -> q_nope, q_pe
     c, k_pe = x W_KVA split [R], [P];  c = RMSNorm(c)      the per-token latent and RoPE key part
-    q_pe, k_pe RoPE'd (DeepSeek rotates adjacent pairs: the rows producing them are permuted at
-    load so kvserve's rotate-half RoPE rotates the same pairs; q . k is unchanged)
+    q_pe, k_pe RoPE'd (DeepSeek rotates adjacent pairs: layers.apply_rope_pairs)
     out    = MLA(q_nope, q_pe, c, k_pe; kv_b_proj) W_O     kvserve/attention/mla.py caches c and
                                                            k_pe only and absorbs kv_b_proj on decode
 The MLP: the first first_k_dense_replace layers dense, the others the MoE block of
@@ -22,14 +21,9 @@ import torch
 
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.model.config import ModelConfig
-from kvserve.model.layers import apply_rope, rms_norm
+from kvserve.model.layers import apply_rope_pairs, rms_norm
 from kvserve.model.moe_models import MoeLayer, MoeModel
 from kvserve.model.quant.formats import linear
-
-
-def rope_pair_order(p: int) -> torch.Tensor:
-    """Adjacent pairs (2i, 2i + 1) -> rotate-half pairs (i, i + p/2): [0, 2, 4, ..., 1, 3, ...]."""
-    return torch.cat([torch.arange(0, p, 2), torch.arange(1, p, 2)])
 
 
 class DeepseekLayer(MoeLayer):
@@ -37,20 +31,17 @@ class DeepseekLayer(MoeLayer):
 
     def __init__(self, w: dict, prefix: str, cfg: ModelConfig, lin, index: int = 0, raw: dict | None = None):
         a = prefix + "self_attn."
-        H, nope, P, R = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-        order = rope_pair_order(P)
-        q_rows = torch.cat([h * (nope + P) + torch.cat([torch.arange(nope), nope + order]) for h in range(H)])
+        H, R = cfg.num_heads, cfg.kv_lora_rank
         self.input_norm = w[prefix + "input_layernorm.weight"]
         self.post_norm = w[prefix + "post_attention_layernorm.weight"]
         self.q_a = self.q_a_norm = None
         if cfg.q_lora_rank:
             self.q_a = lin(a + "q_a_proj", [a + "q_a_proj.weight"])
             self.q_a_norm = w[a + "q_a_layernorm.weight"]
-            self.q = lin(a + "q_b_proj", [raw[a + "q_b_proj.weight"].index_select(0, q_rows)])
+            self.q = lin(a + "q_b_proj", [a + "q_b_proj.weight"])
         else:
-            self.q = lin(a + "q_proj", [raw[a + "q_proj.weight"].index_select(0, q_rows)])
-        kv_rows = torch.cat([torch.arange(R), R + order])
-        self.kv_a = lin(a + "kv_a_proj_with_mqa", [raw[a + "kv_a_proj_with_mqa.weight"].index_select(0, kv_rows)])
+            self.q = lin(a + "q_proj", [a + "q_proj.weight"])
+        self.kv_a = lin(a + "kv_a_proj_with_mqa", [a + "kv_a_proj_with_mqa.weight"])
         self.kv_a_norm = w[a + "kv_a_layernorm.weight"]
         dtype = self.input_norm.dtype
         self.kv_b = raw[a + "kv_b_proj.weight"].to(self.input_norm.device, dtype).view(H, -1, R)
@@ -75,8 +66,8 @@ class DeepseekV2Model(MoeModel):
         cfg = self.cfg
         H, nope, P, R, eps = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.rms_norm_eps
         T = x.shape[0]
-        cos = self.rope_cos[positions].to(self.dtype).unsqueeze(1)      # [T, 1, P]
-        sin = self.rope_sin[positions].to(self.dtype).unsqueeze(1)
+        cos = self.rope_cos[positions, :P // 2].to(self.dtype).unsqueeze(1)      # [T, 1, P/2]
+        sin = self.rope_sin[positions, P // 2:].to(self.dtype).unsqueeze(1)
         for i, (layer, (latent_cache, pe_cache)) in enumerate(zip(self.layers, kv_caches)):
             h = rms_norm(x, layer.input_norm, eps)
             if layer.q_a is not None:
@@ -87,8 +78,8 @@ class DeepseekV2Model(MoeModel):
             q_nope, q_pe = q.split([nope, P], dim=-1)
             latent, k_pe = linear(h, layer.kv_a).split([R, P], dim=-1)      # [T, R], [T, P]
             latent = rms_norm(latent, layer.kv_a_norm, eps)
-            q_pe = apply_rope(q_pe, cos, sin)                                # [T, H, P]
-            k_pe = apply_rope(k_pe.unsqueeze(1), cos, sin)                   # [T, 1, P]
+            q_pe = apply_rope_pairs(q_pe, cos, sin)                          # [T, H, P]
+            k_pe = apply_rope_pairs(k_pe.unsqueeze(1), cos, sin)             # [T, 1, P]
             o = self.attn.forward(q_nope, q_pe, latent.unsqueeze(1), k_pe, latent_cache, pe_cache, meta,
                                   layer.kv_b)                                # [T, H, vd]
             if meta.kv_written is not None:

@@ -134,6 +134,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
+def apply_rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs (2j, 2j + 1) of every head (GPT-J's layout; DeepSeek-V2's, and
+    llama.cpp's "normal" RoPE). x [T, heads, d]; cos, sin [T, 1, d/2] (`rope_cos_sin`'s first half)."""
+    a, b = x.unflatten(-1, (-1, 2)).unbind(-1)                       # [T, heads, d/2] each
+    return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
+
+
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, from the fused [T, 2I] projection."""
     gate, up = gate_up.chunk(2, dim=-1)
