@@ -12,8 +12,9 @@ moe_models.py (softmax router, top-k weights times routed_scaling_factor, "group
 keeping the best topk_group of n_group expert groups; n_shared_experts ungated experts summed in).
 
 kv_b_proj stays a dense matrix in the model dtype (decode multiplies its per-head slices into the
-queries and outputs), so `quantization` quantizes every other linear weight. Not built: tensor
-and pipeline parallelism (refused), the fused CPU decode step (off), GGUF files (deepseek2).
+queries and outputs), so `quantization` quantizes every other linear weight. A GGUF file (llama.cpp's
+deepseek2, loaders/gguf.py) loads into the same names. Not built: tensor and pipeline parallelism
+(refused), the fused CPU decode step (off).
 """
 from __future__ import annotations
 

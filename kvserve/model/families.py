@@ -64,11 +64,8 @@ def _deepseek_fields(hf: dict) -> dict:
                              f"its {experts} experts (n_group must divide them, topk_group <= n_group).")
     moe = hf.get("moe_intermediate_size") or 1407
     first_dense = hf.get("first_k_dense_replace") or 0
-    scalar = None                 # YaRN's mscale_all_dim: DeepSeek's softmax scale times mscale^2
     scaling = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if scaling.get("rope_type", scaling.get("type")) == "yarn" and scaling.get("mscale_all_dim"):
-        factor, _ = yarn_factors(scaling, hf.get("max_position_embeddings"))
-        scalar = (nope + rope) / yarn_mscale(factor, scaling["mscale_all_dim"]) ** 4
+    scalar = deepseek_attention_scalar(nope + rope, scaling, hf.get("max_position_embeddings"))
     return dict(head_dim=nope + rope, query_pre_attn_scalar=scalar, num_kv_heads=hf["num_attention_heads"], rotary_dim=rope,
                 kv_lora_rank=hf.get("kv_lora_rank", 512), q_lora_rank=hf.get("q_lora_rank"),
                 qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=hf.get("v_head_dim", 128),
@@ -137,6 +134,15 @@ def _gemma_fields(hf: dict) -> dict:
             scaling = None
         out["rope_scaling"] = scaling
     return out
+
+
+def deepseek_attention_scalar(qk_head_dim: int, scaling: dict, max_positions: int | None) -> float | None:
+    """DeepSeek's softmax scale with YaRN's mscale_all_dim: 1/sqrt(qk_head_dim) * mscale^2, as
+    ModelConfig.query_pre_attn_scalar (scale = 1/sqrt(it)); None without it."""
+    if scaling.get("rope_type", scaling.get("type")) != "yarn" or not scaling.get("mscale_all_dim"):
+        return None
+    factor, _ = yarn_factors(scaling, max_positions)
+    return qk_head_dim / yarn_mscale(factor, scaling["mscale_all_dim"]) ** 4
 
 
 def adapt_weights(weights: dict, cfg) -> dict:

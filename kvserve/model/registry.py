@@ -61,7 +61,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Phi3ForCausalLM": Architecture(LLAMA, adapter=FAMILIES),        # Phi-3, Phi-3.5, Phi-4(-mini)
     "Gemma2ForCausalLM": Architecture(GEMMA, adapter=FAMILIES),
     "Gemma3ForCausalLM": Architecture(GEMMA, adapter=FAMILIES, defaults={"qk_norm": True}),
-    "DeepseekV2ForCausalLM": Architecture("kvserve.model.deepseek:DeepseekV2Model", adapter=FAMILIES, experts=True,
+    "DeepseekV2ForCausalLM": Architecture("kvserve.model.deepseek:DeepseekV2Model", gguf="deepseek2", adapter=FAMILIES,
+                                          experts=True,
                                           note="multi-head latent attention"),
 }
 

@@ -39,6 +39,12 @@ MODELS = {
                rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                                 "mscale": 0.707, "mscale_all_dim": 1.0, "rope_theta": 10000.0,
                                 "beta_fast": 32, "beta_slow": 1}),
+    # what a deepseek2 GGUF can say (tests/model/test_gguf_deepseek.py): mscale = mscale_all_dim
+    "v2_gguf": dict(q_lora_rank=48, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                    routed_scaling_factor=1.5, topk_method="greedy",
+                    rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                     "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 10000.0,
+                                     "beta_fast": 32, "beta_slow": 1}),
     "v2_lite": dict(q_lora_rank=None, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=2,
                     topk_method="group_limited_greedy", n_group=4, topk_group=2),
 }
@@ -91,12 +97,12 @@ def generate(llm, prompts, max_tokens=MAX_TOKENS):
     return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
 
 
-def check(model_dir, settings, prompts):
+def check(model_dir, settings, prompts, ref_dir=None):
     llm = LLM(str(model_dir), dtype="float32", **settings)
     if settings.get("prefix_cache"):
         generate(llm, prompts[:1])              # its blocks are cached: the others hit its prefix
     for p, got in zip(prompts, generate(llm, prompts)):
-        ref_tokens, ref_lps = hf_greedy(str(model_dir), p, MAX_TOKENS)
+        ref_tokens, ref_lps = hf_greedy(str(ref_dir or model_dir), p, MAX_TOKENS)
         assert got.token_ids == ref_tokens, f"prompt of {len(p)} tokens diverged"
         lps = [lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids)]
         assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < 1e-4
@@ -107,7 +113,7 @@ def check(model_dir, settings, prompts):
 
 
 @pytest.mark.parametrize("name,setting", [(n, s) for n in MODELS for s in SETTINGS
-                                          if n == "v2" or s in ("default", "chunked_small_blocks")])
+                                          if n == "v2" or (n == "v2_lite" and s in ("default", "chunked_small_blocks"))])
 def test_matches_transformers(name, setting, ds_dir):
     llm = check(ds_dir(name), SETTINGS[setting], prompts_for(list(MODELS).index(name)))
     model, stats = llm.engine.model, llm.engine.stats()

@@ -63,6 +63,18 @@ MOE_TENSORS = {   # blk.N.<gguf> -> model.layers.N.<hf>; *_exps stacked [E, ...]
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
 LAYER_TENSORS.update(MOE_TENSORS)
+MLA_TENSORS = {   # deepseek2: multi-head latent attention (kvserve/model/deepseek.py)
+    "attn_q_a.weight": "self_attn.q_a_proj.weight", "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_kv_b.weight": "self_attn.kv_b_proj.weight",            # older files: kv_b_proj whole
+    "attn_k_b.weight": "self_attn.k_b_proj.weight",              # newer: [H, R, nope] (k_b transposed)
+    "attn_v_b.weight": "self_attn.v_b_proj.weight",              # and [H, vd, R]
+}
+LAYER_TENSORS.update(MLA_TENSORS)
+# read dequantized whatever their type (model/deepseek.py multiplies kv_b_proj's slices itself)
+DENSE_ALWAYS = ("kv_b_proj.weight", "k_b_proj.weight", "v_b_proj.weight")
 ROUTERS = ("mlp.gate.weight", "shared_expert_gate.weight")   # kept in the model dtype, like norms
 STACKED = ("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")
 # general.architecture -> whether llama.cpp renormalises the top-k router weights
@@ -94,13 +106,26 @@ def load_gguf(path: str | Path, native: bool = False, dtype: torch.dtype = torch
         if hf_name.endswith(STACKED):
             weights.update(_expert_weights(tensors[gguf_name], hf_name, shape, native, dtype, device))
             continue
-        if native and not hf_name.endswith(ROUTERS):
+        if native and not hf_name.endswith(ROUTERS + DENSE_ALWAYS):
             weights[hf_name] = native_weight(tensors[gguf_name], shape, heads, dtype, device,
                                              logits_side=hf_name in LOGITS_SIDE)
             continue
         w = _dequantize(tensors[gguf_name], shape)
         weights[hf_name] = torch.from_numpy(w if heads is None else unpermute_rope_rows(w, heads))
+    if cfg.kv_lora_rank:
+        _join_kv_b(weights, cfg)
     return cfg, weights, tokenizer
+
+
+def _join_kv_b(weights: dict, cfg: ModelConfig) -> None:
+    """llama.cpp's converter splits kv_b_proj into k_b (transposed, [H, R, nope]) and v_b
+    ([H, vd, R]); kvserve reads it whole, [H * (nope + vd), R]."""
+    for i in range(cfg.num_layers):
+        a = f"model.layers.{i}.self_attn."
+        if a + "k_b_proj.weight" in weights:
+            k_b, v_b = weights.pop(a + "k_b_proj.weight"), weights.pop(a + "v_b_proj.weight")
+            weights[a + "kv_b_proj.weight"] = torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(
+                -1, cfg.kv_lora_rank)
 
 
 class _ExpertSlice:
@@ -175,6 +200,8 @@ def config_from_metadata(meta: dict, path) -> tuple[ModelConfig, bool]:
             value = value[0]
         return value
 
+    if arch == "deepseek2":
+        return _deepseek2_config(meta, key, hf_arch, path), False
     hidden = key("embedding_length", required=True)
     heads = key("attention.head_count", required=True)
     head_dim = key("attention.key_length") or hidden // heads
@@ -200,6 +227,61 @@ def config_from_metadata(meta: dict, path) -> tuple[ModelConfig, bool]:
     if experts:
         _moe_config(cfg, key, arch, defaults)
     return cfg, arch in ROPE_PERMUTED
+
+
+def _deepseek2_config(meta: dict, key, hf_arch: str, path) -> ModelConfig:
+    """DeepSeek-V2 from llama.cpp's deepseek2 keys: the MLA widths (kv_lora_rank, q_lora_rank,
+    rope.dimension_count; key_length_mla / value_length_mla, or in older files key_length /
+    value_length, for a head's nope + rope and value widths), the experts (expert_count,
+    expert_used_count, expert_feed_forward_length, expert_shared_count, leading_dense_block_count,
+    expert_weights_scale, expert_group_count / expert_group_used_count) and YaRN
+    (rope.scaling.yarn_log_multiplier = 0.1 * mscale_all_dim, which llama.cpp also takes as mscale)."""
+    from kvserve.model.families import deepseek_attention_scalar
+
+    heads, P = key("attention.head_count", required=True), key("rope.dimension_count", required=True)
+    R = key("attention.kv_lora_rank", required=True)
+    if key("attention.key_length_mla") is not None:
+        nope, v = key("attention.key_length_mla") - P, key("attention.value_length_mla", required=True)
+    else:
+        nope, v = key("attention.key_length", required=True) - P, key("attention.value_length", required=True)
+    if key("expert_weights_norm"):
+        raise ValueError(f"{str(path)!r}: deepseek2.expert_weights_norm is true; kvserve runs DeepSeek-V2's "
+                         "router without renormalising the top-k weights (as transformers does).")
+    if key("expert_gating_func", 1) != 1:
+        raise ValueError(f"{str(path)!r}: deepseek2.expert_gating_func {key('expert_gating_func')} is not "
+                         "softmax (1), DeepSeek-V2's; DeepSeek-V3's sigmoid router is not built.")
+    experts, used = key("expert_count", required=True), key("expert_used_count", required=True)
+    if not 1 <= used <= experts:
+        raise ValueError(f"deepseek2.expert_used_count = {used} must be between 1 and deepseek2.expert_count = "
+                         f"{experts}; the file is inconsistent.")
+    groups = key("expert_group_count") or 1
+    moe_ff, layers = key("expert_feed_forward_length", required=True), key("block_count", required=True)
+    ctx = key("context_length", 2048)
+    scaling = None
+    if key("rope.scaling.type") == "yarn":
+        mscale = (key("rope.scaling.yarn_log_multiplier") or 0.0) / 0.1
+        scaling = {"rope_type": "yarn", "factor": float(key("rope.scaling.factor", required=True)),
+                   "original_max_position_embeddings": key("rope.scaling.original_context_length", required=True),
+                   "mscale": mscale, "mscale_all_dim": mscale, "max_position_embeddings": ctx,
+                   "beta_fast": key("rope.scaling.yarn_beta_fast") or 32, "beta_slow": key("rope.scaling.yarn_beta_slow") or 1}
+    elif key("rope.scaling.type") not in (None, "none"):
+        raise ValueError(f"{str(path)!r}: rope scaling {key('rope.scaling.type')!r} for deepseek2 is not built "
+                         "(YaRN is).")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    return ModelConfig(
+        architecture=hf_arch, vocab_size=len(tokens) if tokens else key("vocab_size") or 0,
+        hidden_size=key("embedding_length", required=True), intermediate_size=key("feed_forward_length", required=True),
+        num_layers=layers, num_heads=heads, num_kv_heads=heads, head_dim=nope + P, rotary_dim=P,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)), rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=scaling, max_position_embeddings=ctx, kv_lora_rank=R, q_lora_rank=key("attention.q_lora_rank"),
+        qk_nope_head_dim=nope, qk_rope_head_dim=P, v_head_dim=v,
+        query_pre_attn_scalar=deepseek_attention_scalar(nope + P, scaling or {}, ctx),
+        num_experts=experts, num_experts_per_tok=used, moe_intermediate_size=moe_ff,
+        shared_expert_intermediate_size=(key("expert_shared_count") or 0) * moe_ff, shared_expert_gated=False,
+        routed_scaling_factor=float(key("expert_weights_scale") or 1.0),
+        topk_groups=(groups, key("expert_group_used_count", required=True)) if groups > 1 else None,
+        mlp_only_layers=tuple(range(min(key("leading_dense_block_count") or 0, layers))),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"))
 
 
 def _moe_config(cfg: ModelConfig, key, arch: str, defaults: dict) -> None:
@@ -242,6 +324,8 @@ def _plan_tensors(tensors: dict, cfg: ModelConfig, path) -> dict[str, str]:
             if not layer.isdigit() or int(layer) >= cfg.num_layers:
                 raise ValueError(f"tensor {name!r} names a layer beyond block_count {cfg.num_layers}.")
             plan[name] = f"model.layers.{layer}.{LAYER_TENSORS[suffix]}"
+            if not cfg.shared_expert_gated:            # DeepSeek-V2's ungated shared_experts.
+                plan[name] = plan[name].replace("mlp.shared_expert.", "mlp.shared_experts.")
         elif name != ROPE_FREQS:
             raise ValueError(f"{str(path)!r} holds tensor {name!r}, which kvserve's Llama-family "
                              "model has no place for; this GGUF variant is not supported.")
@@ -257,6 +341,10 @@ def _plan_tensors(tensors: dict, cfg: ModelConfig, path) -> dict[str, str]:
         cfg.attention_bias = "blk.0.attn_q.bias" in tensors
     required = ["token_embd.weight", "output_norm.weight"]
     per_layer = ["attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output"]
+    if cfg.kv_lora_rank:        # deepseek2: q (or q_a, its norm, q_b), kv_a + norm, kv_b (or k_b + v_b)
+        per_layer = ["attn_norm", "ffn_norm", "attn_output", "attn_kv_a_mqa", "attn_kv_a_norm",
+                     *(["attn_q_a", "attn_q_a_norm", "attn_q_b"] if cfg.q_lora_rank else ["attn_q"]),
+                     *(["attn_kv_b"] if "blk.0.attn_kv_b.weight" in tensors else ["attn_k_b", "attn_v_b"])]
     per_layer = [s + ".weight" for s in per_layer]
     dense_mlp = ["ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]
     if not cfg.num_experts:
@@ -305,7 +393,7 @@ def _moe_layers(tensors: dict, cfg: ModelConfig) -> list[str]:
     (expert_shared_feed_forward_length > 0) the shared expert; any other layer is dense."""
     need, dense = [], []
     moe = [s for s in MOE_TENSORS if "shexp" not in s]
-    shared = [s for s in MOE_TENSORS if "shexp" in s]
+    shared = [s for s in MOE_TENSORS if "shexp" in s and (cfg.shared_expert_gated or "gate_inp" not in s)]
     for i in range(cfg.num_layers):
         if any(f"blk.{i}.{s}" in tensors for s in moe):
             need += [f"blk.{i}.{s}" for s in moe + (shared if cfg.shared_expert_intermediate_size else [])]
@@ -326,6 +414,8 @@ def _expected_shape(hf_name: str, cfg: ModelConfig) -> tuple[int, ...]:
     E, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     X, IX, S = cfg.num_experts, cfg.moe_intermediate_size or I, cfg.shared_expert_intermediate_size
     leaf = hf_name.split(".", 3)[-1] if hf_name.startswith("model.layers.") else hf_name
+    if cfg.kv_lora_rank and leaf.startswith(("self_attn.", "mlp.shared_experts.")):
+        return _mla_shape(leaf, cfg)
     if cfg.qk_norm_full and leaf in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
         return (H,) if "q_norm" in leaf else (KV,)     # OLMoE: q and k norms over all heads' width
     return {
@@ -340,6 +430,21 @@ def _expected_shape(hf_name: str, cfg: ModelConfig) -> tuple[int, ...]:
         "mlp.experts.down_proj": (X, E, IX), "mlp.shared_expert.gate_proj.weight": (S, E),
         "mlp.shared_expert.up_proj.weight": (S, E), "mlp.shared_expert.down_proj.weight": (E, S),
         "mlp.shared_expert_gate.weight": (1, E),
+    }[leaf]
+
+
+def _mla_shape(leaf: str, cfg: ModelConfig) -> tuple[int, ...]:
+    """deepseek2's attention and shared-expert tensors, torch order."""
+    E, H, R, P, S = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.shared_expert_intermediate_size
+    nope, v, qr = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.q_lora_rank
+    return {
+        "self_attn.q_proj.weight": (H * (nope + P), E), "self_attn.q_a_proj.weight": (qr, E),
+        "self_attn.q_a_layernorm.weight": (qr,), "self_attn.q_b_proj.weight": (H * (nope + P), qr),
+        "self_attn.kv_a_proj_with_mqa.weight": (R + P, E), "self_attn.kv_a_layernorm.weight": (R,),
+        "self_attn.kv_b_proj.weight": (H * (nope + v), R), "self_attn.k_b_proj.weight": (H, R, nope),
+        "self_attn.v_b_proj.weight": (H, v, R), "self_attn.o_proj.weight": (E, H * v),
+        "mlp.shared_experts.gate_proj.weight": (S, E), "mlp.shared_experts.up_proj.weight": (S, E),
+        "mlp.shared_experts.down_proj.weight": (E, S),
     }[leaf]
 
 
