@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
+from kvserve.attention.mla import MlaAttention
 from kvserve.attention.torch_paged import TorchPagedAttention
 from kvserve.pooling.rule import read_rule
 from kvserve.worker.build import build_model, load_and_resolve
@@ -27,6 +28,14 @@ class PromptAttention(TorchPagedAttention):
         return self._prefill(q, k, v, None, None, meta)
 
 
+class PromptMlaAttention(MlaAttention):
+    """The same for multi-head latent attention (DeepSeek-V2): each prompt's own latents expanded."""
+
+    def forward(self, q_nope, q_pe, latent, k_pe, latent_cache, pe_cache, meta: AttentionMetadata,
+                kv_b: torch.Tensor) -> torch.Tensor:
+        return self._prefill(q_nope, q_pe, latent, k_pe, None, None, meta, kv_b)
+
+
 class DecoderEmbedder:
     """embed(prompts) -> [B, hidden] float32, on the CPU."""
 
@@ -38,8 +47,8 @@ class DecoderEmbedder:
         r, loaded = load_and_resolve(config)      # the file is read once
         self.device = torch.device(r.model.device)
         self.max_model_len = r.model.max_model_len
-        built = build_model(r.model, r.cache.block_size, "auto", self.device, attention=PromptAttention,
-                            loaded=loaded)
+        attention = PromptMlaAttention if loaded[0].kv_lora_rank else PromptAttention
+        built = build_model(r.model, r.cache.block_size, "auto", self.device, attention=attention, loaded=loaded)
         del loaded
         self.model, self.tokenizer, cfg = built.model, built.tokenizer, built.config
         self.no_cache = [(None, None)] * cfg.num_layers

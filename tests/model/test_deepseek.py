@@ -268,3 +268,22 @@ def test_yarn_rope_on_a_llama_matches_transformers(tmp_path):
     ref_tokens, ref_lps = hf_greedy(str(tmp_path), prompt, 8)
     assert got.token_ids == ref_tokens
     assert max(abs(lp[t].logprob - r) for lp, t, r in zip(got.logprobs, got.token_ids, ref_lps)) < 1e-4
+
+
+def test_embeddings_of_a_deepseek_model_equal_transformers(ds_dir):
+    """--task embed on an MLA model: each prompt's last hidden state (after the final norm),
+    normalized, equals transformers' (a packed batch of different lengths, no cache)."""
+    from transformers import AutoModelForCausalLM
+
+    from kvserve.config import EngineConfig
+    from kvserve.pooling.models import load_embedding_model
+
+    model_dir = str(ds_dir("v2"))
+    model = load_embedding_model(EngineConfig(model=model_dir, dtype="float32"))
+    prompts = prompts_for(21)
+    got = model.embed(prompts)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.stack([torch.nn.functional.normalize(
+            hf.model(torch.tensor([p])).last_hidden_state[0, -1], dim=0) for p in prompts])
+    assert (got - ref).abs().max() < 1e-4
