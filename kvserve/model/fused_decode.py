@@ -4,8 +4,9 @@ kvserve/kernels), instead of ~220 eager ATen calls a layer.
 
 Chosen once at load: the model must be float32 on the CPU, without tensor parallelism, with an
 unquantized KV cache, head dims and GQA ratios the attention kernel holds, and linear weights the
-kernels read (float32 tensors, int4, int8, GGUF Q8_0), dense MLPs (no mixture of experts:
-kvserve/model/moe_models.py), per-head q/k norms and no clip_qkv. Anything else runs the
+kernels read (float32 tensors, int4, int8, GGUF Q8_0), dense MLPs or mixtures of experts
+(kvserve/model/moe_models.py: softmax top-k routing, a shared expert; the router and its
+scale go to the kernel, which reads only the chosen experts), per-head q/k norms and no clip_qkv. Anything else runs the
 layer-by-layer torch path, with one log line naming why. A step with prefill chunks always takes
 the torch path (its decode rows still reach the fused attention and GEMV ops there).
 """
@@ -39,34 +40,70 @@ def _or_empty(t):
     return EMPTY if t is None else t
 
 
+def _layer_pack(layer) -> tuple[list, list[int], set[int]] | None:
+    """One layer's tensors and spec ints as csrc/layers.cpp reads them (its header comment), and
+    the formats of its linear weights; None when a weight is in a format the kernels do not read.
+    A mixture-of-experts layer (moe_models.MoeLayer) adds its router, routing scale, experts and
+    shared expert after the 17 tensors, its gate_up / down slots left empty."""
+    moe = not layer.dense_mlp
+    lins = [linear_spec(w) for w in (layer.qkv, layer.o)]
+    lins += [(DENSE, 0, EMPTY, EMPTY, EMPTY)] * 2 if moe else [linear_spec(layer.gate_up), linear_spec(layer.down)]
+    tensors = [layer.input_norm, layer.post_norm,
+               *[EMPTY if t is None else t for t in (layer.qkv_bias, layer.q_norm, layer.k_norm)]]
+    spec: list[int] = []
+    shared = 0
+    if moe:
+        experts = [w for e in range(len(layer.experts_gate_up)) for w in (layer.experts_gate_up[e], layer.experts_down[e])]
+        if layer.shared_gate_up is not None:
+            shared = 2 if layer.shared_gate is not None else 1
+            experts += [layer.shared_gate_up, layer.shared_down]
+        extra = [linear_spec(w) for w in experts]
+        if any(x is None for x in extra):
+            return None
+    if any(x is None for x in lins):
+        return None
+    for fmt, group, a, b, c in lins:
+        tensors += [a, b, c]
+        spec += [fmt, group]
+    spec += [len(layer.experts_gate_up), layer.top_k, int(layer.renormalize), shared] if moe else [0, 0, 0, 0]
+    formats = {x[0] for x in lins[:2 if moe else 4]}
+    if moe:
+        tensors += [layer.router.contiguous(), torch.tensor([float(layer.route_scale)])]
+        for fmt, group, a, b, c in extra:
+            tensors += [a, b, c]
+            spec += [fmt, group]
+            formats.add(fmt)
+        if shared == 2:
+            tensors.append(layer.shared_gate.contiguous())
+    return tensors, spec, formats
+
+
 class FusedDecode:
     """The flat weight list and spec `decode_layers` reads, built once from a LlamaModel."""
 
-    def __init__(self, model, weights: list[torch.Tensor], spec: list[int]):
+    def __init__(self, model, weights: list[torch.Tensor], spec: list[int], formats: set[int]):
         self.model, self.weights, self.spec = model, weights, spec
         # quantized weights: only steps kvserve's GEMVs take (kernels.KERNEL_ROWS); torch's
         # kernels run bigger batches faster, layer by layer
-        self.max_rows = MAX_ROWS if set(spec[0::2]) == {DENSE} else kernels.KERNEL_ROWS
+        self.max_rows = MAX_ROWS if formats == {DENSE} else kernels.KERNEL_ROWS
 
     @classmethod
     def build(cls, model) -> "FusedDecode | None":
         why = cls._why_not(model)
         if why is None:
-            weights, spec = [], []
+            weights, spec, formats = [], [], set()
             for layer in model.layers:
-                lins = [linear_spec(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-                if any(s is None for s in lins):
+                packed = _layer_pack(layer)
+                if packed is None:
                     why = "a linear weight format the kernels do not read"
                     break
-                weights += [layer.input_norm, layer.post_norm,
-                            *[EMPTY if t is None else t for t in (layer.qkv_bias, layer.q_norm, layer.k_norm)]]
-                for fmt, group, a, b, c in lins:
-                    weights += [a, b, c]
-                    spec += [fmt, group]
+                weights += packed[0]
+                spec += packed[1]
+                formats |= packed[2]
         if why is not None:
             logger.info("fused decode step off (%s): decode steps run layer by layer in torch", why)
             return None
-        fused = cls(model, weights, spec)
+        fused = cls(model, weights, spec, formats)
         logger.info("fused decode step on: pure-decode steps of up to %d rows run every layer in one "
                     "kernel call (%s)", fused.max_rows, kernels.isa())
         return fused
@@ -91,8 +128,9 @@ class FusedDecode:
             return f"{cfg.num_heads} query heads on {cfg.num_kv_heads} KV heads of dim {cfg.head_dim}"
         if cfg.head_dim % 2:
             return f"odd head dim {cfg.head_dim}"
-        if not all(layer.dense_mlp for layer in model.layers):
-            return "mixture-of-experts layers (the kernels run a dense MLP)"
+        moe = [layer for layer in model.layers if not layer.dense_mlp]
+        if any(layer.route_groups is not None for layer in moe):
+            return "group-limited expert routing (the kernels route greedily)"
         if cfg.qk_norm_full or cfg.clip_qkv is not None:
             return "q/k norms over the full width or clip_qkv (the kernels norm each head, unclipped)"
         return None

@@ -12,8 +12,8 @@ A checkpoint stores the experts per expert (`experts.{e}.gate_proj.weight`, Mixt
 `moe.check_expert_tensors` has refused a checkpoint whose experts do not match its config before
 the model is built (loaders/checkpoint.py). Each expert is one fused gate/up and one down linear
 weight, built like a dense MLP's, so `quantization` (int8 / int4) quantizes every expert; the
-router and the shared expert's gate stay in the model dtype. The fused CPU decode step runs dense
-MLPs only (fused_decode.py turns itself off here); tensor parallelism splits the
+router and the shared expert's gate stay in the model dtype. The fused CPU decode step
+(fused_decode.py, csrc/layers.cpp) runs these layers too, routing in the kernel; tensor parallelism splits the
 model by experts (`--enable-expert-parallel`, model/sharding.py): a rank builds its own experts,
 the others' entries are None, and its MLP output is a partial sum the all-reduce completes.
 """

@@ -1,7 +1,8 @@
 """The fused decode step (kvserve/model/fused_decode.py: every layer of a pure-decode step in one
 torch.ops.kvserve.decode_layers call) against the layer-by-layer path on the same weights:
 greedy tokens equal and logprobs within 1e-4 in float32 (Llama, Llama 3's tied embeddings and
-RoPE scaling, Qwen2's qkv bias, Qwen3's per-head q/k norm, Mistral's sliding window), and with
+RoPE scaling, Qwen2's qkv bias, Qwen3's per-head q/k norm, Mistral's sliding window, mixtures
+of experts: Mixtral, Qwen2-MoE's shared expert, a dense layer among MoE ones), and with
 int8 and int4 weights (int4 within 1e-3); a step with prefill chunks never takes it; a model it
 refuses logs why and runs layer by layer."""
 from __future__ import annotations
@@ -78,6 +79,49 @@ def test_fused_step_equals_layer_by_layer(arch, random_model_dir):
     fused, layered, steps = fused_and_layered(random_model_dir(arch), prompts_for(1, 5), block_size=8)
     assert_same(fused, layered, LOGPROB_TOL)
     assert sum(f for _, _, f in steps) >= MAX_TOKENS - 1     # every decode step of the batch was fused
+
+
+@pytest.fixture(scope="module")
+def moe_model_dir(tmp_path_factory):
+    from tests.model.test_moe_models import build_moe_model
+
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = build_moe_model(name, tmp_path_factory.mktemp(name))
+        return cache[name]
+    return get
+
+
+@pytest.mark.parametrize("name,quantization,tol", [
+    ("mixtral", None, LOGPROB_TOL),                # top-2 renormalised
+    ("qwen2_moe", None, LOGPROB_TOL),              # not renormalised, a sigmoid-gated shared expert
+    ("qwen3_moe_mixed", None, LOGPROB_TOL),        # a dense layer between MoE ones
+    ("mixtral", "int8", LOGPROB_TOL),
+    ("qwen3_moe_mixed", "int4", INT4_LOGPROB_TOL),
+])
+def test_fused_step_with_experts(name, quantization, tol, moe_model_dir):
+    """Mixture-of-experts layers in the fused step (routing, the chosen experts, the shared expert
+    in the kernel) against the layer-by-layer torch path (kvserve/model/moe.py)."""
+    kw = dict(dtype="float32", block_size=8, quantization=quantization)
+    if quantization:
+        kw["max_num_seqs"] = 3                     # steps the quantized fused path takes
+    fused, layered, steps = fused_and_layered(moe_model_dir(name), prompts_for(4, 5 if not quantization else 3), **kw)
+    assert_same(fused, layered, tol)
+    assert sum(f for _, _, f in steps) >= MAX_TOKENS - 1
+
+
+def test_fused_moe_refuses_a_spec_without_its_experts(moe_model_dir):
+    """decode_layers checks the experts' tensors and spec ints it is given against the header."""
+    llm = LLM(str(moe_model_dir("mixtral")), dtype="float32")
+    fused = llm.engine.model.fused
+    with pytest.raises(RuntimeError, match="lacks its experts' tensors|decode_layers got"):
+        torch.ops.kvserve.decode_layers(torch.zeros(1, 64), fused.weights[:-3], fused.spec[:-2],
+                                        llm.engine.model.rope_cos, llm.engine.model.rope_sin, torch.zeros(1, dtype=torch.long),
+                                        [k for k, _ in llm.engine.runner.kv_caches], [v for _, v in llm.engine.runner.kv_caches],
+                                        torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long),
+                                        torch.zeros(1, dtype=torch.long) + 8, 4, 2, 1e-5, 0.25, 0)
 
 
 @pytest.fixture(scope="module")

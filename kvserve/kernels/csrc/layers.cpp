@@ -2,8 +2,13 @@
 // per layer add + RMSNorm, the QKV GEMV (+ bias, + Qwen3's per-head q/k norm), RoPE, the KV
 // cache write, paged decode attention, the output GEMV, add + RMSNorm, gate_up GEMV, SwiGLU and
 // the down GEMV, with no Python between them and scratch buffers allocated once per step.
+// A mixture-of-experts layer's MLP instead: the router GEMV, softmax, top-k (renormalised or
+// not, times a scale), each chosen expert's gate_up / SwiGLU / down on the rows that chose it
+// (only those experts' weights are read), weighted and summed in expert order, plus a shared
+// expert (sigmoid-gated or not) -- kvserve/model/moe.py's rules.
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -11,8 +16,78 @@
 
 namespace kvk {
 
-constexpr int TENSORS_PER_LAYER = 17;   // in_norm, post_norm, qkv_bias, q_norm, k_norm, 4 x (a, b, c)
-constexpr int SPEC_PER_LAYER = 8;       // 4 x (format, group)
+// Per layer (kvserve/model/fused_decode.py packs them): 17 tensors -- in_norm, post_norm,
+// qkv_bias, q_norm, k_norm, 4 x (a, b, c) for qkv, o, gate_up, down -- and 12 spec ints --
+// 4 x (format, group), then E (0: a dense MLP), top_k, renormalise, shared (0 none, 1 ungated,
+// 2 sigmoid-gated). With E > 0 the gate_up / down slots are empty and there follow: the router
+// [E, hidden] float32, the scale [1] float32, per expert (a, b, c) x (gate_up, down) with
+// (format, group) x 2 in the spec, then for a shared expert (a, b, c) x 2 (+ its gate [1, hidden]).
+constexpr int TENSORS_PER_LAYER = 17;
+constexpr int SPEC_PER_LAYER = 12;
+
+struct Moe {
+  int E = 0, top_k = 0, shared = 0;
+  bool renorm = false;
+  float scale = 1.0f;
+  Linear router, shared_gu, shared_down;
+  const float* shared_gate = nullptr;
+  std::vector<Linear> gate_up, down;
+};
+
+// The MoE MLP of B rows: h [B, hidden] -> out [B, hidden]; scratch: logits [B * E], rows /
+// y [B * hidden], gu / act [B * widest], xp [B * widest].
+static void moe_mlp(const float* h, int B, int hidden, const Moe& m, float* out, float* logits, float* rows,
+                    float* y, float* gu, float* act, float* xp) {
+  linear_into(h, B, m.router, logits, xp);
+  std::vector<std::vector<std::pair<int, float>>> chosen((size_t)m.E);   // expert -> (row, weight)
+  std::vector<int> order((size_t)m.E);
+  for (int b = 0; b < B; ++b) {
+    float* p = logits + (size_t)b * m.E;
+    const float top = *std::max_element(p, p + m.E);
+    float sum = 0.0f;
+    for (int e = 0; e < m.E; ++e) sum += (p[e] = std::exp(p[e] - top));
+    for (int e = 0; e < m.E; ++e) p[e] /= sum;
+    for (int e = 0; e < m.E; ++e) order[e] = e;
+    std::partial_sort(order.begin(), order.begin() + m.top_k, order.end(),
+                      [p](int i, int j) { return p[i] > p[j] || (p[i] == p[j] && i < j); });
+    float kept = 0.0f;
+    for (int k = 0; k < m.top_k; ++k) kept += p[order[k]];
+    for (int k = 0; k < m.top_k; ++k) {
+      float w = m.renorm ? p[order[k]] / kept : p[order[k]];
+      chosen[order[k]].push_back({b, w * m.scale});
+    }
+  }
+  std::fill(out, out + (size_t)B * hidden, 0.0f);
+  for (int e = 0; e < m.E; ++e) {
+    const auto& rs = chosen[e];
+    const int n = (int)rs.size();
+    if (n == 0) continue;
+    for (int i = 0; i < n; ++i) std::copy(h + (size_t)rs[i].first * hidden, h + (size_t)(rs[i].first + 1) * hidden,
+                                          rows + (size_t)i * hidden);
+    linear_into(rows, n, m.gate_up[e], gu, xp);
+    isa().silu_mul(gu, n, m.gate_up[e].N / 2, act);
+    linear_into(act, n, m.down[e], y, xp);
+    for (int i = 0; i < n; ++i) {
+      float* o = out + (size_t)rs[i].first * hidden;
+      const float* yi = y + (size_t)i * hidden;
+      for (int j = 0; j < hidden; ++j) o[j] += yi[j] * rs[i].second;
+    }
+  }
+  if (m.shared) {
+    linear_into(h, B, m.shared_gu, gu, xp);
+    isa().silu_mul(gu, B, m.shared_gu.N / 2, act);
+    linear_into(act, B, m.shared_down, y, xp);
+    for (int b = 0; b < B; ++b) {
+      float g = 1.0f;
+      if (m.shared_gate) {
+        float dot = 0.0f;
+        for (int j = 0; j < hidden; ++j) dot += h[(size_t)b * hidden + j] * m.shared_gate[j];
+        g = 1.0f / (1.0f + std::exp(-dot));
+      }
+      for (int j = 0; j < hidden; ++j) out[(size_t)b * hidden + j] += g * y[(size_t)b * hidden + j];
+    }
+  }
+}
 
 // x += delta (if any); out = x / sqrt(mean(x^2) + eps) * w, one row of `n`.
 static void add_rms_norm(float* x, const float* delta, const float* w, float eps, int n, float* out) {
@@ -42,9 +117,6 @@ static void decode_layers(at::Tensor x, at::TensorList weights, at::IntArrayRef 
                           int64_t num_kv_heads, double eps, double scale, int64_t window) {
   const int L = (int)k_caches.size();
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "kvserve: x is float32 [B, hidden]");
-  TORCH_CHECK((int)weights.size() == L * TENSORS_PER_LAYER && (int)spec.size() == L * SPEC_PER_LAYER &&
-                  (int)v_caches.size() == L, "kvserve: decode_layers takes ", TENSORS_PER_LAYER,
-              " tensors and ", SPEC_PER_LAYER, " spec ints per layer");
   TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
                   context_lens.scalar_type() == at::kLong, "kvserve: positions, slots and lengths are int64");
   const int B = (int)x.size(0), hidden = (int)x.size(1), H = (int)num_heads, KV = (int)num_kv_heads;
@@ -66,24 +138,78 @@ static void decode_layers(at::Tensor x, at::TensorList weights, at::IntArrayRef 
                 "kvserve: decode_layers takes float32 caches of one shape");
 
   std::vector<Linear> lin((size_t)L * 4);
-  int widest = hidden;
-  for (int l = 0; l < L; ++l)
-    for (int j = 0; j < 4; ++j) {
-      const int64_t* s = spec.data() + l * SPEC_PER_LAYER + 2 * j;
-      const at::Tensor* abc = &weights[l * TENSORS_PER_LAYER + 5 + 3 * j];
-      lin[(size_t)l * 4 + j] = make_linear(s[0], abc[0], abc[1], abc[2], s[1]);
+  std::vector<Moe> moe((size_t)L);
+  std::vector<size_t> first((size_t)L);      // each layer's first tensor
+  int widest = hidden, most_experts = 0;
+  size_t ti = 0, si = 0;
+  for (int l = 0; l < L; ++l) {
+    TORCH_CHECK(ti + TENSORS_PER_LAYER <= weights.size() && si + SPEC_PER_LAYER <= spec.size(),
+                "kvserve: decode_layers takes ", TENSORS_PER_LAYER, " tensors and ", SPEC_PER_LAYER,
+                " spec ints per layer, and its experts'");
+    first[l] = ti;
+    const int64_t* s = spec.data() + si;
+    Moe& m = moe[l];
+    m.E = (int)s[8];
+    m.top_k = (int)s[9];
+    m.renorm = s[10] != 0;
+    m.shared = (int)s[11];
+    for (int j = 0; j < (m.E ? 2 : 4); ++j) {
+      const at::Tensor* abc = &weights[ti + 5 + 3 * j];
+      lin[(size_t)l * 4 + j] = make_linear(s[2 * j], abc[0], abc[1], abc[2], s[2 * j + 1]);
       widest = std::max({widest, lin[(size_t)l * 4 + j].K, lin[(size_t)l * 4 + j].N});
     }
-  TORCH_CHECK(lin[0].N == qkv_n && lin[1].N == hidden && lin[3].N == hidden, "kvserve: layer shapes disagree");
+    ti += TENSORS_PER_LAYER;
+    si += SPEC_PER_LAYER;
+    if (m.E == 0) continue;
+    TORCH_CHECK(m.E > 0 && 1 <= m.top_k && m.top_k <= m.E && m.shared >= 0 && m.shared <= 2,
+                "kvserve: a layer of ", m.E, " experts, top ", m.top_k, ", shared kind ", m.shared);
+    const size_t need_t = 2 + 6 * (size_t)m.E + (m.shared ? 6 + (m.shared == 2) : 0);
+    const size_t need_s = 4 * (size_t)m.E + (m.shared ? 4 : 0);
+    TORCH_CHECK(ti + need_t <= weights.size() && si + need_s <= spec.size(), "kvserve: layer ", l,
+                " lacks its experts' tensors or spec ints");
+    m.router = make_linear(DENSE, weights[ti], at::Tensor(), at::Tensor(), 0);
+    TORCH_CHECK(m.router.N == m.E && m.router.K == hidden && weights[ti + 1].scalar_type() == at::kFloat &&
+                    weights[ti + 1].numel() == 1, "kvserve: the router is float32 [E, hidden], its scale [1]");
+    m.scale = weights[ti + 1].data_ptr<float>()[0];
+    ti += 2;
+    auto next = [&](void) {
+      const Linear w = make_linear(spec[si], weights[ti], weights[ti + 1], weights[ti + 2], spec[si + 1]);
+      ti += 3;
+      si += 2;
+      widest = std::max({widest, w.K, w.N});
+      return w;
+    };
+    for (int e = 0; e < m.E; ++e) {
+      m.gate_up.push_back(next());
+      m.down.push_back(next());
+      TORCH_CHECK(m.gate_up[e].K == hidden && m.down[e].N == hidden && m.down[e].K * 2 == m.gate_up[e].N,
+                  "kvserve: expert ", e, " of layer ", l, " has shapes that disagree");
+    }
+    if (m.shared) {
+      m.shared_gu = next();
+      m.shared_down = next();
+      if (m.shared == 2) {
+        TORCH_CHECK(weights[ti].scalar_type() == at::kFloat && weights[ti].numel() == hidden,
+                    "kvserve: the shared expert's gate is float32 [1, hidden]");
+        m.shared_gate = weights[ti].data_ptr<float>();
+        ti += 1;
+      }
+    }
+    most_experts = std::max(most_experts, m.E);
+  }
+  TORCH_CHECK(ti == weights.size() && si == spec.size(), "kvserve: decode_layers got ", weights.size(),
+              " tensors and ", spec.size(), " spec ints; its layers take ", ti, " and ", si);
+  TORCH_CHECK(lin[0].N == qkv_n && lin[1].N == hidden && (moe[0].E || lin[3].N == hidden),
+              "kvserve: layer shapes disagree");
   std::vector<float> h((size_t)B * widest), qkv((size_t)B * qkv_n), q((size_t)B * H * D), attn((size_t)B * H * D),
       o((size_t)B * hidden), gu((size_t)B * widest), act((size_t)B * widest), down((size_t)B * hidden),
-      xp((size_t)B * widest);
+      xp((size_t)B * widest), logits((size_t)B * most_experts), rows((size_t)B * hidden), y((size_t)B * hidden);
   float* xs = x.data_ptr<float>();
   const float* delta = nullptr;
   const float* cos = rope_cos.data_ptr<float>();
   const float* sin = rope_sin.data_ptr<float>();
   for (int l = 0; l < L; ++l) {
-    const at::Tensor* t = &weights[l * TENSORS_PER_LAYER];
+    const at::Tensor* t = &weights[first[l]];
     const Linear* w = &lin[(size_t)l * 4];
     const float* in_norm = t[0].data_ptr<float>();
     for (int b = 0; b < B; ++b)
@@ -119,9 +245,14 @@ static void decode_layers(at::Tensor x, at::TensorList weights, at::IntArrayRef 
     for (int b = 0; b < B; ++b)
       add_rms_norm(xs + (size_t)b * hidden, o.data() + (size_t)b * hidden, post_norm, (float)eps, hidden,
                    h.data() + (size_t)b * hidden);
-    linear_into(h.data(), B, w[2], gu.data(), xp.data());
-    isa().silu_mul(gu.data(), B, w[2].N / 2, act.data());
-    linear_into(act.data(), B, w[3], down.data(), xp.data());
+    if (moe[l].E) {
+      moe_mlp(h.data(), B, hidden, moe[l], down.data(), logits.data(), rows.data(), y.data(), gu.data(), act.data(),
+              xp.data());
+    } else {
+      linear_into(h.data(), B, w[2], gu.data(), xp.data());
+      isa().silu_mul(gu.data(), B, w[2].N / 2, act.data());
+      linear_into(act.data(), B, w[3], down.data(), xp.data());
+    }
     delta = down.data();
   }
   for (size_t i = 0; i < (size_t)B * hidden; ++i) xs[i] += delta[i];
