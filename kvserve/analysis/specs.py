@@ -258,11 +258,18 @@ MODELS["deepseek-v2-lite"] = model_from_hf_config(dict(
     num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, vocab_size=102400, kv_lora_rank=512,
     q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=64,
     n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1), "DeepSeek-V2-Lite")
+# DeepSeek-V3's (and R1's) config.json shape: 671B parameters, 37B active (DeepSeek's figures; the
+# multi-token-prediction layer's 14B are not counted, kvserve does not run it).
+MODELS["deepseek-v3"] = model_from_hf_config(dict(
+    model_type="deepseek_v3", hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+    num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, vocab_size=129280, kv_lora_rank=512,
+    q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=256,
+    n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=3), "DeepSeek-V3")
 
 
 def get_model(name: str | ModelSpec) -> ModelSpec:
     """A preset by name ('llama-3.1-8b', 'llama-3.1-70b', 'llama-13b', 'qwen3-0.6b', 'mixtral-8x7b',
-    'qwen3-30b-a3b', 'deepseek-v2-lite'), or a path to a
+    'qwen3-30b-a3b', 'deepseek-v2-lite', 'deepseek-v3'), or a path to a
     config.json / model directory."""
     if isinstance(name, ModelSpec):
         return name

@@ -36,7 +36,8 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0      # Qwen2-MoE: an always-on, sigmoid-gated expert
     shared_expert_gated: bool = True              # (DeepSeek-V2: shared_experts, summed ungated)
     routed_scaling_factor: float = 1.0            # DeepSeek-V2: the top-k router weights times this
-    topk_groups: tuple[int, int] | None = None    # DeepSeek-V2 group_limited_greedy: (n_group, topk_group)
+    topk_groups: tuple[int, int] | None = None    # DeepSeek: (n_group, topk_group) expert groups
+    router_scoring: str = "softmax"               # DeepSeek-V3: "sigmoid", with a selection bias
     decoder_sparse_step: int = 1                  # layer i is MoE if (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()         # ... and i is not listed here (dense MLP)
     sliding_window: int | None = None
@@ -57,6 +58,7 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0      # the RoPE'd key part, shared by every head, cached beside the latent
     v_head_dim: int = 0
+    rope_interleave: bool = True   # DeepSeek rotates adjacent pairs (V3 may say false: rotate-half)
 
     def kv_cache_rows(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """(heads, width) of the two per-token rows each layer caches: K and V (num_kv_heads of

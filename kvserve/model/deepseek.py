@@ -1,5 +1,6 @@
-"""DeepSeek-V2 / V2-Lite (DeepseekV2ForCausalLM): multi-head latent attention (MLA) and a mixture
-of routed and shared experts, exact against transformers' DeepseekV2.
+"""DeepSeek-V2 / V2-Lite (DeepseekV2ForCausalLM) and DeepSeek-V3 (DeepseekV3ForCausalLM, also R1
+and the models built on it): multi-head latent attention (MLA) and a mixture of routed and shared
+experts, exact against transformers' DeepseekV2 / DeepseekV3.
 
 Attention per layer (shapes for T tokens, H heads):
     q      = x W_Q (V2-Lite) or RMSNorm(x W_QA) W_QB       [T, H, nope + P] -> q_nope, q_pe
@@ -8,8 +9,9 @@ Attention per layer (shapes for T tokens, H heads):
     out    = MLA(q_nope, q_pe, c, k_pe; kv_b_proj) W_O     kvserve/attention/mla.py caches c and
                                                            k_pe only and absorbs kv_b_proj on decode
 The MLP: the first first_k_dense_replace layers dense, the others the MoE block of
-moe_models.py (softmax router, top-k weights times routed_scaling_factor, "group_limited_greedy"
-keeping the best topk_group of n_group expert groups; n_shared_experts ungated experts summed in).
+moe_models.py (V2: softmax router, top-k weights times routed_scaling_factor, "group_limited_greedy"
+keeping the best topk_group of n_group expert groups; V3: sigmoid scores plus a selection bias,
+groups by their best two, renormalised; n_shared_experts ungated experts summed in).
 
 kv_b_proj stays a dense matrix in the model dtype (decode multiplies its per-head slices into the
 queries and outputs), so `quantization` quantizes every other linear weight. A GGUF file (llama.cpp's
@@ -22,7 +24,7 @@ import torch
 
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.model.config import ModelConfig
-from kvserve.model.layers import apply_rope_pairs, rms_norm
+from kvserve.model.layers import apply_rope, apply_rope_pairs, rms_norm
 from kvserve.model.moe_models import MoeLayer, MoeModel
 from kvserve.model.quant.formats import linear
 
@@ -67,8 +69,14 @@ class DeepseekV2Model(MoeModel):
         cfg = self.cfg
         H, nope, P, R, eps = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.rms_norm_eps
         T = x.shape[0]
-        cos = self.rope_cos[positions, :P // 2].to(self.dtype).unsqueeze(1)      # [T, 1, P/2]
-        sin = self.rope_sin[positions, P // 2:].to(self.dtype).unsqueeze(1)
+        if cfg.rope_interleave:               # adjacent pairs: [T, 1, P/2] angles
+            cos = self.rope_cos[positions, :P // 2].to(self.dtype).unsqueeze(1)
+            sin = self.rope_sin[positions, P // 2:].to(self.dtype).unsqueeze(1)
+            rope = apply_rope_pairs
+        else:                                 # V3 with rope_interleave false: rotate-half, [T, 1, P]
+            cos = self.rope_cos[positions].to(self.dtype).unsqueeze(1)
+            sin = self.rope_sin[positions].to(self.dtype).unsqueeze(1)
+            rope = apply_rope
         for i, (layer, (latent_cache, pe_cache)) in enumerate(zip(self.layers, kv_caches)):
             h = rms_norm(x, layer.input_norm, eps)
             if layer.q_a is not None:
@@ -79,8 +87,8 @@ class DeepseekV2Model(MoeModel):
             q_nope, q_pe = q.split([nope, P], dim=-1)
             latent, k_pe = linear(h, layer.kv_a).split([R, P], dim=-1)      # [T, R], [T, P]
             latent = rms_norm(latent, layer.kv_a_norm, eps)
-            q_pe = apply_rope_pairs(q_pe, cos, sin)                          # [T, H, P]
-            k_pe = apply_rope_pairs(k_pe.unsqueeze(1), cos, sin)             # [T, 1, P]
+            q_pe = rope(q_pe, cos, sin)                                      # [T, H, P]
+            k_pe = rope(k_pe.unsqueeze(1), cos, sin)                         # [T, 1, P]
             o = self.attn.forward(q_nope, q_pe, latent.unsqueeze(1), k_pe, latent_cache, pe_cache, meta,
                                   layer.kv_b)                                # [T, H, vd]
             if meta.kv_written is not None:

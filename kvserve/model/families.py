@@ -28,40 +28,52 @@ def config_fields(hf: dict) -> dict:
     """ModelConfig fields of a Phi-3 or Gemma config.json that the generic reading leaves out."""
     if _arch(hf).startswith("Gemma"):
         return _gemma_fields(hf)
-    if _arch(hf) == "DeepseekV2ForCausalLM":
+    if _arch(hf) in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
         return _deepseek_fields(hf)
     return _phi3_fields(hf)
 
 
 def _deepseek_fields(hf: dict) -> dict:
-    """DeepSeek-V2: multi-head latent attention (a query / key head is qk_nope_head_dim +
+    """DeepSeek-V2 (and V3, below): multi-head latent attention (a query / key head is qk_nope_head_dim +
     qk_rope_head_dim wide, a value head v_head_dim; each token caches kv_lora_rank +
     qk_rope_head_dim), n_routed_experts routed and n_shared_experts always-on ungated experts of
     moe_intermediate_size, the first first_k_dense_replace layers dense, the router's top-k
     weights not renormalised but times routed_scaling_factor, "greedy" or "group_limited_greedy".
+    V3: the router's sigmoid scores plus e_score_correction_bias choose the top k among the
+    topk_group best of n_group groups (each scored by its best two), weighted by the sigmoid scores,
+    renormalised (norm_topk_prob) and scaled; rope_interleave false rotates halves.
     Refused (ValueError naming the field): what transformers' DeepseekV2 does not run as DeepSeek's
     own code does (norm_topk_prob, moe_layer_freq != 1), attention biases, another top-k method."""
     nope, rope = hf.get("qk_nope_head_dim", 128), hf.get("qk_rope_head_dim", 64)
-    if hf.get("norm_topk_prob"):
+    v3 = _arch(hf) == "DeepseekV3ForCausalLM"
+    if hf.get("norm_topk_prob") and not v3:
         raise ValueError("DeepseekV2ForCausalLM with norm_topk_prob=true: DeepSeek's code renormalises the "
                          "top-k weights and transformers' does not; kvserve runs neither (set it false).")
     if (hf.get("moe_layer_freq") or 1) != 1:
-        raise ValueError(f"DeepseekV2ForCausalLM moe_layer_freq={hf['moe_layer_freq']}: kvserve runs every layer "
+        raise ValueError(f"{_arch(hf)} moe_layer_freq={hf['moe_layer_freq']}: kvserve runs every layer "
                          "from first_k_dense_replace on as experts (moe_layer_freq 1).")
     if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise ValueError("DeepseekV2ForCausalLM with attention_bias or mlp_bias is not built (no published "
-                         "DeepSeek-V2 has them).")
-    method = hf.get("topk_method") or "greedy"
-    if method not in ("greedy", "group_limited_greedy"):
-        raise ValueError(f"DeepseekV2ForCausalLM topk_method {method!r}: kvserve runs 'greedy' and "
-                         "'group_limited_greedy'.")
+        raise ValueError(f"{_arch(hf)} with attention_bias or mlp_bias is not built (no published "
+                         "DeepSeek-V2 / V3 has them).")
     experts = hf.get("n_routed_experts") or 0
     groups = None
-    if method == "group_limited_greedy":
-        groups = (int(hf["n_group"]), int(hf["topk_group"]))
-        if experts % groups[0] or not 1 <= groups[1] <= groups[0]:
-            raise ValueError(f"DeepseekV2ForCausalLM n_group={groups[0]}, topk_group={groups[1]} do not split "
-                             f"its {experts} experts (n_group must divide them, topk_group <= n_group).")
+    if v3:                        # sigmoid scores + e_score_correction_bias, groups by their best two
+        method, scoring = hf.get("topk_method") or "noaux_tc", hf.get("scoring_func") or "sigmoid"
+        if (method, scoring) != ("noaux_tc", "sigmoid"):
+            raise ValueError(f"DeepseekV3ForCausalLM topk_method {method!r} / scoring_func {scoring!r}: "
+                             "kvserve runs 'noaux_tc' with 'sigmoid' (as transformers does).")
+        if (hf.get("n_group") or 1) > 1:
+            groups = (int(hf["n_group"]), int(hf["topk_group"]))
+    else:
+        method = hf.get("topk_method") or "greedy"
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"DeepseekV2ForCausalLM topk_method {method!r}: kvserve runs 'greedy' and "
+                             "'group_limited_greedy'.")
+        if method == "group_limited_greedy":
+            groups = (int(hf["n_group"]), int(hf["topk_group"]))
+    if groups is not None and (experts % groups[0] or not 1 <= groups[1] <= groups[0]):
+        raise ValueError(f"{_arch(hf)} n_group={groups[0]}, topk_group={groups[1]} do not split "
+                         f"its {experts} experts (n_group must divide them, topk_group <= n_group).")
     moe = hf.get("moe_intermediate_size") or 1407
     first_dense = hf.get("first_k_dense_replace") or 0
     scaling = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
@@ -69,7 +81,9 @@ def _deepseek_fields(hf: dict) -> dict:
     return dict(head_dim=nope + rope, query_pre_attn_scalar=scalar, num_kv_heads=hf["num_attention_heads"], rotary_dim=rope,
                 kv_lora_rank=hf.get("kv_lora_rank", 512), q_lora_rank=hf.get("q_lora_rank"),
                 qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=hf.get("v_head_dim", 128),
-                num_experts=experts, moe_intermediate_size=moe, norm_topk_prob=False,
+                num_experts=experts, moe_intermediate_size=moe,
+                norm_topk_prob=bool(hf.get("norm_topk_prob", True)) if v3 else False,
+                router_scoring="sigmoid" if v3 else "softmax", rope_interleave=bool(hf.get("rope_interleave", True)),
                 shared_expert_intermediate_size=(hf.get("n_shared_experts") or 0) * moe,
                 shared_expert_gated=False, routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
                 topk_groups=groups, mlp_only_layers=tuple(range(min(first_dense, hf["num_hidden_layers"]))))

@@ -129,8 +129,8 @@ class FusedDecode:
         if cfg.head_dim % 2:
             return f"odd head dim {cfg.head_dim}"
         moe = [layer for layer in model.layers if not layer.dense_mlp]
-        if any(layer.route_groups is not None for layer in moe):
-            return "group-limited expert routing (the kernels route greedily)"
+        if any(layer.route_groups is not None or layer.route_scoring != "softmax" for layer in moe):
+            return "grouped or sigmoid expert routing (the kernels route by softmax over all experts)"
         if cfg.qk_norm_full or cfg.clip_qkv is not None:
             return "q/k norms over the full width or clip_qkv (the kernels norm each head, unclipped)"
         return None

@@ -28,15 +28,31 @@ _EXPERT = re.compile(r"^experts\.(\d+)\.(\w+)\.weight$")
 
 
 def route(h: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool, scale: float = 1.0,
-          groups: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          groups: tuple[int, int] | None = None, scoring: str = "softmax", bias: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """h [T, hidden], gate [E, hidden] -> (weights [T, k] float32, expert ids [T, k] int64).
-    DeepSeek-V2: `groups` (n_group, topk_group) keeps the experts of the topk_group groups whose
-    best expert scores highest ("group_limited_greedy"), `scale` (routed_scaling_factor)
-    multiplies the weights."""
-    probs = torch.softmax(F.linear(h, gate).float(), dim=-1)          # [T, E]
+    DeepSeek: `groups` (n_group, topk_group) keeps the experts of the topk_group best groups (V2's
+    "group_limited_greedy" scores a group by its best expert; V3, `scoring` "sigmoid", by its best
+    two), `scale` (routed_scaling_factor) multiplies the weights. V3 chooses the top k of
+    sigmoid(logits) + `bias` (e_score_correction_bias [E]) and weights them by the sigmoid alone."""
+    logits = F.linear(h, gate).float()                                # [T, E]
+    T, E = logits.shape
+    if scoring == "sigmoid":
+        scores = torch.sigmoid(logits)
+        choice = scores if bias is None else scores + bias.float()
+        if groups is not None:
+            n_group, topk_group = groups
+            best = choice.view(T, n_group, E // n_group).topk(2, dim=-1).values.sum(-1)        # [T, n_group]
+            keep = torch.zeros_like(best).scatter_(1, torch.topk(best, topk_group, dim=-1).indices, 1.0)
+            choice = choice.masked_fill(~keep.bool().repeat_interleave(E // n_group, dim=1), float("-inf"))
+        ids = torch.topk(choice, top_k, dim=-1).indices               # [T, k]
+        weights = scores.gather(1, ids)
+        if renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * scale, ids
+    probs = torch.softmax(logits, dim=-1)                             # [T, E]
     if groups is not None:
         n_group, topk_group = groups
-        T, E = probs.shape
         best = probs.view(T, n_group, E // n_group).amax(dim=-1)       # [T, n_group]
         keep = torch.zeros_like(best).scatter_(1, torch.topk(best, topk_group, dim=-1).indices, 1.0)
         probs = probs.masked_fill(~keep.bool().repeat_interleave(E // n_group, dim=1), 0.0)

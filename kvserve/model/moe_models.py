@@ -42,7 +42,9 @@ class MoeLayer(LlamaLayer):
         m = prefix + mlp
         self.router = w[m + "gate.weight"]                             # [E, hidden]
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.route_scale, self.route_groups = cfg.routed_scaling_factor, cfg.topk_groups   # DeepSeek-V2
+        self.route_scale, self.route_groups = cfg.routed_scaling_factor, cfg.topk_groups   # DeepSeek
+        self.route_scoring = cfg.router_scoring
+        self.route_bias = w.get(m + "gate.e_score_correction_bias")                         # V3: [E]
         if kind == "fused":
             gate_up, down = raw[m + "experts.gate_up_proj"], raw[m + "experts.down_proj"]
             self.experts_gate_up = [lin(f"{m}experts.{e}.gate_up_proj", [gate_up[e]]) for e in range(n)]
@@ -66,7 +68,7 @@ class MoeLayer(LlamaLayer):
         if self.dense_mlp:
             return super().mlp(h)
         weights, ids = route(h, self.router, self.top_k, self.renormalize, self.route_scale,
-                             self.route_groups)                                # [T, k] each
+                             self.route_groups, self.route_scoring, self.route_bias)   # [T, k] each
         out = experts_forward(h, weights, ids, self.experts_gate_up, self.experts_down)
         if self.shared_gate_up is not None:
             out = out + shared_expert_forward(h, self.shared_gate_up, self.shared_down, self.shared_gate)

@@ -64,6 +64,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "DeepseekV2ForCausalLM": Architecture("kvserve.model.deepseek:DeepseekV2Model", gguf="deepseek2", adapter=FAMILIES,
                                           experts=True,
                                           note="multi-head latent attention"),
+    "DeepseekV3ForCausalLM": Architecture("kvserve.model.deepseek:DeepseekV2Model", adapter=FAMILIES, experts=True,
+                                          note="multi-head latent attention, sigmoid router"),
 }
 
 

@@ -30,6 +30,11 @@ CONFIGS = {
                                                      "first_k_dense_replace": 1, "kv_lora_rank": 32,
                                                      "q_lora_rank": 48, "qk_nope_head_dim": 16,
                                                      "qk_rope_head_dim": 8, "v_head_dim": 12}),
+    "deepseek_v3": (transformers.DeepseekV3Config, {"n_routed_experts": 8, "num_experts_per_tok": 2,
+                                                     "moe_intermediate_size": 24, "n_shared_experts": 1,
+                                                     "first_k_dense_replace": 2, "kv_lora_rank": 32,
+                                                     "q_lora_rank": 48, "qk_nope_head_dim": 16, "n_group": 4,
+                                                     "topk_group": 2, "qk_rope_head_dim": 8, "v_head_dim": 12}),
     "deepseek_v2_lite": (transformers.DeepseekV2Config, {"n_routed_experts": 4, "num_experts_per_tok": 2,
                                                           "moe_intermediate_size": 24, "kv_lora_rank": 32,
                                                           "q_lora_rank": None, "qk_nope_head_dim": 16,
@@ -97,6 +102,8 @@ def test_moe_presets_match_published_counts():
     lite = MODELS["deepseek-v2-lite"]
     assert round(lite.n_params / 1e9, 1) == 15.7
     assert 2.4 <= (lite.n_act - lite.vocab_size * lite.d_model) / 1e9 < 2.5          # (DeepSeek rounds down)
+    v3 = MODELS["deepseek-v3"]                                   # 671B parameters, 37B active
+    assert round(v3.n_params / 1e9) == 671 and round((v3.n_act - v3.vocab_size * v3.d_model) / 1e9) == 37
 
 
 def test_plan_kv_reports_the_mla_saving(capsys):

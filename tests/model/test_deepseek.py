@@ -1,7 +1,9 @@
-"""DeepSeek-V2 (kvserve/model/deepseek.py, multi-head latent attention: kvserve/attention/mla.py)
-against transformers' DeepseekV2: tiny random checkpoints saved with save_pretrained -- one V2-shaped
-(q_lora_rank, YaRN with mscale_all_dim, greedy routing times routed_scaling_factor, a dense first
-layer), one V2-Lite-shaped (q_proj, group_limited_greedy, two shared experts) -- give kvserve's
+"""DeepSeek-V2 / V3 (kvserve/model/deepseek.py, multi-head latent attention: kvserve/attention/mla.py)
+against transformers' DeepseekV2 / DeepseekV3: tiny random checkpoints saved with save_pretrained --
+one V2-shaped (q_lora_rank, YaRN with mscale_all_dim, greedy routing times routed_scaling_factor, a
+dense first layer), one V2-Lite-shaped (q_proj, group_limited_greedy, two shared experts), two V3
+(sigmoid router with a selection bias, groups by their best two, renormalised; one rotating halves:
+rope_interleave false) -- give kvserve's
 greedy tokens equal to transformers' and logprobs within 1e-4 (float32) with the default engine,
 tiny blocks with chunked prefill (mixed decode + prefill steps), prefix caching, preemption by
 recompute and by swap, speculative decoding with an int8 draft, and beam search equal to the
@@ -45,6 +47,11 @@ MODELS = {
                     rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                                      "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 10000.0,
                                      "beta_fast": 32, "beta_slow": 1}),
+    # DeepSeek-V3: sigmoid router + selection bias, groups by their best two, renormalised, scaled
+    "v3": dict(q_lora_rank=48, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=4,
+               topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5),
+    "v3_halves": dict(q_lora_rank=None, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1, n_group=2,
+                      topk_group=1, norm_topk_prob=False, rope_interleave=False),
     "v2_lite": dict(q_lora_rank=None, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=2,
                     topk_method="group_limited_greedy", n_group=4, topk_group=2),
 }
@@ -63,13 +70,17 @@ def build_deepseek(name: str, out_dir, seed: int = 0):
     """A tiny random DeepSeek-V2 checkpoint of `name` (MODELS), norm weights perturbed off 1."""
     import transformers as tf
 
-    cfg = tf.DeepseekV2Config(**{**COMMON, **MODELS[name]})
+    config_class = tf.DeepseekV3Config if name.startswith("v3") else tf.DeepseekV2Config
+    cfg = config_class(**{**COMMON, **MODELS[name]})
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith("norm.weight"):
                 p.add_(0.2 * torch.randn_like(p))
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):     # V3's selection bias (zeros at init)
+                b.copy_(0.05 * torch.randn_like(b))
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
 
@@ -113,7 +124,9 @@ def check(model_dir, settings, prompts, ref_dir=None):
 
 
 @pytest.mark.parametrize("name,setting", [(n, s) for n in MODELS for s in SETTINGS
-                                          if n == "v2" or (n == "v2_lite" and s in ("default", "chunked_small_blocks"))])
+                                          if n == "v2" or (n in ("v2_lite", "v3", "v3_halves")
+                                                           and s in ("default", "chunked_small_blocks"))
+                                          or (n == "v3" and s in ("preempt_swap", "prefix_cache"))])
 def test_matches_transformers(name, setting, ds_dir):
     llm = check(ds_dir(name), SETTINGS[setting], prompts_for(list(MODELS).index(name)))
     model, stats = llm.engine.model, llm.engine.stats()

@@ -4,12 +4,14 @@ the heads, kv_b_proj split into attn_k_b (transposed) and attn_v_b -- or whole a
 older files --, experts stacked, shared experts as *_shexp, YaRN's mscale_all_dim as
 yarn_log_multiplier) written with gguf-py from the tiny random checkpoints of test_deepseek.py:
 F32 files give transformers' greedy tokens and logprobs within 1e-4 on the same weights, with
-chunked prefill, tiny blocks and preemption; a Q8_0 file loads in its own type and tracks its
-dequantized weights; files with missing or mis-shaped MLA tensors, a sigmoid router or
-renormalised top-k weights are refused before any tensor is read."""
+chunked prefill, tiny blocks and preemption, DeepSeek-V3's too (expert_gating_func sigmoid with
+exp_probs_b, expert_weights_norm); a Q8_0 file loads in its own type and tracks its dequantized
+weights; files with missing or mis-shaped MLA tensors, another gating function, a sigmoid router
+without its bias or renormalised softmax weights are refused before any tensor is read."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -30,6 +32,7 @@ NAMES = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight
          "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa", "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm",
          "self_attn.o_proj.weight": "attn_output", "mlp.gate_proj.weight": "ffn_gate", "mlp.up_proj.weight": "ffn_up",
          "mlp.down_proj.weight": "ffn_down", "mlp.gate.weight": "ffn_gate_inp",
+         "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
          "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp", "mlp.shared_experts.up_proj.weight": "ffn_up_shexp",
          "mlp.shared_experts.down_proj.weight": "ffn_down_shexp"}
 GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -71,6 +74,10 @@ def write_deepseek_gguf(hf_dir, out, qtype: str = "F32", split_kv_b: bool = True
     if c.get("n_group") is not None:            # (the converter's base class writes these)
         w.add_expert_group_count(c["n_group"])
         w.add_expert_group_used_count(c["topk_group"])
+    if c["architectures"] == ["DeepseekV3ForCausalLM"]:    # DeepSeek-V3: the sigmoid router
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        if c.get("norm_topk_prob"):
+            w.add_expert_weights_norm(True)
     w.add_rope_dimension_count(P)
     if rope.get("rope_type") == "yarn":
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
@@ -97,7 +104,7 @@ def write_deepseek_gguf(hf_dir, out, qtype: str = "F32", split_kv_b: bool = True
         p = f"model.layers.{i}."
         for leaf, g in NAMES.items():
             if p + leaf in weights:
-                add(f"blk.{i}.{g}.weight", weights[p + leaf])
+                add(f"blk.{i}.{g}" + ("" if g.endswith(".bias") else ".weight"), weights[p + leaf])
         kv_b = weights[p + "self_attn.kv_b_proj.weight"]
         if split_kv_b:
             k_b, v_b = np.split(kv_b.reshape(H, nope + v, R), [nope], axis=1)
@@ -136,6 +143,8 @@ def ds_gguf(tmp_path_factory):
     ("v2_gguf", True, dict(block_size=2, max_num_batched_tokens=7, max_num_seqs=4)),
     ("v2_gguf", False, dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=32, max_num_seqs=8)),
     ("v2_lite", True, {}),
+    ("v3", True, {}),                      # expert_gating_func sigmoid, exp_probs_b, expert_weights_norm
+    ("v3", True, dict(block_size=2, max_num_batched_tokens=7, max_num_seqs=4)),
 ])
 def test_f32_file_matches_transformers(name, split, settings, ds_gguf, tmp_path):
     hf_dir, path = ds_gguf(name, split_kv_b=split)
@@ -177,8 +186,9 @@ def test_q8_0_file_runs_in_its_own_type(ds_gguf, tmp_path):
 @pytest.mark.parametrize("drop,extra,words", [
     (("blk.1.attn_kv_a_mqa.weight",), None, r"lacks tensors \['blk.1.attn_kv_a_mqa.weight'\]"),
     (("blk.0.attn_v_b.weight",), None, r"lacks tensors \['blk.0.attn_v_b.weight'"),
-    ((), {"add_expert_gating_func": gguf.ExpertGatingFuncType.SIGMOID}, "sigmoid router is not built"),
-    ((), {"add_expert_weights_norm": True}, "expert_weights_norm is true"),
+    ((), {"add_expert_gating_func": SimpleNamespace(value=3)}, "neither softmax"),
+    ((), {"add_expert_weights_norm": True}, "expert_weights_norm is true with a softmax router"),
+    ((), {"add_expert_gating_func": gguf.ExpertGatingFuncType.SIGMOID}, r"lacks tensors \['blk.1.exp_probs_b.bias'"),
 ])
 def test_bad_files_are_refused_before_reading_tensors(drop, extra, words, ds_gguf, tmp_path, monkeypatch):
     hf_dir, _ = ds_gguf("v2_gguf")

@@ -71,11 +71,12 @@ MLA_TENSORS = {   # deepseek2: multi-head latent attention (kvserve/model/deepse
     "attn_kv_b.weight": "self_attn.kv_b_proj.weight",            # older files: kv_b_proj whole
     "attn_k_b.weight": "self_attn.k_b_proj.weight",              # newer: [H, R, nope] (k_b transposed)
     "attn_v_b.weight": "self_attn.v_b_proj.weight",              # and [H, vd, R]
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",      # DeepSeek-V3's selection bias [E]
 }
 LAYER_TENSORS.update(MLA_TENSORS)
 # read dequantized whatever their type (model/deepseek.py multiplies kv_b_proj's slices itself)
 DENSE_ALWAYS = ("kv_b_proj.weight", "k_b_proj.weight", "v_b_proj.weight")
-ROUTERS = ("mlp.gate.weight", "shared_expert_gate.weight")   # kept in the model dtype, like norms
+ROUTERS = ("mlp.gate.weight", "shared_expert_gate.weight", "e_score_correction_bias")   # kept in the model dtype
 STACKED = ("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")
 # general.architecture -> whether llama.cpp renormalises the top-k router weights
 RENORMALIZES = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False}
@@ -234,7 +235,8 @@ def _deepseek2_config(meta: dict, key, hf_arch: str, path) -> ModelConfig:
     rope.dimension_count; key_length_mla / value_length_mla, or in older files key_length /
     value_length, for a head's nope + rope and value widths), the experts (expert_count,
     expert_used_count, expert_feed_forward_length, expert_shared_count, leading_dense_block_count,
-    expert_weights_scale, expert_group_count / expert_group_used_count) and YaRN
+    expert_weights_scale, expert_group_count / expert_group_used_count; expert_gating_func 2 with
+    exp_probs_b and expert_weights_norm: DeepSeek-V3's sigmoid router) and YaRN
     (rope.scaling.yarn_log_multiplier = 0.1 * mscale_all_dim, which llama.cpp also takes as mscale)."""
     from kvserve.model.families import deepseek_attention_scalar
 
@@ -244,12 +246,15 @@ def _deepseek2_config(meta: dict, key, hf_arch: str, path) -> ModelConfig:
         nope, v = key("attention.key_length_mla") - P, key("attention.value_length_mla", required=True)
     else:
         nope, v = key("attention.key_length", required=True) - P, key("attention.value_length", required=True)
-    if key("expert_weights_norm"):
-        raise ValueError(f"{str(path)!r}: deepseek2.expert_weights_norm is true; kvserve runs DeepSeek-V2's "
-                         "router without renormalising the top-k weights (as transformers does).")
-    if key("expert_gating_func", 1) != 1:
-        raise ValueError(f"{str(path)!r}: deepseek2.expert_gating_func {key('expert_gating_func')} is not "
-                         "softmax (1), DeepSeek-V2's; DeepSeek-V3's sigmoid router is not built.")
+    gating = key("expert_gating_func", 1)        # 1 softmax (V2), 2 sigmoid + exp_probs_b (V3)
+    if gating not in (1, 2):
+        raise ValueError(f"{str(path)!r}: deepseek2.expert_gating_func {gating} is neither softmax (1, "
+                         "DeepSeek-V2's) nor sigmoid (2, DeepSeek-V3's).")
+    if key("expert_weights_norm") and gating == 1:
+        raise ValueError(f"{str(path)!r}: deepseek2.expert_weights_norm is true with a softmax router; kvserve "
+                         "runs DeepSeek-V2's router without renormalising the top-k weights (as transformers does).")
+    if gating == 2:
+        hf_arch = "DeepseekV3ForCausalLM"
     experts, used = key("expert_count", required=True), key("expert_used_count", required=True)
     if not 1 <= used <= experts:
         raise ValueError(f"deepseek2.expert_used_count = {used} must be between 1 and deepseek2.expert_count = "
@@ -279,6 +284,7 @@ def _deepseek2_config(meta: dict, key, hf_arch: str, path) -> ModelConfig:
         num_experts=experts, num_experts_per_tok=used, moe_intermediate_size=moe_ff,
         shared_expert_intermediate_size=(key("expert_shared_count") or 0) * moe_ff, shared_expert_gated=False,
         routed_scaling_factor=float(key("expert_weights_scale") or 1.0),
+        router_scoring="sigmoid" if gating == 2 else "softmax", norm_topk_prob=bool(key("expert_weights_norm")),
         topk_groups=(groups, key("expert_group_used_count", required=True)) if groups > 1 else None,
         mlp_only_layers=tuple(range(min(key("leading_dense_block_count") or 0, layers))),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"))
@@ -397,6 +403,8 @@ def _moe_layers(tensors: dict, cfg: ModelConfig) -> list[str]:
     for i in range(cfg.num_layers):
         if any(f"blk.{i}.{s}" in tensors for s in moe):
             need += [f"blk.{i}.{s}" for s in moe + (shared if cfg.shared_expert_intermediate_size else [])]
+            if cfg.router_scoring == "sigmoid":
+                need.append(f"blk.{i}.exp_probs_b.bias")
         else:
             dense.append(i)
             need += [f"blk.{i}.{s}" for s in ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")]
@@ -426,7 +434,7 @@ def _expected_shape(hf_name: str, cfg: ModelConfig) -> tuple[int, ...]:
         "self_attn.q_proj.bias": (H,), "self_attn.k_proj.bias": (KV,), "self_attn.v_proj.bias": (KV,),
         "self_attn.q_norm.weight": (D,), "self_attn.k_norm.weight": (D,),
         "mlp.gate_proj.weight": (I, E), "mlp.up_proj.weight": (I, E), "mlp.down_proj.weight": (E, I),
-        "mlp.gate.weight": (X, E), "mlp.experts.gate_proj": (X, IX, E), "mlp.experts.up_proj": (X, IX, E),
+        "mlp.gate.weight": (X, E), "mlp.gate.e_score_correction_bias": (X,), "mlp.experts.gate_proj": (X, IX, E), "mlp.experts.up_proj": (X, IX, E),
         "mlp.experts.down_proj": (X, E, IX), "mlp.shared_expert.gate_proj.weight": (S, E),
         "mlp.shared_expert.up_proj.weight": (S, E), "mlp.shared_expert.down_proj.weight": (E, S),
         "mlp.shared_expert_gate.weight": (1, E),
