@@ -65,7 +65,7 @@ ARCHITECTURES: dict[str, Architecture] = {
                                           experts=True,
                                           note="multi-head latent attention"),
     "DeepseekV3ForCausalLM": Architecture("kvserve.model.deepseek:DeepseekV2Model", adapter=FAMILIES, experts=True,
-                                          note="multi-head latent attention, sigmoid router"),
+                                          note="multi-head latent attention, sigmoid router; GGUF `deepseek2` with expert_gating_func 2"),
 }
 
 
