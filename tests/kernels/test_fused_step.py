@@ -14,8 +14,9 @@ import shutil
 import pytest
 import torch
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, SamplingParams, kernels
 from kvserve.model.fused_decode import FusedDecode
+from kvserve.model.quant.formats import Int4Weight, Int8Weight
 from tests.conftest import STORIES_HF
 from tests.kernels.isa import needs_kernels
 
@@ -101,15 +102,23 @@ def moe_model_dir(tmp_path_factory):
     ("mixtral", "int8", LOGPROB_TOL),
     ("qwen3_moe_mixed", "int4", INT4_LOGPROB_TOL),
 ])
-def test_fused_step_with_experts(name, quantization, tol, moe_model_dir):
+def test_fused_step_with_experts(name, quantization, tol, moe_model_dir, monkeypatch):
     """Mixture-of-experts layers in the fused step (routing, the chosen experts, the shared expert
-    in the kernel) against the layer-by-layer torch path (kvserve/model/moe.py)."""
+    in the kernel) against the layer-by-layer torch path (kvserve/model/moe.py), on batches of 6
+    rows. With quantized weights the fused step takes more than KERNEL_ROWS rows too, where the
+    torch path would switch to torch's kernels (bf16 on this CPU); here every quantized matmul of
+    both paths (prefill too) runs kvserve's own op, so the two differ only in what the fused step
+    does, not in whose kernel multiplies."""
+    if quantization is not None:
+        monkeypatch.setattr(Int8Weight, "linear", lambda self, x, bias=None: torch.ops.kvserve.linear_int8(
+            x.float(), self.q, self.scale).to(x.dtype))
+        monkeypatch.setattr(Int4Weight, "linear", lambda self, x, bias=None: torch.ops.kvserve.linear_int4(
+            x.float(), self.nibbles, self.scales_and_zeros, self.block_scales, self.group_size).to(x.dtype))
     kw = dict(dtype="float32", block_size=8, quantization=quantization)
-    if quantization:
-        kw["max_num_seqs"] = 3                     # steps the quantized fused path takes
-    fused, layered, steps = fused_and_layered(moe_model_dir(name), prompts_for(4, 5 if not quantization else 3), **kw)
+    fused, layered, steps = fused_and_layered(moe_model_dir(name), prompts_for(4, 6), **kw)
     assert_same(fused, layered, tol)
     assert sum(f for _, _, f in steps) >= MAX_TOKENS - 1
+    assert any(f and T > kernels.KERNEL_ROWS for T, _, f in steps)      # batches past KERNEL_ROWS fused
 
 
 def test_fused_moe_refuses_a_spec_without_its_experts(moe_model_dir):
