@@ -56,16 +56,29 @@ def build_random_model(arch: str, out_dir: Path, seed: int = 0, added_tokens: tu
     return out_dir
 
 
-@pytest.fixture(scope="session")
-def random_model_dir(tmp_path_factory):
+def built_once(tmp_path_factory, build):
+    """get(name) -> build(name, a fresh directory), built the first time a name is asked for."""
     cache: dict[str, Path] = {}
 
-    def get(arch: str) -> Path:
-        if arch not in cache:
-            cache[arch] = build_random_model(arch, tmp_path_factory.mktemp(arch))
-        return cache[arch]
+    def get(name: str) -> Path:
+        if name not in cache:
+            cache[name] = build(name, tmp_path_factory.mktemp(name))
+        return cache[name]
 
     return get
+
+
+def perturb_norms(model, scale: float = 0.2) -> None:
+    """Move a random model's norm weights off 1 (transformers initialises them to ones)."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.add_(scale * torch.randn_like(p))
+
+
+@pytest.fixture(scope="session")
+def random_model_dir(tmp_path_factory):
+    return built_once(tmp_path_factory, build_random_model)
 
 
 @pytest.fixture(params=["auto", "int8"])

@@ -17,7 +17,7 @@ import torch
 from kvserve import LLM, SamplingParams, kernels
 from kvserve.model.fused_decode import FusedDecode
 from kvserve.model.quant.formats import Int4Weight, Int8Weight
-from tests.conftest import STORIES_HF
+from tests.conftest import STORIES_HF, built_once
 from tests.kernels.isa import needs_kernels
 
 pytestmark = needs_kernels
@@ -86,13 +86,7 @@ def test_fused_step_equals_layer_by_layer(arch, random_model_dir):
 def moe_model_dir(tmp_path_factory):
     from tests.model.test_moe_models import build_moe_model
 
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            cache[name] = build_moe_model(name, tmp_path_factory.mktemp(name))
-        return cache[name]
-    return get
+    return built_once(tmp_path_factory, build_moe_model)
 
 
 @pytest.mark.parametrize("name,quantization,tol", [

@@ -26,9 +26,10 @@ from kvserve.model.deepseek import DeepseekV2Model
 from kvserve.model.loaders.checkpoint import read_model_config
 from kvserve.sample.params import BeamSearchParams
 from kvserve.worker.model_runner import ModelRunner
+from tests.conftest import built_once, perturb_norms
 from tests.reference.hf_reference import hf_greedy
+from tests.reference.test_differential import check_model_constrained_equals_unconstrained
 from tests.reference.test_beam_search import compare, reference_beam_search
-from tests.reference.test_differential import CONSTRAINED, make_workload, run, tokens
 
 MAX_TOKENS = 10
 COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -74,10 +75,8 @@ def build_deepseek(name: str, out_dir, seed: int = 0):
     cfg = config_class(**{**COMMON, **MODELS[name]})
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    perturb_norms(model)
     with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("norm.weight"):
-                p.add_(0.2 * torch.randn_like(p))
         for n, b in model.named_buffers():
             if n.endswith("e_score_correction_bias"):     # V3's selection bias (zeros at init)
                 b.copy_(0.05 * torch.randn_like(b))
@@ -87,14 +86,7 @@ def build_deepseek(name: str, out_dir, seed: int = 0):
 
 @pytest.fixture(scope="module")
 def ds_dir(tmp_path_factory):
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            cache[name] = build_deepseek(name, tmp_path_factory.mktemp(name))
-        return cache[name]
-
-    return get
+    return built_once(tmp_path_factory, build_deepseek)
 
 
 def prompts_for(seed: int, n: int = 4) -> list[list[int]]:
@@ -210,24 +202,7 @@ def test_differential_constrained_equals_unconstrained(setting, ds_dir):
     """The differential fuzzer's random workloads (greedy, sampled, beams, late arrivals, aborts)
     on the MLA model: a constrained engine (tiny pools, chunking, swap / recompute, radix hits)
     equals an unconstrained one, integrity checked after every step."""
-    model_dir = str(ds_dir("v2"))
-    reference = LLM(model_dir, dtype="float32", block_size=16, num_kv_blocks=1024, max_num_batched_tokens=4096,
-                    max_num_seqs=256, enable_prefix_caching=False, watermark=0.0)
-    compared = 0
-    for seed in (setting, setting + 10):
-        rng = random.Random(seed)
-        workload = make_workload(rng, rng.randrange(5, 9))
-        small = LLM(model_dir, dtype="float32", watermark=0.0, **CONSTRAINED[setting])
-        got, refused = run(small, workload, check=True)
-        want, _ = run(reference, [dict(w, abort=None) for w in workload if w["id"] not in refused], check=False)
-        for w in workload:
-            if w["id"] in got and w["abort"] is None:
-                for i, (x, y) in enumerate(zip(tokens(got[w["id"]]), tokens(want[w["id"]]))):
-                    if got[w["id"]].outputs[i].finish_reason == "length" and len(x) < len(y):
-                        x, y = x, y[:len(x)]
-                    assert x == y, (seed, w["id"], w["kind"])
-                compared += 1
-    assert compared > 0
+    check_model_constrained_equals_unconstrained(str(ds_dir("v2")), setting, (setting, setting + 10), dtype="float32")
 
 
 def _edit(src, dst, **config):

@@ -25,7 +25,9 @@ from kvserve.model.loaders.checkpoint import read_model_config
 from kvserve.model.moe_models import MoeModel
 from kvserve.model.quant.formats import QuantizedWeight, keeps_quantized, quantize
 from tests.model.test_quant import teacher_forced
+from tests.conftest import built_once, perturb_norms
 from tests.reference.hf_reference import hf_greedy
+from tests.reference.test_differential import check_model_constrained_equals_unconstrained
 
 MAX_TOKENS = 10
 COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
@@ -59,24 +61,14 @@ def build_moe_model(name: str, out_dir, seed: int = 0):
     cfg = getattr(tf, cls)(**{**COMMON, **extra})
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("norm.weight"):
-                p.add_(0.2 * torch.randn_like(p))
+    perturb_norms(model)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
 
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            cache[name] = build_moe_model(name, tmp_path_factory.mktemp(name))
-        return cache[name]
-
-    return get
+    return built_once(tmp_path_factory, build_moe_model)
 
 
 def prompts_for(seed: int, n: int = 4) -> list[list[int]]:
@@ -258,3 +250,11 @@ def test_pipeline_parallel_processes_match_transformers(moe_dir):
                                                  max_num_batched_tokens=16, max_num_seqs=4), prompts_for(12))
     assert llm.engine.core.model.num_micro_batches_total > llm.engine.core.model.num_steps_total
     llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("setting", [1, 3])
+def test_differential_constrained_equals_unconstrained(setting, moe_dir):
+    """The differential fuzzer's random workloads (greedy, sampled, beams, late arrivals, aborts)
+    on an MoE model (Qwen2-MoE, its shared expert too): a constrained engine (tiny pools,
+    chunking, swap, radix hits) equals an unconstrained one, integrity checked after every step."""
+    check_model_constrained_equals_unconstrained(str(moe_dir("qwen2_moe")), setting, (setting, setting + 10), dtype="float32")
