@@ -79,6 +79,14 @@ def add_decoder_hparams(w, cfg: dict) -> tuple[int, int, int]:
     return heads, kv, head_dim
 
 
+def write_out(w) -> None:
+    """Header, metadata and tensors of a GGUFWriter written, the file closed."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def write_hf_as_gguf(hf_dir: Path, out: Path, qtype: str, arch: str = "llama",
                      rope_freqs: np.ndarray | None = None) -> Path:
     """Convert the random-weight HF model in `hf_dir` to a GGUF file at `out`."""
@@ -103,10 +111,7 @@ def write_hf_as_gguf(hf_dir: Path, out: Path, qtype: str, arch: str = "llama",
             w.add_tensor(gguf_name(name), np.ascontiguousarray(a, dtype=np.float32))
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_out(w)
     return out
 
 
@@ -189,10 +194,7 @@ def write_mixed_types(out: Path, seed: int = 0, types: dict[str, str] | None = N
             w.add_tensor(name, gguf.quants.quantize(a, qt), raw_dtype=qt)
     for name in ("output_norm.weight", "blk.0.attn_norm.weight", "blk.0.ffn_norm.weight"):
         w.add_tensor(name, (1 + 0.1 * rng.standard_normal(E)).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_out(w)
     return out
 
 

@@ -19,7 +19,7 @@ from kvserve.model.layers import rope_inv_freq
 from kvserve.model.loaders.checkpoint import load_model_dir
 from tests.conftest import STORIES_HF
 from tests.model.gguf_files import (STORIES_GGUF, add_stories_tokenizer, llama3_rope_freqs,
-                                    write_hf_as_gguf, write_mixed_types)
+                                    write_hf_as_gguf, write_mixed_types, write_out)
 from tests.reference.hf_reference import hf_greedy
 
 pytest.importorskip("gguf")
@@ -161,10 +161,7 @@ def _tiny_file(path, arch="llama", head_count_kv=2, odd_tensor=None):
             w.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
     if odd_tensor is not None:
         w.add_tensor(odd_name, odd_array, raw_dtype=odd_raw)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_out(w)
     return path
 
 

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvserve.model.loaders.gguf_check import check_gguf
-from tests.model.gguf_files import STORIES_GGUF
+from tests.model.gguf_files import STORIES_GGUF, write_out
 
 LOAD_TIMEOUT_S = 10.0              # a clean load of this 1 MB file takes ~15 ms
 MEMORY_BOUND = 512 * 2**20         # address space the worker may add per load, over its start
@@ -249,10 +249,7 @@ def test_big_endian_file_passes_the_check(tmp_path):
     w.add_block_count(1)
     w.add_token_list(["a", "bc"])
     w.add_tensor("x", np.arange(64, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_out(w)
     check_gguf(path)
     data = bytearray(path.read_bytes())
     data[-1:] = b""                                                # one byte short

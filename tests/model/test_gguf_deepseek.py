@@ -22,7 +22,7 @@ from kvserve import LLM
 from kvserve.model.deepseek import DeepseekV2Model
 from kvserve.model.loaders.gguf import load_gguf
 from kvserve.model.quant.formats import QuantizedWeight, keeps_quantized
-from tests.model.gguf_files import add_stories_tokenizer
+from tests.model.gguf_files import add_stories_tokenizer, write_out
 from tests.model.test_deepseek import build_deepseek, check, generate, prompts_for
 
 gguf = pytest.importorskip("gguf")
@@ -116,10 +116,7 @@ def write_deepseek_gguf(hf_dir, out, qtype: str = "F32", split_kv_b: bool = True
             for part in ("gate", "up", "down"):
                 stacked = np.stack([weights[f"{p}mlp.experts.{e}.{part}_proj.weight"] for e in range(E)])
                 add(f"blk.{i}.ffn_{part}_exps.weight", stacked)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_out(w)
     return out
 
 

@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvserve.model.loaders.gguf import load_gguf
-from tests.model.gguf_files import add_decoder_hparams, add_stories_tokenizer, gguf_name, permute_rope_rows
+from tests.model.gguf_files import (add_decoder_hparams, add_stories_tokenizer, gguf_name, permute_rope_rows,
+                                    write_out)
 from tests.model.test_gguf_quant import AGREEMENT
 from tests.model.test_quant import teacher_forced
 from tests.model.test_moe_models import build_moe_model, check, prompts_for
@@ -90,10 +91,7 @@ def write_moe_gguf(hf_dir, out, qtype: str = "F32", drop=(), reshape=None, exper
             w.add_tensor(g, gguf.quants.quantize(np.ascontiguousarray(a, np.float32), qt), raw_dtype=qt)
         else:
             w.add_tensor(g, np.ascontiguousarray(a, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_out(w)
     return out
 
 
