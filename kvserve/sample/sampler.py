@@ -17,48 +17,62 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from kvserve.sample.metadata import SamplingMetadata
 from kvserve.sample.params import Sampled  # noqa: F401 (the sampler's record of a position)
 
 if TYPE_CHECKING:
     from kvserve.engine.request import Request
 
 
-def process_logits(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, reqs: Sequence[Request], meta: SamplingMetadata | None = None
+                   ) -> torch.Tensor:
     """The logits each row's token is chosen from, [S, V], one row per request in `reqs`.
 
     Every row: logit_bias added, penalties, then -inf on stop tokens while min_tokens is not reached. A sampled
     row then also gets temperature, top-k, top-p and min-p (-inf where filtered out): its token
     is drawn from softmax of the row. A greedy row's token is the row's argmax. `logits` is
-    never written to; when no row changes it is returned as is.
+    never written to; when no row changes it is returned as is. `meta`: the rows' parameters as
+    arrays (the worker's SamplingTable gathers them); built from `reqs` when not given.
     """
-    x = logits.clone() if any(_changes_logits(r) for r in reqs) else logits
-    _apply_vocabulary_masks(x, reqs)
-    _apply_logit_bias(x, reqs)
-    _apply_penalties(x, reqs)
-    _mask_early_stops(x, reqs)
-    rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
+    if meta is None:
+        meta = SamplingMetadata.build([r.params for r in reqs], logits.shape[1], logits.device)
+    short = [i for i in meta.min_tokens_rows if reqs[i].num_output_tokens < reqs[i].params.min_tokens]
+    x = logits.clone() if meta.changes_logits or short else logits
+    _apply_vocabulary_masks(x, reqs, meta.vocab_rows)
+    _apply_logit_bias(x, reqs, meta.bias_rows)
+    _apply_penalties(x, reqs, meta.penalty_rows)
+    _mask_early_stops(x, reqs, short)
+    rows = meta.random_rows
     if rows:
-        params = [reqs[i].params for i in rows]
-        temps = torch.tensor([p.temperature for p in params], device=x.device).unsqueeze(1)
-        x[torch.tensor(rows, device=x.device)] = apply_top_k_top_p_min_p(x[rows] / temps, params)
-        typical = [j for j, p in enumerate(params) if p.typical_p < 1.0]
-        if typical:
-            idx = torch.tensor([rows[j] for j in typical], device=x.device)
-            x[idx] = apply_typical_p(x[idx], [params[j].typical_p for j in typical])
+        if len(rows) == x.shape[0]:
+            idx, sub = None, x
+        else:
+            idx = torch.tensor(rows, device=x.device)
+            sub = x[idx]
+        sub = apply_top_k_top_p_min_p(sub / meta.temperature[rows].unsqueeze(1), meta.top_k[rows],
+                                      meta.top_p[rows], meta.min_p[rows], meta.vocab_size)
+        typical = meta.typical_p[rows]
+        wanted = (typical < 1.0).nonzero().squeeze(1)
+        if len(wanted):
+            sub[wanted] = apply_typical_p(sub[wanted], typical[wanted])
+        if idx is None:
+            x = sub
+        else:
+            x[idx] = sub
     return x
 
 
-def apply_typical_p(x: torch.Tensor, mass: list[float]) -> torch.Tensor:
+def apply_typical_p(x: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
     """Locally typical sampling (Meister et al. 2022; transformers' TypicalLogitsWarper,
     llama.cpp's typ_p): keep the tokens whose surprisal -log p is closest to the entropy, in
-    that order, until their mass reaches the row's `mass` (at least one token). x [R, V]."""
+    that order, until their mass reaches the row's `mass` (at least one token). x [R, V], mass [R]."""
     logp = torch.log_softmax(x, dim=-1)
     probs = logp.exp()
     entropy = -(logp * probs).nansum(dim=-1, keepdim=True)          # -inf * 0: nan, left out
     shifted = (-logp - entropy).abs()
     sorted_shift, order = shifted.sort(dim=-1)
     cum = probs.gather(1, order).cumsum(dim=-1)
-    m = torch.tensor(mass, device=x.device, dtype=cum.dtype).unsqueeze(1)
+    m = mass.to(cum.dtype).unsqueeze(1)
     last = (cum < m).sum(dim=1).clamp_(max=x.shape[1] - 1)            # the token that reaches the mass
     drop = sorted_shift > sorted_shift.gather(1, last.unsqueeze(1))
     drop[:, 0] = False
@@ -72,48 +86,41 @@ def processed_logprobs(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.T
     return torch.log_softmax(process_logits(logits, reqs), dim=-1)
 
 
-def apply_top_k_top_p_min_p(x: torch.Tensor, params) -> torch.Tensor:
-    """x [R, V] temperature-scaled logits, one SamplingParams per row: top-k, then top-p on the
-    renormalised survivors, then min-p; filtered tokens become -inf. A row whose top_p is 1
-    (off) loses no token to top-p, whatever the other rows ask."""
+def apply_top_k_top_p_min_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                             vocab_size: int) -> torch.Tensor:
+    """x [R, V] temperature-scaled logits; top_k [R] (vocab_size: off), top_p [R], min_p [R]
+    (SamplingMetadata's): top-k, then top-p on the renormalised survivors, then min-p; filtered
+    tokens become -inf. A row whose top_p is 1 (off) loses no token to top-p, whatever the other
+    rows ask."""
     V = x.shape[1]
-    top_k = [min(p.top_k, V) if p.top_k > 0 else V for p in params]    # top_k > V keeps all
-    top_p = [p.top_p for p in params]
-    min_p = [p.min_p for p in params]
-    if any(k < V for k in top_k) or any(tp < 1.0 for tp in top_p):
+    if bool((top_k < vocab_size).any()) or bool((top_p < 1.0).any()):
         sorted_x, order = x.sort(dim=-1, descending=True)       # [R, V]
         rank = torch.arange(V, device=x.device).unsqueeze(0)    # [1, V]
-        k = torch.tensor(top_k, device=x.device).unsqueeze(1)
+        k = top_k.unsqueeze(1)
         drop = rank >= k
         sorted_probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
         before = sorted_probs.cumsum(dim=-1) - sorted_probs     # mass of higher-ranked tokens
-        p = torch.tensor(top_p, device=x.device).unsqueeze(1)
+        p = top_p.unsqueeze(1)
         # keeps at least the top token (a top_p below float32's smallest value rounds to 0);
         # rows with top_p == 1 are exempt, as rounding can push `before` of tail tokens to 1.0
         drop |= (before >= p) & (p < 1.0) & (rank > 0)
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.empty_like(x).scatter_(1, order, sorted_x)
-    if any(mp > 0 for mp in min_p):
+    if bool((min_p > 0).any()):
         probs = torch.softmax(x, dim=-1)
-        mp = torch.tensor(min_p, device=x.device).unsqueeze(1)
+        mp = min_p.unsqueeze(1)
         x = x.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     return x
 
 
-def _changes_logits(r: Request) -> bool:
-    p = r.params
-    return (p.uses_penalties or r.num_output_tokens < p.min_tokens or not p.greedy or bool(p.logit_bias)
-            or p.masks_vocabulary)
-
-
-def _apply_vocabulary_masks(logits: torch.Tensor, reqs: Sequence[Request]) -> None:
+def _apply_vocabulary_masks(logits: torch.Tensor, reqs: Sequence[Request], rows: list[int]) -> None:
     """In place: -inf on every token outside allowed_token_ids, and on each bad word's last token
     where the output ends with the tokens before it (vLLM's rule; a one-token word always). A
-    row left with no token raises ValueError (its sequence fails alone: worker/sampling.py)."""
-    for i, r in enumerate(reqs):
+    row left with no token raises ValueError (its sequence fails alone: worker/sampling.py).
+    `rows`: the rows with allowed_token_ids or bad words."""
+    for i in rows:
+        r = reqs[i]
         p = r.params
-        if not p.masks_vocabulary:
-            continue
         row = logits[i]
         if p.allowed_token_ids is not None:
             keep = torch.zeros(row.shape[0], dtype=torch.bool, device=row.device)
@@ -128,22 +135,19 @@ def _apply_vocabulary_masks(logits: torch.Tensor, reqs: Sequence[Request]) -> No
             raise ValueError("allowed_token_ids and bad_words leave no token to sample")
 
 
-def _apply_logit_bias(logits: torch.Tensor, reqs: Sequence[Request]) -> None:
-    """In place: each row's logit_bias added to its tokens' logits (ids < V: verify_for_model)."""
-    for i, r in enumerate(reqs):
-        bias = r.params.logit_bias
+def _apply_logit_bias(logits: torch.Tensor, reqs: Sequence[Request], rows: list[int]) -> None:
+    """In place: each of `rows`' logit_bias added to its tokens' logits (ids < V: verify_for_model)."""
+    for i in rows:
+        bias = reqs[i].params.logit_bias
         if bias:
             ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
             logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
 
 
-def _apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> None:
-    """In place: repetition penalty on every token of prompt + output (divide a positive logit,
-    multiply a negative one), then logit -= frequency_penalty * count + presence_penalty * (count > 0)
-    over the output tokens."""
-    rows = [i for i, r in enumerate(reqs) if r.params.uses_penalties]
-    if not rows:
-        return
+def _apply_penalties(logits: torch.Tensor, reqs: Sequence[Request], rows: list[int]) -> None:
+    """In place, on `rows` (those with a penalty): repetition penalty on every token of prompt +
+    output (divide a positive logit, multiply a negative one), then logit -= frequency_penalty *
+    count + presence_penalty * (count > 0) over the output tokens."""
     V = logits.shape[1]
     for i in rows:
         r, p = reqs[i], reqs[i].params
@@ -159,25 +163,25 @@ def _apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> None:
         row -= p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
-def _mask_early_stops(logits: torch.Tensor, reqs: Sequence[Request]) -> None:
-    """In place: -inf on the stop token ids (and EOS unless ignored) of every request that has
-    fewer than min_tokens output tokens. Ids outside the vocabulary can never be sampled, so
+def _mask_early_stops(logits: torch.Tensor, reqs: Sequence[Request], rows: list[int]) -> None:
+    """In place: -inf on the stop token ids (and EOS unless ignored) of `rows`, the requests that
+    have fewer than min_tokens output tokens. Ids outside the vocabulary can never be sampled, so
     they need no mask and are skipped. A complete grammar, or allowed_token_ids / bad_words, that
     leave only stop tokens win over min_tokens (a constrained row is never left with no token)."""
     V = logits.shape[1]
-    for i, r in enumerate(reqs):
+    for i in rows:
+        r = reqs[i]
         p = r.params
-        if r.num_output_tokens < p.min_tokens:
-            stops = list(p.stop_token_ids)
-            if r.eos_token_id is not None and not p.ignore_eos:
-                stops.append(r.eos_token_id)
-            stops = [t for t in stops if 0 <= t < V]
-            if stops:
-                kept = logits[i, stops].clone()
-                logits[i, stops] = float("-inf")
-                masked = getattr(r, "grammar", None) is not None or p.masks_vocabulary
-                if masked and bool(torch.isneginf(logits[i]).all()):    # only stops were left
-                    logits[i, stops] = kept
+        stops = list(p.stop_token_ids)
+        if r.eos_token_id is not None and not p.ignore_eos:
+            stops.append(r.eos_token_id)
+        stops = [t for t in stops if 0 <= t < V]
+        if stops:
+            kept = logits[i, stops].clone()
+            logits[i, stops] = float("-inf")
+            masked = getattr(r, "grammar", None) is not None or p.masks_vocabulary
+            if masked and bool(torch.isneginf(logits[i]).all()):    # only stops were left
+                logits[i, stops] = kept
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int):
@@ -213,28 +217,30 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed if seed is not None else torch.seed() % (2**63))
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[Sampled]:
-        """logits [S, V] float32, one row per request in `reqs`."""
+    def __call__(self, logits: torch.Tensor, reqs: list[Request], meta: SamplingMetadata | None = None
+                 ) -> list[Sampled]:
+        """logits [S, V] float32, one row per request in `reqs`; `meta` their parameters as
+        arrays (built from `reqs` when not given)."""
+        if meta is None:
+            meta = SamplingMetadata.build([r.params for r in reqs], logits.shape[1], logits.device)
         raw = logits
-        tokens = self._choose(process_logits(logits, reqs), reqs)   # [S] int64
-        need_lp = [r.params.logprobs is not None for r in reqs]
+        tokens = self._choose(process_logits(logits, reqs, meta), reqs, meta)   # [S] int64
+        k = int(meta.logprobs.max()) if len(meta.logprobs) else -1
+        if k < 0:                                    # no row asked for logprobs
+            return [Sampled(t, 0.0, 0) for t in tokens.tolist()]
+        lp_l, rank_l, top_ids, top_lp = token_logprobs(raw, tokens, k)
         results = []
-        if any(need_lp):
-            k = max(r.params.logprobs or 0 for r in reqs)
-            lp_l, rank_l, top_ids, top_lp = token_logprobs(raw, tokens, k)
-            for i, (r, t) in enumerate(zip(reqs, tokens.tolist())):
-                top = None
-                if need_lp[i] and r.params.logprobs:
-                    n = r.params.logprobs     # (a grammar's forbidden tokens, at -inf, are left out)
-                    top = [(t, lp) for t, lp in zip(top_ids[i][:n], top_lp[i][:n]) if lp != float("-inf")]
-                results.append(Sampled(t, lp_l[i], rank_l[i], top))
-            return results
-        return [Sampled(t, 0.0, 0) for t in tokens.tolist()]
+        for i, (n, t) in enumerate(zip(meta.logprobs.tolist(), tokens.tolist())):
+            top = None
+            if n > 0:                 # (a grammar's forbidden tokens, at -inf, are left out)
+                top = [(t, lp) for t, lp in zip(top_ids[i][:n], top_lp[i][:n]) if lp != float("-inf")]
+            results.append(Sampled(t, lp_l[i], rank_l[i], top))
+        return results
 
-    def _choose(self, x: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    def _choose(self, x: torch.Tensor, reqs: list[Request], meta: SamplingMetadata) -> torch.Tensor:
         """x: `process_logits` of the step. Greedy rows take the argmax, sampled rows a draw."""
         greedy = x.argmax(dim=-1)                                    # [S]
-        rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        rows = meta.random_rows
         if not rows:
             return greedy
         probs = torch.softmax(x[rows], dim=-1)                       # [R, V]

@@ -179,15 +179,23 @@ class ModelRunner:
         """The sampling stage execute_model runs (worker/sampling.py): a seeded sampler over the
         vocabulary, and `spec`, the SpecDecoder whose drafts it verifies (None: no speculation)."""
         self.sampling = StepSampler(Sampler(vocab_size, self.device, seed), spec)
+        for sid, st in self.states.items():
+            self.sampling.table.add(sid, st.params)
 
     def update_states(self, so: SchedulerOutput) -> None:
         """Apply the step's data to the worker's copy of every live sequence: finished ones are
-        forgotten, new ones recorded, cached ones advanced (worker/request_state.py)."""
+        forgotten, new ones recorded (their sampling parameters written into the sampling
+        table's rows once), cached ones advanced (worker/request_state.py)."""
         states = self.states
+        table = self.sampling.table if self.sampling is not None else None
         for sid in so.finished_seq_ids:
             states.pop(sid, None)
+            if table is not None:
+                table.remove(sid)
         for d in so.new_seqs:
             states[d.seq_id] = SequenceState.from_new(d)
+            if table is not None:
+                table.add(d.seq_id, d.params)
         for d in so.cached_seqs:
             states[d.seq_id].update(d)
 

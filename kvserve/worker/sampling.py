@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from kvserve.sample.grammar_mask import apply_grammar_bitmask
+from kvserve.sample.metadata import SamplingTable
 from kvserve.sample.sampler import Sampler, beam_candidates, prompt_entries
 from kvserve.structured.matcher import NO_ALLOWED_TOKEN
 from kvserve.worker.output import ModelRunnerOutput
@@ -30,6 +31,9 @@ logger = logging.getLogger(__name__)
 class StepSampler:
     def __init__(self, sampler: Sampler, spec=None):
         self.sampler = sampler
+        # every live sequence's sampling parameters as arrays, written once when it joins
+        # (the runner's update_states); a step gathers its sampling rows' entries
+        self.table = SamplingTable(sampler.vocab_size, sampler.device)
         self.spec = spec                       # a SpecDecoder, when speculating
         # For tools that need whole distributions (`kvserve perplexity --kl-divergence`): called
         # as hook(request, first position, raw logits [r, V]) for every prompt-logprob chunk.
@@ -82,7 +86,7 @@ class StepSampler:
                 if not reqs:
                     return
         try:
-            results = self.sampler(x, reqs)
+            results = self.sampler(x, reqs, self.table.gather([r.request_id for r in reqs]))
         except Exception:   # noqa: BLE001 -- find the row that fails; the others go on
             logger.exception("sampling failed; retrying row by row")
             results = []

@@ -275,7 +275,9 @@ def test_a_top_p_too_small_for_float32_keeps_the_top_token():
     """top_p = 5e-324 rounds to 0.0 in float32: the top token stays, so the row is greedy (it
     once dropped every token and sampled token 0; the schema fuzz found it)."""
     import torch
+    from kvserve.sample.metadata import SamplingMetadata
     from kvserve.sample.sampler import apply_top_k_top_p_min_p
     x = torch.tensor([[0.5, 3.0, 1.0, -2.0]])
-    out = apply_top_k_top_p_min_p(x, [SamplingParams(temperature=1.0, top_p=5e-324)])
+    m = SamplingMetadata.build([SamplingParams(temperature=1.0, top_p=5e-324)], 4)
+    out = apply_top_k_top_p_min_p(x, m.top_k, m.top_p, m.min_p, 4)
     assert out[0, 1] == 3.0 and torch.isinf(out[0, [0, 2, 3]]).all()
