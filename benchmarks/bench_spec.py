@@ -197,7 +197,7 @@ def main() -> None:
     rows = []
     for name in args.models.split(","):
         if name == "smollm2":
-            from kvserve.model.loaders.default_model import default_model_path
+            from kvserve.config.default_model import default_model_path
             rows += bench_model(name, default_model_path(), ks, args.max_tokens, args.repeats, chat=True,
                                 max_model_len=1024)
             write(args.out, args, rows)

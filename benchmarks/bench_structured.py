@@ -215,7 +215,7 @@ def main() -> None:
 
     from kvserve.frontend.llm_engine import LLMEngine
     from kvserve.config import EngineConfig
-    from kvserve.model.loaders.default_model import default_model_path
+    from kvserve.config.default_model import default_model_path
 
     gguf = default_model_path()
     engine = LLMEngine(EngineConfig(model=gguf, max_num_seqs=N, max_num_batched_tokens=2048))

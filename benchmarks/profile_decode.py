@@ -57,7 +57,7 @@ def bytes_read_per_step(model) -> int:
 def measure(args) -> dict:
     torch.set_num_threads(args.threads)
     if args.model is None:
-        from kvserve.model.loaders.default_model import default_model_path
+        from kvserve.config.default_model import default_model_path
         args.model = default_model_path()
     llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False, max_model_len=512,
               kv_cache_memory=64 << 20)

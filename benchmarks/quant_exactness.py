@@ -237,7 +237,7 @@ def main() -> None:
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.model is None:
-        from kvserve.model.loaders.default_model import default_model_path
+        from kvserve.config.default_model import default_model_path
         args.model = default_model_path()
     if args.child:
         return child(args)

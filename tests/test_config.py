@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvserve.config import Config, EngineConfig, SpeculativeConfig
+from kvserve.worker.device import torch_dtype
 from kvserve.model.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1] / "kvserve"
@@ -43,8 +44,8 @@ def test_resolve_decides_what_depends_on_the_model():
     cfg = EngineConfig(model="m", device="cpu", dtype="bf16", max_model_len=100, prefix_cache="radix",
                        kv_tiers=None, speculative_config={"method": "ngram", "num_speculative_tokens": 2}
                        ).resolve(ARCH)
-    assert (cfg.model.max_model_len, cfg.model.dtype, str(cfg.model.torch_dtype)) == (100, "bfloat16",
-                                                                                      "torch.bfloat16")
+    assert (cfg.model.max_model_len, cfg.model.dtype, str(torch_dtype(cfg.model.dtype))) == (100, "bfloat16",
+                                                                                             "torch.bfloat16")
     assert cfg.scheduler.cache_aware_scheduling is True and cfg.cache.prefix_cache_kind == "radix"
     assert isinstance(cfg.speculative, SpeculativeConfig) and cfg.speculative.disable_by_batch_size == 4
     with pytest.raises(ValueError, match="kv_tiers needs the hash prefix cache"):

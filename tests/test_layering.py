@@ -76,37 +76,7 @@ TORCH_ALLOWED = {"kernels", "attention", "model", "sample", "worker", "spec_deco
 
 # -- the debts ---------------------------------------------------------------------------------------
 # (from module, to module or "torch"): edges the table refuses that exist today. Pay one, delete its line.
-DEBTS: set[tuple[str, str]] = {
-    # -- config reads values that live in model/, and maps names to torch
-    # --kv-cache-dtype is checked against attention's table: goes when the format names live in config/
-    ("config.engine_config", "attention.kv_quant"),
-    # --quantization is parsed by model/quant/formats.py: goes when the format names live in config/
-    ("config.engine_config", "model.quant.formats"),
-    # the default model's path: goes when model/loaders/default_model.py (no model code in it) moves to config/
-    ("config.engine_config", "model.loaders.default_model"),
-    # DTYPE_NAMES: goes when the dtype names live in config/ and model/config.py reads them there
-    ("config.resolved", "model.config"),
-    # DTYPES and torch_dtype: goes when config keeps names and the worker maps them
-    ("config.engine_config", "torch"),
-    # ModelLoadConfig.torch_dtype and the "auto" device probe (resolve_device): goes with the line above
-    ("config.resolved", "torch"),
-    # -- kv touches tensors
-    # read_blocks/write_blocks copy blocks of the runner's pools: goes when the copy is the worker's (kv keeps
-    # the payload's envelope)
-    ("kv.block_io", "torch"),
-    # -- the core holds a device and sample results
-    # CUDA memory sizes the KV pool: goes when the worker reports its KV budget and the core divides
-    ("engine.kv_sizing", "torch"),
-    # the core process sets torch's thread count: goes when the worker applies it at start
-    ("engine.core_loop", "torch"),
-    # -- the server reaches below the frontend, and into the command line
-    # the default model's name: goes when model/loaders/default_model.py moves to config/
-    ("server.cli", "model.loaders.default_model"),
-    # sets torch's thread count for an in-thread core: goes when the worker applies it at start
-    ("server.cli", "torch"),
-    # device memory from torch's allocator: goes when the core reports its memory in EngineStats
-    ("server.memory_metrics", "torch"),
-}
+DEBTS: set[tuple[str, str]] = set()     # none left (issue 32 paid the last twelve)
 
 
 # -- the checker -------------------------------------------------------------------------------------
@@ -215,7 +185,7 @@ def test_the_checker_catches_a_node_missing_from_the_table():
 
 def test_the_checker_sees_kvserves_torch_imports():
     users = torch_importers()
-    assert "kvserve.model.llama" in users and "kvserve.server.memory_metrics" in users   # the latter lazily
+    assert "kvserve.model.llama" in users and "kvserve.analysis.specs" in users   # the latter lazily
     assert "kvserve.engine.scheduler" not in users
 
 

@@ -8,6 +8,7 @@ import torch
 
 from kvserve.attention import kv_quant
 from kvserve.attention.metadata import AttentionMetadata
+from kvserve.config.names import check_kv_cache_dtype
 
 
 class AttentionBackend:
@@ -34,7 +35,7 @@ class AttentionBackend:
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.scale = head_dim ** -0.5
-        self.kv_cache_dtype = kv_quant.check_kv_cache_dtype(kv_cache_dtype)
+        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
         self.softcap: float | None = None
 
     @classmethod

@@ -15,19 +15,12 @@ from __future__ import annotations
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
 STORAGE = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 QMAX = {"int8": 127.0, "fp8_e4m3": torch.finfo(torch.float8_e4m3fn).max,
         "fp8_e5m2": torch.finfo(torch.float8_e5m2).max}
 SCALE_DTYPE = torch.float32
 SCALE_BYTES = 4
 TINY = 1e-12                     # floor of a scale, so an all-zero row divides cleanly
-
-
-def check_kv_cache_dtype(name: str) -> str:
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}.")
-    return name
 
 
 def is_quantized(name: str) -> bool:

@@ -7,18 +7,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
+from kvserve.config.default_model import default_model_path
 from kvserve.config.cli_args import add_dataclass_args, dataclass_kwargs, flag
-from kvserve.config.resolved import DTYPE_NAMES, Config, resolve_config
+from kvserve.config.names import DTYPE_NAMES, KV_CACHE_DTYPES, check_kv_cache_dtype, parse_quantization
+from kvserve.config.resolved import Config, resolve_config
 from kvserve.config.speculative import CPU_SPEC_DISABLE_BY_BATCH_SIZE, SpeculativeConfig  # noqa: F401
-from kvserve.attention.kv_quant import KV_CACHE_DTYPES, check_kv_cache_dtype
-from kvserve.model.quant.formats import parse_quantization
 
 if TYPE_CHECKING:
     from kvserve.model.config import ModelConfig
-
-DTYPES = {spelling: getattr(torch, name) for spelling, name in DTYPE_NAMES.items()}   # "bf16" -> torch.bfloat16
 
 
 @dataclass
@@ -160,7 +156,7 @@ class EngineConfig:
         "grammar is not ready by then fails with an error (the others never wait for it)"))
 
     def __post_init__(self):
-        if self.dtype not in DTYPES and self.dtype != "auto":
+        if self.dtype not in DTYPE_NAMES and self.dtype != "auto":
             raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {self.dtype!r}.")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}.")
@@ -314,10 +310,6 @@ class EngineConfig:
                                  "prefix_cache='hash') and tensor_parallel_size=1.")
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES.get(self.dtype, torch.float32)
-
-    @property
     def prefix_cache_kind(self) -> str | None:
         """The prefix cache in use: "hash", "radix" or None (prefix caching off)."""
         return self.prefix_cache if self.enable_prefix_caching else None
@@ -337,11 +329,11 @@ class EngineConfig:
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
         kwargs = dataclass_kwargs(cls, args)
         if kwargs.get("model") is None:
-            from kvserve.model.loaders.default_model import default_model_path
             kwargs["model"] = default_model_path()
         return cls(**kwargs)
 
-    def resolve(self, model_config: "ModelConfig") -> Config:
+    def resolve(self, model_config: "ModelConfig", cuda_available: bool = False) -> Config:
         """The immutable nested config the engine runs with, decided against the loaded model's
-        architecture (config/resolved.py)."""
-        return resolve_config(self, model_config.max_position_embeddings)
+        architecture (config/resolved.py); `cuda_available`: what the worker's probe found
+        (worker/device.py), deciding device "auto"."""
+        return resolve_config(self, model_config.max_position_embeddings, cuda_available)

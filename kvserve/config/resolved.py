@@ -15,10 +15,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
+from kvserve.config.names import DTYPE_NAMES
 from kvserve.config.speculative import CPU_SPEC_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
-from kvserve.model.config import DTYPE_NAMES
 
 if TYPE_CHECKING:
     from kvserve.config.engine_config import EngineConfig
@@ -31,16 +29,13 @@ class ModelLoadConfig:
     model: str
     device: str                         # "cpu" | "cuda" ("auto" decided)
     dtype: str                          # a torch dtype name: "float32" | "bfloat16" | "float16"
+                                        # (worker/device.torch_dtype maps it to torch's)
     max_model_len: int                  # <= the model's max_position_embeddings
     quantization: str | None            # None | "int8" | "int4" | "dequant"
     quantization_group_size: int | None
     quantize_activations: bool
     attention_backend: str              # "torch" | "cpu_fused" | "mla" (decided by worker/build.py) | "auto"
     seed: int | None
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -122,9 +117,10 @@ def _section(cls, engine: "EngineConfig", **decided):
                   for f in dataclasses.fields(cls)})
 
 
-def resolve_device(name: str) -> str:
-    """The device a name means: "auto" is cuda when torch sees a GPU, else cpu."""
-    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+def resolve_device(name: str, cuda_available: bool) -> str:
+    """The device a name means: "auto" is cuda when the worker's probe saw a GPU
+    (worker/device.cuda_available), else cpu."""
+    return ("cuda" if cuda_available else "cpu") if name == "auto" else name
 
 
 def resolve_speculative(spec: SpeculativeConfig | None, device: str) -> SpeculativeConfig | None:
@@ -134,9 +130,9 @@ def resolve_speculative(spec: SpeculativeConfig | None, device: str) -> Speculat
     return spec
 
 
-def resolve_config(engine: "EngineConfig", max_pos: int) -> Config:
+def resolve_config(engine: "EngineConfig", max_pos: int, cuda_available: bool = False) -> Config:
     """Every decision, made once, from an EngineConfig that is never written: the device
-    ("auto"), the parsed quantization, speculation with its CPU threshold, the tier list, and
+    ("auto": cuda where `cuda_available`, the worker's probe), the parsed quantization, speculation with its CPU threshold, the tier list, and
     what depends on the model: max_model_len against its max_position_embeddings (`max_pos`),
     and dtype."""
     max_len = engine.max_model_len or max_pos
@@ -146,7 +142,7 @@ def resolve_config(engine: "EngineConfig", max_pos: int) -> Config:
     # "auto" comes here only from callers that did not read the checkpoint: the engine resolves
     # it against the checkpoint before loading (model/loaders/checkpoint.py `resolve_dtype`).
     dtype = "float32" if engine.dtype == "auto" else DTYPE_NAMES[engine.dtype]
-    device = resolve_device(engine.device)
+    device = resolve_device(engine.device, cuda_available)
     quantization, group_size = engine.parsed_quantization
     return Config(
         model=_section(ModelLoadConfig, engine, dtype=dtype, max_model_len=max_len, device=device,

@@ -124,6 +124,13 @@ def _drain(engine, inbox, outbox) -> bool:
     return True
 
 
+def apply_threads(num_threads: int | None) -> int:
+    """The engine's torch thread count in this process (`--engine-threads`; None: torch's own,
+    which follows OMP_NUM_THREADS), set by the worker (worker/device.py); returns it."""
+    from kvserve.worker.device import set_num_threads
+    return set_num_threads(num_threads)
+
+
 def run_engine_core(config, num_threads: int | None, log_level: str, inbox, outbox) -> None:
     """The engine core process's entry point: build the core, answer ("ready", config,
     tokenizer, limits, stats) or ("failed", traceback), then run the loop."""
@@ -131,13 +138,9 @@ def run_engine_core(config, num_threads: int | None, log_level: str, inbox, outb
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
-    import torch
-
     from kvserve.engine.engine_core import EngineCore
 
-    if num_threads:
-        torch.set_num_threads(num_threads)
-    logger.info("engine core: %d torch threads", torch.get_num_threads())
+    logger.info("engine core: %d torch threads", apply_threads(num_threads))
     try:
         engine = EngineCore(config)
     except BaseException:  # noqa: BLE001 -- the frontend reports it and exits

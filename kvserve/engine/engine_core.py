@@ -83,7 +83,7 @@ class EngineCore:
         if tp > 1 or pp > 1:
             self.workers = Workers(r, max(tp, pp), r.parallel.distributed_executor_backend)
         num_blocks = num_kv_blocks(r, self.model.cfg, model_cfg, self.device)
-        per_block = ModelRunner.kv_bytes_per_block(self.model.cfg, r.cache.block_size, r.model.torch_dtype,
+        per_block = ModelRunner.kv_bytes_per_block(self.model.cfg, r.cache.block_size, r.model.dtype,
                                                    r.cache.kv_cache_dtype)     # this rank's KV heads
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %s, %d bytes/token",
                     num_blocks, r.cache.block_size, num_blocks * r.cache.block_size,

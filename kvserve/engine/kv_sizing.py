@@ -12,8 +12,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
 
+from kvserve.worker.device import cuda_memory
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.kv.manager import cdiv
 
@@ -50,19 +50,19 @@ class KVPoolSizes:
                 + (f" of a {self.budget / 2**20:.1f} MiB budget" if self.budget is not None else ""))
 
 
-def kv_pool_sizes(r: "Config", rank_model_cfg, model_cfg, device: torch.device | str) -> KVPoolSizes:
+def kv_pool_sizes(r: "Config", rank_model_cfg, model_cfg, device) -> KVPoolSizes:
     """`r`: the engine's resolved Config (config/resolved.py); `rank_model_cfg`: the slice of the
     model this process holds (its KV heads); `model_cfg` the whole target (a "self" draft's shape)."""
     from kvserve.spec_decode.draft import draft_footprint
 
     c = r.cache
-    per_block = ModelRunner.kv_bytes_per_block(rank_model_cfg, c.block_size, r.model.torch_dtype, c.kv_cache_dtype)
+    per_block = ModelRunner.kv_bytes_per_block(rank_model_cfg, c.block_size, r.model.dtype, c.kv_cache_dtype)
     draft_per_block, draft_weights = draft_footprint(r, model_cfg)
     if c.num_kv_blocks is not None:
         return KVPoolSizes(c.num_kv_blocks, c.block_size, per_block, draft_per_block)
     budget = c.kv_cache_memory
     if budget is None:
-        budget = (cuda_kv_budget(r, model_cfg, device) - draft_weights if torch.device(device).type == "cuda"
+        budget = (cuda_kv_budget(r, model_cfg, device) - draft_weights if str(device).startswith("cuda")
                   else DEFAULT_CPU_KV_BYTES)
     cap = r.scheduler.max_num_seqs * cdiv(r.model.max_model_len, c.block_size) + 1
     both = per_block + draft_per_block
@@ -87,7 +87,7 @@ def served_context(r: "Config", num_blocks: int) -> int:
     return r.model.max_model_len
 
 
-def num_kv_blocks(r: "Config", rank_model_cfg, model_cfg, device: torch.device | str) -> int:
+def num_kv_blocks(r: "Config", rank_model_cfg, model_cfg, device) -> int:
     """The number of blocks of the target's pool (`kv_pool_sizes`); logs the split with a draft."""
     sizes = kv_pool_sizes(r, rank_model_cfg, model_cfg, device)
     if sizes.draft_bytes_per_block:
@@ -95,11 +95,10 @@ def num_kv_blocks(r: "Config", rank_model_cfg, model_cfg, device: torch.device |
     return sizes.num_blocks
 
 
-def cuda_kv_budget(r: "Config", m, device: torch.device) -> int:
+def cuda_kv_budget(r: "Config", m, device) -> int:
     """vLLM's rule, as `kvserve plan kv` assumes: gpu_memory_utilization x total device
     memory, less what is in use (weights) and an activation reserve for one full step."""
-    _, total = torch.cuda.mem_get_info(device)
-    used = torch.cuda.memory_reserved(device)
+    total, used = cuda_memory(device)
     width = 3 * m.hidden_size + 2 * m.intermediate_size + (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
     activations = 4 * (r.scheduler.max_num_batched_tokens * width + r.scheduler.max_num_seqs * m.vocab_size)
     budget = int(r.cache.gpu_memory_utilization * total) - used - activations

@@ -157,7 +157,7 @@ def serve_data_parallel(args) -> int:
             replicas = LocalReplicas(n, argv, env=env)
         log.info("starting %d replicas: %s", n, ", ".join(replicas.urls))
         replicas.wait_healthy()
-        from kvserve.model.loaders.default_model import default_model_path
+        from kvserve.config.default_model import default_model_path
 
         hasher = build_hasher(args.model or default_model_path(), args.block_size, args.chat_template)
         ok = run_router(replicas.urls, hasher, args.router_policy, args.router_balance_threshold,
@@ -195,7 +195,7 @@ def _side_argv(argv: list[str], role: str) -> list[str]:
 def serve_disaggregated(args) -> int:
     """`kvserve serve --prefill-replicas P --decode-replicas D`: both pools and the proxy in front."""
     from kvserve.fleet.launcher import LocalReplicas, RayReplicas, replica_argv
-    from kvserve.model.loaders.default_model import default_model_path
+    from kvserve.config.default_model import default_model_path
 
     _logging(args.log_level)
     if args.prefill_replicas < 1 or args.decode_replicas < 1:

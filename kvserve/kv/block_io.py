@@ -1,6 +1,6 @@
 """The payload of one KV block outside the pool (kv/connector.py, seed 003 "Tiers of KV storage"):
-its bytes out of and into the per-layer pools, its checksummed envelope, and the scope of the
-store keys.
+its checksummed envelope and the scope of the store keys (the runner copies its bytes out of and
+into the per-layer pools: worker/kv_blocks.py).
 
 Payload: b"KVB1" | key (32 bytes) | len (u64) | data | crc32(key + data). A payload that is
 truncated, carries another key or fails the checksum reads as a miss (`unpack_block`), so a
@@ -15,8 +15,6 @@ import hashlib
 import struct
 import zlib
 from pathlib import Path
-
-import torch
 
 MAGIC = b"KVB1"
 _HEAD = len(MAGIC) + 32 + 8
@@ -72,47 +70,21 @@ class BlockAssembly:
         return self.buf
 
 
-# -- the runner side: block bytes in and out of the per-layer pools ----------------------------
-def read_blocks(runner, block_ids: list[int]) -> torch.Tensor:
-    """[n, block_bytes] uint8 on the CPU: the blocks' slices of every pool tensor, concatenated."""
-    idx = torch.tensor(block_ids, dtype=torch.long, device=runner.device)
-    parts = [t.index_select(0, idx).reshape(len(block_ids), -1).view(torch.uint8)
-             for t in runner.kv_cache_tensors()]
-    return torch.cat(parts, dim=1).cpu()
-
-
-def write_blocks(runner, block_ids: list[int], data: torch.Tensor) -> None:
-    """data [n, block_bytes] uint8 -> the blocks `block_ids` of every pool tensor."""
-    idx = torch.tensor(block_ids, dtype=torch.long, device=runner.device)
-    data = data.to(runner.device, non_blocking=True)
-    n, off = len(block_ids), 0
-    for t in runner.kv_cache_tensors():
-        per = t[0].numel() * t.element_size()
-        chunk = data[:, off:off + per]
-        if off % t.element_size() or data.shape[1] % t.element_size():     # not aligned to the dtype
-            chunk = chunk.contiguous()
-        t.index_copy_(0, idx, chunk.view(t.dtype).view((n,) + tuple(t.shape[1:])))    # else a view: no copy
-        off += per
-
-
 def store_key(scope: bytes, block_hash: bytes) -> bytes:
     """A block's key in a store (a tier, a KV stream): sha256(scope + chained block hash)."""
     return hashlib.sha256(scope + block_hash).digest() if scope else block_hash
-
-
-def block_bytes(runner) -> int:
-    return sum(t[0].numel() * t.element_size() for t in runner.kv_cache_tensors())
 
 
 PAYLOAD_OVERHEAD = _HEAD + 4
 
 
 def load_into(runner, loads: list[tuple[int, bytes]], size: int) -> None:
-    """loads: (pool block, verified data of `size` bytes) -> written into the pool."""
+    """loads: (pool block, verified data of `size` bytes) -> written into the pool by the
+    runner (`write_kv_blocks`, worker/kv_blocks.py)."""
     buf = bytearray(len(loads) * size)                  # one copy of the payloads' data, no more
     for i, (_, d) in enumerate(loads):
         buf[i * size:(i + 1) * size] = d
-    write_blocks(runner, [b for b, _ in loads], torch.frombuffer(buf, dtype=torch.uint8).view(len(loads), size))
+    runner.write_kv_blocks([b for b, _ in loads], buf)
 
 
 def _sample_digest(path: Path, h) -> None:

@@ -34,7 +34,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvserve.kv.block_io import (PAYLOAD_OVERHEAD, block_bytes, load_into, pack_block, read_blocks, store_key,
+from kvserve.kv.block_io import (PAYLOAD_OVERHEAD, load_into, pack_block, store_key,
                                  unpack_block)
 from kvserve.kv.prefix_cache import PrefixHit
 from kvserve.kv.reload_rule import ReloadRule
@@ -69,7 +69,7 @@ class KVConnector:
     model runner calls its `kv_connector` at named points: `save_blocks` first in
     `apply_kv_ops` (before any block move or write of the step), `load_blocks` last in it
     (before the forward pass), `after_forward` at the end of `execute`; blocks are read and
-    written through `runner.kv_cache_tensors()` (kv/block_io.py)."""
+    written by the runner (`read_kv_blocks` / `write_kv_blocks`: worker/kv_blocks.py)."""
 
     def extend_hit(self, req, st, hit: PrefixHit, cache) -> PrefixHit:
         return hit
@@ -271,7 +271,7 @@ class TieredConnector(KVConnector):
         """Become the runner's connector (its named hook points call this one), size the
         payloads and probe each tier's bandwidth."""
         runner.kv_connector = self
-        self.block_bytes = block_bytes(runner)
+        self.block_bytes = runner.kv_block_bytes()
         self.rule = ReloadRule(self.block_bytes / self.block_size, self.policy)
         for ti in range(len(self.stores)):
             self._probe(ti)
@@ -304,11 +304,11 @@ class TieredConnector(KVConnector):
         that already holds a key is not written again."""
         if not saves:
             return
-        data = read_blocks(runner, [b for b, _, _ in saves])       # [n, block_bytes] uint8
+        data = runner.read_kv_blocks([b for b, _, _ in saves])      # [n, block_bytes] uint8
         payloads = {}
         for i, (_, h, _) in enumerate(saves):
             k = self._key(h)
-            payloads[h] = (k, pack_block(k, data[i].numpy().tobytes()))
+            payloads[h] = (k, pack_block(k, data[i].tobytes()))
         for ti in range(len(self.stores)):
             keys = [h for _, h, evicted in saves
                     if (ti == self._evict_to and evicted) or ti in self._wt]

@@ -5,10 +5,6 @@ from dataclasses import dataclass
 
 from kvserve.model.registry import ARCHITECTURES, architecture, find_architecture
 
-# EngineConfig.dtype spellings -> the torch dtype name
-DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
-               "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-
 @dataclass
 class ModelConfig:
     architecture: str

@@ -17,7 +17,8 @@ from kvserve.model.quant.cpu_paths import kernel_plan
 from kvserve.model.fused_decode import FusedDecode
 from kvserve.model.fusion import embedding_rows, embedding_weight, linear_weight
 from kvserve.model.layers import apply_rope, gated_activation, rms_norm, rope_tables
-from kvserve.model.quant.formats import Int8Weight, QuantizedWeight, linear, parse_quantization
+from kvserve.config.names import parse_quantization
+from kvserve.model.quant.formats import Int8Weight, QuantizedWeight, linear
 
 logger = logging.getLogger(__name__)
 EMBED = "model.embed_tokens.weight"

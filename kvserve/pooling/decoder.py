@@ -16,6 +16,7 @@ from kvserve.attention.mla import MlaAttention
 from kvserve.attention.torch_paged import TorchPagedAttention
 from kvserve.pooling.rule import read_rule
 from kvserve.worker.build import build_model, load_and_resolve
+from kvserve.worker.device import torch_dtype
 
 NO_TABLE = torch.empty(0, dtype=torch.long)
 
@@ -53,7 +54,7 @@ class DecoderEmbedder:
         self.model, self.tokenizer, cfg = built.model, built.tokenizer, built.config
         self.no_cache = [(None, None)] * cfg.num_layers
         self.rule = read_rule(config.model)
-        self.dim, self.vocab_size, self.dtype = cfg.hidden_size, cfg.vocab_size, r.model.torch_dtype
+        self.dim, self.vocab_size, self.dtype = cfg.hidden_size, cfg.vocab_size, torch_dtype(r.model.dtype)
 
     def embed(self, prompts: list[list[int]]) -> torch.Tensor:
         lengths = [len(p) for p in prompts]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve.config.resolved import resolve_device
+from kvserve.worker.device import resolve_device
 from kvserve.model.loaders.checkpoint import checkpoint_dtype, resolve_dtype
 from kvserve.model.tokenizers.tokenizer import HFTokenizer
 from kvserve.pooling.rule import read_rule

@@ -158,7 +158,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 def served_name(args) -> str:
     if args.served_model_name:
         return args.served_model_name
-    from kvserve.model.loaders.default_model import DEFAULT_MODEL_NAME, is_default_model
+    from kvserve.config.default_model import DEFAULT_MODEL_NAME, is_default_model
     from kvserve.pooling.models import known_name
 
     if is_default_model(args.model):
@@ -212,9 +212,8 @@ EMBED_REFUSED = (("tensor_parallel_size", 1, "--tensor-parallel-size"),
 def embedding_client(args):
     """The engine of `--task embed` (server/openai/embeddings.py's EmbeddingClient): the model loaded
     (kvserve/pooling/), batching bounded by --max-num-batched-tokens and --max-num-seqs."""
-    import torch
-
     from kvserve.config import EngineConfig
+    from kvserve.engine.core_loop import apply_threads
     from kvserve.server.openai.embeddings import EmbeddingClient
     from kvserve.pooling.models import load_embedding_model, resolve_model
 
@@ -224,17 +223,15 @@ def embedding_client(args):
     if args.model is not None:
         args.model = resolve_model(args.model)
     config = EngineConfig.from_cli_args(args)
-    if args.engine_threads:
-        torch.set_num_threads(args.engine_threads)
+    apply_threads(args.engine_threads)
     return EmbeddingClient.serving(load_embedding_model(config), config)
 
 
 def generation_engine(args):
     """The engine of `--task generate`: a CoreClient of a core process, or an EngineCore (thread
     layout). RuntimeError if the core process could not load the model."""
-    import torch
-
     from kvserve.config import EngineConfig
+    from kvserve.engine.core_loop import apply_threads
     from kvserve.engine.engine_core import EngineCore
     from kvserve.pooling.models import MINILM_ALIASES, is_encoder
     from kvserve.server.core_client import CoreClient
@@ -244,8 +241,7 @@ def generation_engine(args):
     config = EngineConfig.from_cli_args(args)
     if args.engine_layout == "process":
         return CoreClient.in_process(config, args.engine_threads, args.log_level)
-    if args.engine_threads:
-        torch.set_num_threads(args.engine_threads)
+    apply_threads(args.engine_threads)
     return EngineCore(config)
 
 

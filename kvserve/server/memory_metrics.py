@@ -3,9 +3,9 @@ utilisation"; the KV-cache gauge is metrics.py's kvserve:kv_cache_usage_perc):
 
     kvserve:resident_memory_bytes       RSS of the server process and every process under it (the
                                         engine core runs in a child process), from /proc
-    kvserve:cuda_memory_used_bytes      device memory in use: torch's allocator when this process
-                                        runs the engine on CUDA, else `nvidia-smi`'s memory.used
-    kvserve:cuda_memory_total_bytes     the device's capacity (same sources)
+    kvserve:cuda_memory_used_bytes      device memory in use, every process's (`nvidia-smi`'s
+                                        memory.used: the engine's weights, KV pool and CUDA context)
+    kvserve:cuda_memory_total_bytes     the device's capacity (the same source)
 
 A gauge whose source is missing (no /proc, no CUDA) is left out; a scrape never fails because a
 memory query did.
@@ -58,15 +58,8 @@ def process_tree_rss(pid: int | None = None, proc: str = "/proc") -> int | None:
 
 
 def cuda_memory() -> tuple[float, float] | None:
-    """(used, total) bytes of device 0: torch's view when CUDA is initialised in this process, else
-    nvidia-smi's (whole device); None when neither is there."""
-    try:
-        import torch
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            dev = torch.cuda.current_device()
-            return float(torch.cuda.memory_reserved(dev)), float(torch.cuda.get_device_properties(dev).total_memory)
-    except Exception:   # noqa: BLE001
-        pass
+    """(used, total) bytes of device 0 as nvidia-smi sees them (the whole device, whichever process
+    holds the memory); None without nvidia-smi."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None

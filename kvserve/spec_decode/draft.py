@@ -28,6 +28,7 @@ from kvserve.model.loaders.checkpoint import read_model_config
 from kvserve.spec_decode.config import SELF_DRAFTS, SpeculativeConfig
 from kvserve.spec_decode.ngram import Proposer
 from kvserve.worker.build import build_model
+from kvserve.worker.device import torch_dtype
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.sequence import RunnerSequence
 
@@ -46,7 +47,7 @@ def draft_footprint(r, target_cfg) -> tuple[int, int]:
     E, D = m.hidden_size, m.head_dim
     params = (m.vocab_size * E * (1 if m.tie_word_embeddings else 2)
               + m.num_layers * 2 * E * (m.num_heads + m.num_kv_heads) * D + m.mlp_params())
-    dtype = r.model.torch_dtype
+    dtype = torch_dtype(r.model.dtype)
     return (ModelRunner.kv_bytes_per_block(m, r.cache.block_size, dtype),
             params * torch.empty((), dtype=dtype).element_size())
 

@@ -22,7 +22,7 @@ import torch
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.selector import select_attention_backend
-from kvserve.config.resolved import resolve_device
+from kvserve.worker.device import cuda_available, resolve_device, torch_dtype
 from kvserve.model.config import ModelConfig
 from kvserve.model.loaders.checkpoint import checkpoint_dtype, load_model_dir, resolve_dtype
 from kvserve.model.registry import architecture
@@ -55,7 +55,7 @@ def load_checkpoint(config, device: torch.device | str) -> tuple[ModelConfig, di
     """(model config, weights, tokenizer) of `config.model` in `config.dtype` (decided; an
     EngineConfig or its resolved ModelLoadConfig section): a GGUF
     file's tensors in their own types unless quantization "dequant" asks for the dtype."""
-    return load_model_dir(config.model, native=config.quantization != "dequant", dtype=config.torch_dtype,   # (raw or parsed)
+    return load_model_dir(config.model, native=config.quantization != "dequant", dtype=torch_dtype(config.dtype),   # (raw or parsed)
                           device=device)
 
 
@@ -67,12 +67,12 @@ def load_and_resolve(config: "EngineConfig") -> tuple["Config", tuple]:
     config = with_checkpoint_dtype(dataclasses.replace(config, device=resolve_device(config.device)))
     loaded = load_checkpoint(config, config.device)
     model_cfg = loaded[0]
-    r = config.resolve(model_cfg)
+    r = config.resolve(model_cfg, cuda_available())
     tp, ep = r.parallel.tensor_parallel_size, r.parallel.enable_expert_parallel
     check_expert_parallel(model_cfg, ep)
     heads = shard_config(model_cfg, tp, ep) if tp > 1 else model_cfg     # what one rank attends over
     backend = select_attention_backend(r.model.attention_backend, heads, torch.device(r.model.device),
-                                       r.model.torch_dtype, r.cache.kv_cache_dtype)
+                                       torch_dtype(r.model.dtype), r.cache.kv_cache_dtype)
     return dataclasses.replace(r, model=dataclasses.replace(r.model, attention_backend=backend.name)), loaded
 
 
@@ -99,13 +99,13 @@ def build_model(load: "ModelLoadConfig", block_size: int, kv_cache_dtype: str, d
         s = stage_of(cfg, pp_rank, pp_size)
         run_cfg, weights, stage = stage_config(cfg, s), stage_weights(weights, cfg, s), {"stage": s}
     if attention is None:
-        attention = select_attention_backend(load.attention_backend, run_cfg, device, load.torch_dtype,
+        attention = select_attention_backend(load.attention_backend, run_cfg, device, torch_dtype(load.dtype),
                                              kv_cache_dtype,
                                              log=rank == 0 and load.attention_backend == "auto")
     model_class = architecture(cfg.architecture).model_class()
     if stage and not getattr(model_class, "supports_pipeline", False):
         raise ValueError(f"pipeline_parallel_size > 1 is not built for {cfg.architecture}: use 1.")
     model = model_class(run_cfg, weights, attention.for_model(run_cfg, block_size, kv_cache_dtype), device,
-                        load.torch_dtype, load.quantization, load.quantization_group_size, tp=tp,
+                        torch_dtype(load.dtype), load.quantization, load.quantization_group_size, tp=tp,
                         quantize_activations=load.quantize_activations, **stage)
     return BuiltModel(model, cfg, tokenizer)

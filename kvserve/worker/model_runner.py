@@ -21,6 +21,8 @@ import torch
 
 from kvserve.attention import kv_quant
 from kvserve.model.llama import LlamaModel
+from kvserve.worker import kv_blocks
+from kvserve.worker.device import torch_dtype
 from kvserve.sample.sampler import Sampler
 from kvserve.worker.input_batch import InputBatch
 from kvserve.worker.output import ModelRunnerOutput
@@ -83,6 +85,17 @@ class ModelRunner:
         values then scales when quantized (float8 viewed as bytes)."""
         return self._pools(self.kv_caches)
 
+    def read_kv_blocks(self, block_ids: list[int]):
+        """[n, block_bytes] uint8 (numpy): the blocks' bytes in every pool (worker/kv_blocks.py)."""
+        return kv_blocks.read_blocks(self.kv_cache_tensors(), block_ids)
+
+    def write_kv_blocks(self, block_ids: list[int], data) -> None:
+        """n x block_bytes bytes (`read_kv_blocks`' layout) -> the blocks `block_ids` of every pool."""
+        kv_blocks.write_blocks(self.kv_cache_tensors(), block_ids, data)
+
+    def kv_block_bytes(self) -> int:
+        return kv_blocks.block_bytes(self.kv_cache_tensors())
+
     def kv_layer_layout(self) -> tuple[int, int]:
         """(layers, bytes of one block in one layer): kv_cache_tensors() is layer-major."""
         tensors, n = self.kv_cache_tensors(), len(self.kv_caches)
@@ -94,10 +107,8 @@ class ModelRunner:
         tensors = self.kv_cache_tensors()
         g = len(tensors) // len(self.kv_caches)
         for o, block_ids, keys in self.kv_stream.step_plan():
-            idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-            parts = [t.index_select(0, idx).reshape(len(block_ids), -1).view(torch.uint8)
-                     for t in tensors[layer * g:(layer + 1) * g]]
-            self.kv_stream.layer_data(o, layer, keys, torch.cat(parts, dim=1).cpu().numpy().tobytes())
+            data = kv_blocks.read_blocks(tensors[layer * g:(layer + 1) * g], block_ids)
+            self.kv_stream.layer_data(o, layer, keys, data.tobytes())
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy on write: block src -> dst in every layer's K and V cache."""
@@ -138,9 +149,12 @@ class ModelRunner:
             self.kv_connector.load_blocks(self, ops.loads)
 
     @staticmethod
-    def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype | str, kv_cache_dtype: str = "auto") -> int:
         """K and V of every layer for block_size tokens (scales included when quantized); with
-        multi-head latent attention the latent and the RoPE key part (ModelConfig.kv_cache_rows)."""
+        multi-head latent attention the latent and the RoPE key part (ModelConfig.kv_cache_rows).
+        `dtype`: the model's, or its name (config/names.py)."""
+        if isinstance(dtype, str):
+            dtype = torch_dtype(dtype)
         rows = sum(heads * kv_quant.bytes_per_token_head(kv_cache_dtype, width, dtype)
                    for heads, width in cfg.kv_cache_rows())
         return cfg.num_layers * block_size * rows

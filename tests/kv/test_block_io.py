@@ -1,19 +1,17 @@
-"""A block's bytes out of and into the pool (kv/block_io.py): read_blocks then write_blocks is the
+"""A block's bytes out of and into the pool (worker/kv_blocks.py): read_blocks then write_blocks is the
 identity, whether the pool tensors' slices line up with their dtypes in the flat payload (written
 from views, no copy) or not (a tensor of 3 bytes per block before one of float32: copied first)."""
 from __future__ import annotations
 
 import torch
 
-from kvserve.kv.block_io import BlockAssembly, pack_block, read_blocks, unpack_block, write_blocks
+from kvserve.kv.block_io import BlockAssembly, pack_block, unpack_block
+from kvserve.worker.kv_blocks import read_blocks, write_blocks
 
 
 class Pools:
     def __init__(self, tensors):
-        self.tensors, self.device = tensors, torch.device("cpu")
-
-    def kv_cache_tensors(self):
-        return self.tensors
+        self.tensors = tensors
 
 
 def test_round_trip_aligned_and_not():
@@ -23,8 +21,8 @@ def test_round_trip_aligned_and_not():
         src = Pools([torch.randn(s, generator=g).to(dt) if dt != torch.uint8 else
                      torch.randint(0, 255, s, generator=g, dtype=dt) for dt, s in shapes])
         dst = Pools([torch.zeros_like(t) for t in src.tensors])
-        data = read_blocks(src, [2, 0])
-        write_blocks(dst, [1, 3], data)
+        data = read_blocks(src.tensors, [2, 0])
+        write_blocks(dst.tensors, [1, 3], bytearray(data.tobytes()))
         for a, b in zip(src.tensors, dst.tensors):
             assert torch.equal(b[1], a[2]) and torch.equal(b[3], a[0]) and not b[0].any() and not b[2].any()
 

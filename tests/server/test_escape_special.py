@@ -35,7 +35,7 @@ ORDINARY = [
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from kvserve.model.loaders.default_model import default_model_path
+    from kvserve.config.default_model import default_model_path
     from kvserve.model.loaders.gguf import open_gguf, read_metadata
     from kvserve.model.tokenizers.gguf_tokenizer import build_gguf_tokenizer
 

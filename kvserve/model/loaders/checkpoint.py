@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvserve.model.config import DTYPE_NAMES, ModelConfig
+from kvserve.config.names import DTYPE_NAMES
+from kvserve.model.config import ModelConfig
 from kvserve.model.loaders.gguf import load_gguf
 from kvserve.model.moe import check_expert_tensors
 from kvserve.model.registry import architecture

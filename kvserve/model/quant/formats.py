@@ -48,18 +48,16 @@ their format, the embedding included (looked up row by row, and tied, the lm_hea
 from __future__ import annotations
 
 import logging
-import re
 
 import torch
 import torch.nn.functional as F
 
 from kvserve import kernels
+from kvserve.config.names import GROUP_SIZES, QUANTIZATION_METHODS as METHODS
 from kvserve.model.quant.cpu_paths import kernel_plan, warn_once
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("int8", "int4")
-GROUP_SIZES = (32, 64, 128, 256)      # what the int4 kernel accepts
 ROW_BLOCK = 64                        # rows dequantized (and packed) together: DEQUANT_CHUNK's unit
 CPU_SCALE_DTYPE = torch.bfloat16      # the kernels' activation and scale dtype on the CPU
 INT4_KERNEL_ROWS = 16                 # the int4 kernel takes out_features in multiples of this
@@ -71,31 +69,6 @@ W8A8_ROWS = 128
 # stays small enough for the allocator to reuse: glibc maps anything over 32 MB afresh, and
 # the 32000 x 768 lm_head at 64 rows took 21.6 ms whole against 5.3 ms in 3M-weight blocks.
 DEQUANT_CHUNK = 3 << 20
-
-
-def parse_quantization(method: str | None, group_size: int | None) -> tuple[str | None, int | None]:
-    """("int4-g32", None) -> ("int4", 32); checks the method and the group size. "dequant":
-    a GGUF file's quantized tensors dequantized to the model dtype at load (else the same as None)."""
-    if method is None or method in ("none", "dequant"):
-        if group_size is not None:
-            raise ValueError("quantization_group_size needs quantization='int4'; set both or neither.")
-        return (None if method == "none" else method), None
-    match = re.fullmatch(r"(int8|int4)(?:-g(\d+))?", str(method))
-    if match is None:
-        raise ValueError(f"quantization must be one of {', '.join(METHODS)} (int4 may carry a "
-                         f"group size, e.g. 'int4-g32') or 'dequant', got {method!r}.")
-    method, suffix = match.group(1), match.group(2)
-    if suffix is not None:
-        if group_size is not None and group_size != int(suffix):
-            raise ValueError(f"quantization {method}-g{suffix} and quantization_group_size={group_size} "
-                             "disagree; give the group size once.")
-        group_size = int(suffix)
-    if method == "int8" and group_size is not None:
-        raise ValueError("int8 quantization is per output channel and takes no group size; "
-                         "drop quantization_group_size or use int4.")
-    if group_size is not None and group_size not in GROUP_SIZES:
-        raise ValueError(f"int4 group size must be one of {GROUP_SIZES}, got {group_size}.")
-    return method, group_size
 
 
 def _round_up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

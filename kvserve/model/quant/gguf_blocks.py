@@ -19,7 +19,8 @@ import logging
 
 import torch
 
-from kvserve.model.quant.formats import GROUP_SIZES, INT4_KERNEL_ROWS, Int4Weight, QuantizedWeight, quantize
+from kvserve.config.names import GROUP_SIZES
+from kvserve.model.quant.formats import INT4_KERNEL_ROWS, Int4Weight, QuantizedWeight, quantize
 
 logger = logging.getLogger(__name__)
 
