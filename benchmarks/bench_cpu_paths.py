@@ -12,6 +12,8 @@ libraries capped to the same ISA, so that an AVX-512 host stands in for an older
 paths carry over, the absolute figures do not.)
 
 Paths, for SmolLM2-135M's matrices (gate_up 3072x576, qkv 960x576, down 576x1536):
+  i4o         kvserve's int4 kernel (float32 activations; where it is built, the plan's int4
+              kernel, and torch's only stands beside it for comparison)
   i4k / i8k   torch's int4 / int8 kernel (bfloat16 activations; `.f`: float32 activations, at
               up to 8 rows, the reason the kernels run in bfloat16)
   i4d / i8d   dequantize + GEMM, in bfloat16 and in float32 (`.b` / `.f`)
@@ -61,6 +63,7 @@ def measure(shapes: str, rows: list[int], threads: int) -> dict:
     import torch
     import torch.nn.functional as F
 
+    from kvserve import kernels
     from kvserve.model.quant.formats import quantize
 
     torch.set_num_threads(threads)
@@ -69,20 +72,22 @@ def measure(shapes: str, rows: list[int], threads: int) -> dict:
         N, K = map(int, shape.split("x"))
         w = torch.randn(N, K, generator=torch.Generator().manual_seed(0))
         i4, i8 = quantize(w, "int4", 32, torch.float32), quantize(w, "int8", None, torch.float32)
-        if i4.packed is None:                     # this capability's plan skips the kernel: pack anyway
-            i4.kernel_max_rows = 0
-            i4.packed = i4._torch_packed()
+        packed = i4._torch_packed()                   # torch's kernel, measured beside kvserve's
+        torch_scales = i4.scales.transpose(0, 1).contiguous()
+        own = kernels.available()
         dense = {"b": w.bfloat16(), "f": w}
         cells: dict = {}
         for r in rows:
             x = torch.randn(r, K, generator=torch.Generator().manual_seed(r))
             xb = x.bfloat16()
             c = {"i4k": best_us(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
-                     xb, i4.packed, 32, i4.scales_and_zeros)),
+                     xb, packed, 32, torch_scales)),
                  "i8k": best_us(lambda: torch.ops.aten._weight_int8pack_mm(xb, i8.q, i8.scale))}
+            if own:
+                c["i4o"] = best_us(lambda: torch.ops.kvserve.linear_int4(x, i4.nibbles, i4.scales, 32))
             if r <= 8:
                 c["i4k.f"] = best_us(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
-                    x, i4.packed, 32, i4.scales_and_zeros.float()))
+                    x, packed, 32, torch_scales.float()))
                 c["i8k.f"] = best_us(lambda: torch.ops.aten._weight_int8pack_mm(x, i8.q, i8.scale.float()))
             for d, dt in (("b", torch.bfloat16), ("f", torch.float32)):
                 xd = x.to(dt)
@@ -108,10 +113,12 @@ def crossovers(table: dict) -> dict:
         return sum(c[r][path] for c in table.values())
 
     res = {}
+    own = "i4o" in next(iter(table.values()))[rows[0]]
     for kind in ("i4", "i8"):
         best = -1
+        kernel = "i4o" if kind == "i4" and own else f"{kind}k"   # the int4 kernel the plan runs
         for r in rows:
-            if total(f"{kind}k", r) >= min(total(f"{kind}d.b", r), total(f"{kind}d.f", r)):
+            if total(kernel, r) >= min(total(f"{kind}d.b", r), total(f"{kind}d.f", r)):
                 break
             best = r
         big = rows[-1]

@@ -47,7 +47,7 @@ def bytes_read_per_step(model) -> int:
             return w.numel() * w.element_size()
         inner = getattr(w, "planes", w)
         if hasattr(inner, "nibbles"):
-            return inner.nibbles.numel() + inner.scales_and_zeros.numel() * 2
+            return inner.nibbles.numel() + inner.scales.numel() * 2
         return w.nbytes
     weights = {id(w): w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)}
     weights[id(model.lm_head)] = model.lm_head

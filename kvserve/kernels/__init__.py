@@ -2,7 +2,7 @@
 the machine it runs on and cached, registered as `torch.ops.kvserve.*` ops (seed 000: a decode
 step reads every weight byte once; its host work is a few calls, not thousands).
 
-  linear_int4 / linear_int8 / linear_q8_0   GEMVs reading kvserve's packed layouts (model/quant/formats.py)
+  linear_int4 / linear_int8 / linear_q8_0   GEMVs and tiled GEMMs reading kvserve's packed layouts (model/quant/formats.py)
   decode_attention                          paged decode attention, split along the context
   silu_mul                                  SwiGLU
   decode_layers                             every decoder layer of a pure-decode step, one call
@@ -29,9 +29,10 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("ops.cpp", "layers.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_scalar.cpp")
 CAPABILITY_BITS = {"AVX512": 512, "AVX2": 256}
-# Steps of up to this many rows run kvserve's int4 / int8 GEMVs (a decode of a few streams);
-# bigger ones torch's kernels, which measured 1.2-1.6x faster from 4 rows on (benchmarks/
-# bench_decode_kernels.py). csrc/ops.h's Q8_ROWS is the same number.
+# Steps of up to this many rows run int4 weights on int16 dot products (a decode of a few
+# streams) and int8 ones on kvserve's GEMV; more rows take int4's float route (register blocks
+# to 8 rows, dequantized tiles past them: faster than torch's int4 kernel from 5 rows,
+# benchmarks/bench_decode_kernels.py) and torch's int8 kernel. csrc/ops.h's Q8_ROWS is the same.
 KERNEL_ROWS = 3
 
 
@@ -121,11 +122,3 @@ def isa() -> str:
     bits = CAPABILITY_BITS.get(torch.backends.cpu.get_cpu_capability(), 0)
     return torch.ops.kvserve.set_isa(bits) if load() else "torch"
 
-
-def int4_block_scales(scales_and_zeros: torch.Tensor, K: int) -> torch.Tensor:
-    """An int4 weight's (scale, zero) [K/G, N, 2] re-laid per row and per 32 weights for the
-    integer-dot GEMV: [N, 2, K/32] bfloat16 (row n: its block scales, then its block zeros).
-    The same bfloat16 values, in the order the kernel reads them."""
-    groups = scales_and_zeros.shape[0]
-    per_block = scales_and_zeros.repeat_interleave(K // 32 // groups, dim=0)      # [K/32, N, 2]
-    return per_block.permute(1, 2, 0).contiguous()

@@ -18,10 +18,11 @@ import torch
 
 from kvserve import kernels
 from kvserve.model.quant.formats import Int4Weight, Int8Weight
+from kvserve.model.quant.gguf_blocks import Int8BlockWeight
 
 logger = logging.getLogger(__name__)
 DENSE, INT4, INT8, Q8_0 = 0, 1, 2, 3
-MAX_ROWS = 64        # decode rows the fused step takes with float32 weights (at::mm inside)
+MAX_ROWS = 64        # decode rows the fused step takes (its scratch grows with them)
 EMPTY = torch.empty(0)
 
 
@@ -30,19 +31,17 @@ def linear_spec(w) -> tuple | None:
     if isinstance(w, torch.Tensor):
         return (DENSE, 0, w, EMPTY, EMPTY) if w.dtype == torch.float32 else None
     if isinstance(w, Int4Weight):
-        return INT4, w.group_size, w.nibbles, w.scales_and_zeros, _or_empty(w.block_scales)
+        return INT4, w.group_size, w.nibbles, w.scales, EMPTY
     if isinstance(w, Int8Weight) and w.shape[1] % 32 == 0:
         return INT8, 0, w.q, w.scale, EMPTY
+    if isinstance(w, Int8BlockWeight) and w.q is not None:
+        return Q8_0, 32, w.q, w.d, EMPTY
     return None
 
 
-def _or_empty(t):
-    return EMPTY if t is None else t
-
-
-def _layer_pack(layer) -> tuple[list, list[int], set[int]] | None:
-    """One layer's tensors and spec ints as csrc/layers.cpp reads them (its header comment), and
-    the formats of its linear weights; None when a weight is in a format the kernels do not read.
+def _layer_pack(layer) -> tuple[list, list[int]] | None:
+    """One layer's tensors and spec ints as csrc/layers.cpp reads them (its header comment); None
+    when a weight is in a format the kernels do not read.
     A mixture-of-experts layer (moe_models.MoeLayer) adds its router, routing scale, experts and
     shared expert after the 17 tensors, its gate_up / down slots left empty."""
     moe = not layer.dense_mlp
@@ -66,36 +65,37 @@ def _layer_pack(layer) -> tuple[list, list[int], set[int]] | None:
         tensors += [a, b, c]
         spec += [fmt, group]
     spec += [len(layer.experts_gate_up), layer.top_k, int(layer.renormalize), shared] if moe else [0, 0, 0, 0]
-    formats = {x[0] for x in lins[:2 if moe else 4]}
     if moe:
         tensors += [layer.router.contiguous(), torch.tensor([float(layer.route_scale)])]
         for fmt, group, a, b, c in extra:
             tensors += [a, b, c]
             spec += [fmt, group]
-            formats.add(fmt)
         if shared == 2:
             tensors.append(layer.shared_gate.contiguous())
-    return tensors, spec, formats
+    return tensors, spec
 
 
 class FusedDecode:
     """The flat weight list and spec `decode_layers` reads, built once from a LlamaModel."""
 
-    def __init__(self, model, weights: list[torch.Tensor], spec: list[int], formats: set[int]):
+    def __init__(self, model, weights: list[torch.Tensor], spec: list[int]):
         self.model, self.weights, self.spec = model, weights, spec
-        # quantized weights: only steps kvserve's GEMVs take (kernels.KERNEL_ROWS); torch's
-        # kernels run bigger batches of a dense model faster, layer by layer. A mixture of experts
-        # splits a batch into a few rows per expert, and its torch path loops over experts in
-        # Python: on a Q8_0 Mixtral-shaped file the fused step measured 178 against 115 tokens/s
-        # at 8 rows and 280 against 180 at 32 (docs/performance/quantization.md): it takes them all.
-        moe = any(not layer.dense_mlp for layer in model.layers)
-        self.max_rows = MAX_ROWS if formats == {DENSE} or moe else kernels.KERNEL_ROWS
+        # Every format takes batches of up to MAX_ROWS: kvserve's kernels run int4 and Q8_0 at
+        # any row count (int16 dot products to 3 rows, float blocks to 8, dequantized tiles past
+        # that), and one call a step saves the layer-by-layer path's Python and thread forks.
+        # SmolLM2-135M Q4_1 decode, against the fused step limited to 3 rows with torch's int4
+        # kernel past them: 1.17x at batch 4, 1.32x at 8, 1.37x at 16, 1.35x at 64
+        # (benchmarks/results/batched_decode.json). A mixture of experts splits a batch into a few
+        # rows per expert, and its torch path loops over experts in Python: on a Q8_0
+        # Mixtral-shaped file the fused step measured 178 against 115 tokens/s at 8 rows and 280
+        # against 180 at 32 (docs/performance/quantization.md).
+        self.max_rows = MAX_ROWS
 
     @classmethod
     def build(cls, model) -> "FusedDecode | None":
         why = cls._why_not(model)
         if why is None:
-            weights, spec, formats = [], [], set()
+            weights, spec = [], []
             for layer in model.layers:
                 packed = _layer_pack(layer)
                 if packed is None:
@@ -103,11 +103,10 @@ class FusedDecode:
                     break
                 weights += packed[0]
                 spec += packed[1]
-                formats |= packed[2]
         if why is not None:
             logger.info("fused decode step off (%s): decode steps run layer by layer in torch", why)
             return None
-        fused = cls(model, weights, spec, formats)
+        fused = cls(model, weights, spec)
         logger.info("fused decode step on: pure-decode steps of up to %d rows run every layer in one "
                     "kernel call (%s)", fused.max_rows, kernels.isa())
         return fused

@@ -8,7 +8,7 @@ import torch
 
 from kvserve.model.quant.cpu_paths import kernel_plan, warn_once
 from kvserve.model.quant.formats import Int4Weight, Int8Weight, QuantizedWeight, keeps_quantized, quantize
-from kvserve.model.quant.gguf_blocks import Int4Values
+from kvserve.model.quant.gguf_blocks import Int4Values, Int8BlockWeight
 
 
 def _format(w) -> tuple:
@@ -32,6 +32,8 @@ def _fuse(parts: list, dtype: torch.dtype, device, name: str):
         return Int4Weight.cat(parts, dtype, device, name)
     if isinstance(first, Int8Weight):
         return Int8Weight.cat(parts, dtype, device)
+    if isinstance(first, Int8BlockWeight):
+        return Int8BlockWeight.cat(parts, dtype, device)
     return quantize(torch.cat([_float(p) for p in parts]), "int8", None, dtype, device, name)
 
 

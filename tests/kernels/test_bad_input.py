@@ -28,7 +28,10 @@ def test_decode_attention_refuses_heads_and_dims_it_does_not_hold():
         torch.ops.kvserve.decode_attention(torch.randn(1, H, D), *caches(torch.int8), None, None, tables, lens, 0.25, 0)
     with pytest.raises(RuntimeError, match="int4 takes"):
         torch.ops.kvserve.linear_int4(torch.randn(1, 64), torch.zeros(16, 32, dtype=torch.uint8),
-                                      torch.zeros(1, 16, 2, dtype=torch.bfloat16), None, 48)
+                                      torch.zeros(16, 1, 2, dtype=torch.bfloat16), 48)
+    with pytest.raises(RuntimeError, match="int4 takes"):      # scales in torch's [K/G, N, 2] order
+        torch.ops.kvserve.linear_int4(torch.randn(1, 64), torch.zeros(16, 32, dtype=torch.uint8),
+                                      torch.zeros(2, 16, 2, dtype=torch.bfloat16), 32)
 
 
 def test_decode_attention_refuses_int8_scales_of_the_wrong_shape():
@@ -81,7 +84,7 @@ def test_ops_have_shape_functions_for_tracing():
     with FakeTensorMode():
         x = torch.empty(3, 64)
         y = torch.ops.kvserve.linear_int4(x, torch.empty(48, 32, dtype=torch.uint8),
-                                          torch.empty(2, 48, 2, dtype=torch.bfloat16), None, 32)
+                                          torch.empty(48, 2, 2, dtype=torch.bfloat16), 32)
         att = torch.ops.kvserve.decode_attention(torch.empty(2, H, D), *caches(), None, None,
                                                  torch.empty(2, 2, dtype=torch.long),
                                                  torch.empty(2, dtype=torch.long), 0.25, 0)

@@ -107,7 +107,7 @@ def test_fused_step_with_experts(name, quantization, tol, moe_model_dir, monkeyp
         monkeypatch.setattr(Int8Weight, "linear", lambda self, x, bias=None: torch.ops.kvserve.linear_int8(
             x.float(), self.q, self.scale).to(x.dtype))
         monkeypatch.setattr(Int4Weight, "linear", lambda self, x, bias=None: torch.ops.kvserve.linear_int4(
-            x.float(), self.nibbles, self.scales_and_zeros, self.block_scales, self.group_size).to(x.dtype))
+            x.float(), self.nibbles, self.scales, self.group_size).to(x.dtype))
     kw = dict(dtype="float32", block_size=8, quantization=quantization)
     fused, layered, steps = fused_and_layered(moe_model_dir(name), prompts_for(4, 6), **kw)
     assert_same(fused, layered, tol)

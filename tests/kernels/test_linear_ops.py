@@ -70,7 +70,7 @@ def q16_rounding(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
     N, K = w.shape
     T = x.shape[0]
     amax = x.double().abs().view(T, K // 32, 32).amax(-1).repeat_interleave(32, dim=1)          # [T, K]
-    scale = w.scales_and_zeros[..., 0].double().T.repeat_interleave(w.group_size, dim=1)        # [N, K]
+    scale = w.scales[..., 0].double().repeat_interleave(w.group_size, dim=1)                    # [N, K]
     q = torch.stack([w.nibbles & 15, w.nibbles >> 4], -1).view(N, K).double()
     return 1.01 * (amax @ ((q - 8).abs() * scale).T) / 65534
 
@@ -78,25 +78,24 @@ def q16_rounding(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
 @pytest.mark.parametrize("bits", ISA_BITS)
 @SETTINGS
 @given(seed=st.integers(0, 2**31), group=st.sampled_from([32, 64, 128, 256]), blocks=st.integers(1, 9),
-       N=st.integers(1, 80), T=st.integers(1, 40), zeros=st.booleans(), block_scales=st.booleans(),
+       N=st.integers(1, 80), T=st.integers(1, 40), few=st.booleans(), zeros=st.booleans(),
        n_threads=st.sampled_from([1, 2]))
-@example(seed=1, group=256, blocks=9, N=33, T=5, zeros=True, block_scales=False, n_threads=1)  # two 2048 slabs
-@example(seed=2, group=32, blocks=3, N=20, T=2, zeros=True, block_scales=True, n_threads=1)   # K % 64: float
-@example(seed=3, group=128, blocks=2, N=17, T=3, zeros=False, block_scales=True, n_threads=2)
-def test_linear_int4(bits, seed, group, blocks, N, T, zeros, block_scales, n_threads):
+@example(seed=1, group=256, blocks=9, N=33, T=5, few=False, zeros=True, n_threads=1)   # two 1024 slabs
+@example(seed=2, group=32, blocks=3, N=20, T=2, few=True, zeros=True, n_threads=1)     # K % 64: float
+@example(seed=3, group=128, blocks=2, N=17, T=3, few=True, zeros=False, n_threads=2)
+@example(seed=4, group=32, blocks=40, N=35, T=40, few=False, zeros=True, n_threads=2)  # 1,280 wide: slabs
+def test_linear_int4(bits, seed, group, blocks, N, T, few, zeros, n_threads):
+    """Every route (int16 for <= KERNEL_ROWS rows, float blocks to 8 rows, float tiles past
+    that) against the float64 product of the dequantized weight."""
     g = torch.Generator().manual_seed(seed)
     K = group * blocks
-    if block_scales:
-        T = 1 + T % kernels.KERNEL_ROWS if seed % 4 else T     # mostly the int16 route's rows
+    if few:
+        T = 1 + T % 8                                         # the int16 route's and the blocks' rows
     w = int4_weight(g, N, K, group, zeros)
     x = activations(g, T, K)
-    bs = kernels.int4_block_scales(w.scales_and_zeros, K) if block_scales else None
     with on_isa(bits), threads(n_threads):
-        y = torch.ops.kvserve.linear_int4(x, w.nibbles, w.scales_and_zeros, bs, group)
-    int16_route = block_scales and T <= kernels.KERNEL_ROWS and K % 64 == 0
-    if block_scales and not int16_route:
-        with on_isa(bits):
-            assert torch.equal(y, torch.ops.kvserve.linear_int4(x, w.nibbles, w.scales_and_zeros, None, group))
+        y = torch.ops.kvserve.linear_int4(x, w.nibbles, w.scales, group)
+    int16_route = T <= kernels.KERNEL_ROWS and K % 64 == 0
     check(y, x, w.dequantize(dtype=torch.float32), q16_rounding(x, w) if int16_route else 0.0)
 
 
@@ -129,19 +128,20 @@ def test_linear_q8_0(bits, seed, blocks, N, T, n_threads):
     check(y, x, q.double() * d.double().repeat_interleave(32, dim=1))
 
 
-def test_quantized_weights_run_kvserves_ops_for_a_few_rows():
-    """Int4Weight / Int8Weight.linear at <= KERNEL_ROWS rows is kvserve's op, bit for bit; more
-    rows take torch's paths, still the same product."""
+def test_quantized_weights_run_kvserves_ops():
+    """Int4Weight.linear is kvserve's op, bit for bit, at every row count its plan gives the
+    kernel (no packed copy of torch's is made beside it); Int8Weight's at <= KERNEL_ROWS rows;
+    more rows take the other paths, still the same product."""
     g = torch.Generator().manual_seed(0)
     w4 = int4_weight(g, 64, 256, 64, zeros=True)
     w8 = Int8Weight(*quantize_int8(torch.randn(64, 256, generator=g), torch.bfloat16))
     if w4.kernel_max_rows < kernels.KERNEL_ROWS:
         pytest.skip(f"torch's capability {torch.backends.cpu.get_cpu_capability()} keeps int4 off the kernels")
-    assert w4.block_scales is not None
-    for T in range(1, kernels.KERNEL_ROWS + 1):
+    assert w4.packed is None and w4.tensors() == [w4.nibbles, w4.scales]
+    for T in list(range(1, 9)) + [16, min(w4.kernel_max_rows, 40)]:
         x = torch.randn(T, 256, generator=g)
-        assert torch.equal(w4.linear(x), torch.ops.kvserve.linear_int4(
-            x, w4.nibbles, w4.scales_and_zeros, w4.block_scales, 64))
-        assert torch.equal(w8.linear(x), torch.ops.kvserve.linear_int8(x, w8.q, w8.scale))
+        assert torch.equal(w4.linear(x), torch.ops.kvserve.linear_int4(x, w4.nibbles, w4.scales, 64))
+        if T <= kernels.KERNEL_ROWS:
+            assert torch.equal(w8.linear(x), torch.ops.kvserve.linear_int8(x, w8.q, w8.scale))
     x = torch.randn(8, 256, generator=g)
     torch.testing.assert_close(w4.linear(x), x @ w4.dequantize(dtype=torch.float32).T, rtol=2e-2, atol=2e-2)

@@ -72,9 +72,10 @@ def force_path(w: QuantizedWeight, path: str) -> QuantizedWeight:
     """path: "kernel" (weight-only), "w8a8" (int8 only) or "dequantize"."""
     if path == "w8a8":
         w.use_w8a8()
-    if path == "kernel" and isinstance(w, Int4Weight) and w.packed is None:
-        w.kernel_max_rows = 0           # this CPU's plan does not use the kernel: pack for it here
+    if path == "kernel" and isinstance(w, Int4Weight) and not w.own_kernel and w.packed is None:
+        w.kernel_max_rows = 0           # this CPU's plan does not use torch's kernel: pack for it here
         w.packed = w._torch_packed()
+        w.torch_scales = w.scales.transpose(0, 1).contiguous()
     w.kernel_max_rows = 1 << 30 if path == "kernel" else -1
     return w
 
@@ -193,8 +194,8 @@ def test_rows_are_the_dequantized_rows(method, dtype):
         exact = w.q.double() * w.scale.double()[:, None]
     else:
         q = unpack_nibbles(w.nibbles).double().view(192, 8, 32)
-        scale, zero = w.scales_and_zeros.double().unbind(-1)                # [K/G, N]
-        exact = ((q - 8) * scale.T[..., None] + zero.T[..., None]).view(192, 256)
+        scale, zero = w.scales.double().unbind(-1)                          # [N, K/G]
+        exact = ((q - 8) * scale[..., None] + zero[..., None]).view(192, 256)
     rel = 2 ** -24 if dtype == torch.float32 else 2 ** -8          # half a unit in the last place
     assert ((got.double() - exact[ids]).abs() <= rel * exact[ids].abs()).all()
 
@@ -327,16 +328,14 @@ def test_quantize_activations_without_int8_weights_is_refused():
 
 def linear_bytes(shapes, method: str) -> int:
     """Bytes of quantized linear weights [N, K] on the CPU, scales in bfloat16: int8 N*K + 2N;
-    int4 N*K/2 (kvserve's nibbles; as much again for torch's packed copy where the CPU's plan
-    runs the int4 kernel) + a scale and a zero per group (128 where it divides K, else 32),
-    2 bytes each (and there, with kvserve's kernels built, its per-row block scales and zeros
-    per 32 weights, [N, 2, K/32] bfloat16)."""
+    int4 N*K/2 (kvserve's nibbles; as much again for torch's packed copy, and its scales again
+    in its own order, only where kvserve's kernels are not built and the CPU's plan runs torch's
+    int4 kernel) + a scale and a zero per group (128 where it divides K, else 32), 2 bytes each."""
     if method == "int8":
         return sum(n * k + 2 * n for n, k in shapes)
-    uses_kernel = kernel_plan().int4_kernel_max_rows >= 0
-    own = (lambda n, k: n * k // 32 * 4) if uses_kernel and kernels.available() else (lambda n, k: 0)
-    copies = 2 if uses_kernel else 1
-    return sum(copies * n * k // 2 + n * (k // (128 if k % 128 == 0 else 32)) * 4 + own(n, k) for n, k in shapes)
+    torch_copy = kernel_plan().int4_kernel_max_rows >= 0 and not kernels.available()
+    copies = 2 if torch_copy else 1
+    return sum(copies * n * k // 2 + copies * n * (k // (128 if k % 128 == 0 else 32)) * 4 for n, k in shapes)
 
 
 @pytest.mark.parametrize("dtype,dtype_bytes", [("float32", 4), ("bfloat16", 2)])

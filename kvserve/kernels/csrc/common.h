@@ -25,10 +25,9 @@ struct AttnArgs {
 
 // The kernels of one ISA. Shapes: x [T, K] float32; y [T, N] float32; rows n0..n1 of y computed.
 //   gemv_int4: W = (q - 8) * scale + zero per group of G, q as kvserve's nibbles [N, K / 2],
-//              (scale, zero) bfloat16 [K / G, N, 2]; `xp` is x in int4_order (each 32 weights:
+//              (scale, zero) bfloat16 [N, K / G, 2]; `xp` is x in int4_order (each 32 weights:
 //              the 16 even ones, then the 16 odd ones).
-//   gemv_int4_q16: the same weights (block scales and zeros re-laid per row: ks [N, 2, Bp]) times
-//              x quantized to int16 per 32 weights (kernels.h: q16_row).
+//   gemv_int4_q16: the same weights times x quantized to int16 per 32 weights (kernels.h: q16_row).
 //   gemv_int8: W = q * scale[n], q [N, K] int8, scale [N] bfloat16.
 //   gemv_q8_0: W = q * d[n, k / 32] (GGUF Q8_0), q [N, K] int8, d [N, K / 32] float32.
 //   attn_part: query heads of KV head `kvh` of sequence b over tokens t0..t1: the unnormalised
@@ -40,7 +39,7 @@ struct IsaKernels {
   void (*gemv_int4)(const float* xp, int T, int K, const uint8_t* nib, const uint16_t* sz, int N,
                     int G, float* y, int n0, int n1);
   void (*gemv_int4_q16)(const int16_t* xq, const float* dx, const float* xsum, int T, int K, int Bp,
-                       const uint8_t* nib, const uint16_t* ks, int N, float* y, int n0, int n1);
+                       const uint8_t* nib, const uint16_t* sz, int N, int G, float* y, int n0, int n1);
   void (*gemv_int8)(const float* x, int T, int K, const int8_t* q, const uint16_t* scale, int N,
                     float* y, int n0, int n1);
   void (*gemv_q8_0)(const float* x, int T, int K, const int8_t* q, const float* d, int N,

@@ -44,19 +44,20 @@ static inline void int4_block(const float* xp, int K, const uint8_t* nib, const 
   for (int r = 0; r < RB; ++r)
     for (int t = 0; t < TB; ++t)
       for (int a = 0; a < NA; ++a) acc[r][t][a] = vzero();
-  const size_t row_bytes = (size_t)K / 2;
+  const size_t row_bytes = (size_t)K / 2, groups = (size_t)K / G;
   for (int g = 0; g < K / G; ++g) {
-    const uint16_t* sg = sz + ((size_t)g * N + n) * 2;
     for (int c = g * G; c < (g + 1) * G; c += 32) {
-      VF xv[TB][NV];
-      for (int t = 0; t < TB; ++t)
-        for (int v = 0; v < NV; ++v) xv[t][v] = vload(xp + (size_t)(t0 + t) * K + c + v * KV_W);
+      VF w[RB][NV];
       for (int r = 0; r < RB; ++r) {
-        const float sc = bf16_to_f32(sg[2 * r]);
-        VF w[NV];
-        nib32(nib + (size_t)(n + r) * row_bytes + c / 2, vset(sc), vset(bf16_to_f32(sg[2 * r + 1]) - 8.0f * sc), w);
-        for (int t = 0; t < TB; ++t)
-          for (int v = 0; v < NV; ++v) acc[r][t][v % NA] = vfma(w[v], xv[t][v], acc[r][t][v % NA]);
+        const uint16_t* sg = sz + ((size_t)(n + r) * groups + g) * 2;
+        const float sc = bf16_to_f32(sg[0]);
+        nib32(nib + (size_t)(n + r) * row_bytes + c / 2, vset(sc), vset(bf16_to_f32(sg[1]) - 8.0f * sc), w[r]);
+      }
+      for (int t = 0; t < TB; ++t) {
+        VF xv[NV];
+        for (int v = 0; v < NV; ++v) xv[v] = vload(xp + (size_t)(t0 + t) * K + c + v * KV_W);
+        for (int r = 0; r < RB; ++r)
+          for (int v = 0; v < NV; ++v) acc[r][t][v % NA] = vfma(w[r][v], xv[v], acc[r][t][v % NA]);
       }
     }
   }
@@ -70,50 +71,72 @@ static inline void int4_block(const float* xp, int K, const uint8_t* nib, const 
 
 #if KV_ISA == 512
 #define KV_RB 4
+#define KV_TB 6      // KV_RB * KV_TB accumulators + KV_RB weights + 1 activation <= 32 zmm
 #else
 #define KV_RB 2
+#define KV_TB 6      // <= 16 ymm (the portable build has no registers to count)
 #endif
-constexpr int SLAB = 2048;   // weights of a row dequantized at a time by the tile path
+constexpr int SLAB = 1024;   // weights of a row dequantized at a time by the tile path (in L1)
 
-// Many activation rows (batches, prefill): KV_RB weight rows dequantized into a buffer, SLAB
-// weights at a time, then a register-blocked KV_RB x 4 product over every activation row.
-static void int4_tile(const float* xp, int T, int K, const uint8_t* nib, const uint16_t* sz, int N,
-                      int G, float* y, int n, int rb) {
-  float buf[KV_RB][SLAB];
+// acc[r][t] over one slab of `buf` (KV_RB dequantized weight rows) for TB activation rows from t0.
+template <int TB>
+static inline void tile_block(const float* x, int K, int k0, int kn, const float* buf, int t0,
+                              float* y, int N, int n, int rb) {
+  VF acc[KV_RB][TB];
+  for (int r = 0; r < KV_RB; ++r)
+    for (int t = 0; t < TB; ++t) acc[r][t] = vzero();
+  const float* xt = x + (size_t)t0 * K + k0;
+  for (int c = 0; c < kn; c += KV_W) {
+    VF w[KV_RB];
+    for (int r = 0; r < KV_RB; ++r) w[r] = vload(buf + (size_t)r * SLAB + c);
+    for (int t = 0; t < TB; ++t) {
+      const VF xv = vload(xt + (size_t)t * K + c);
+      for (int r = 0; r < KV_RB; ++r) acc[r][t] = vfma(w[r], xv, acc[r][t]);
+    }
+  }
+  for (int r = 0; r < rb; ++r)
+    for (int t = 0; t < TB; ++t) y[(size_t)(t0 + t) * N + n + r] += vsum(acc[r][t]);
+}
+
+// Many activation rows (batches, prefill) of any weight format: rows n..n+rb dequantized into a
+// buffer SLAB weights at a time by `deq(r, k0, kn, out)` (row n + r, weights k0..k0+kn, in the
+// order x is in), then a register-blocked KV_RB x KV_TB product over every activation row.
+template <class Deq>
+static void tile_rows(const float* x, int T, int K, float* y, int N, int n, int rb, const Deq& deq) {
+  float buf[KV_RB * SLAB];
   for (int t = 0; t < T; ++t)
     for (int r = 0; r < rb; ++r) y[(size_t)t * N + n + r] = 0.0f;
   for (int k0 = 0; k0 < K; k0 += SLAB) {
     const int kn = imin(SLAB, K - k0);
-    for (int r = 0; r < rb; ++r)
-      for (int c = 0; c < kn; c += 32) {
-        const int g = (k0 + c) / G;
-        const uint16_t* p = sz + ((size_t)g * N + n + r) * 2;
-        const float sc = bf16_to_f32(p[0]);
-        VF w[32 / KV_W];
-        nib32(nib + (size_t)(n + r) * (K / 2) + (k0 + c) / 2, vset(sc), vset(bf16_to_f32(p[1]) - 8.0f * sc), w);
-        for (int v = 0; v < 32 / KV_W; ++v) vstore(buf[r] + c + v * KV_W, w[v]);
-      }
+    for (int r = 0; r < rb; ++r) deq(r, k0, kn, buf + (size_t)r * SLAB);
     for (int r = rb; r < KV_RB; ++r)
-      for (int c = 0; c < kn; ++c) buf[r][c] = 0.0f;
-    for (int t0 = 0; t0 < T; t0 += 4) {
-      const int tb = imin(4, T - t0);
-      VF acc[KV_RB][4];
-      for (int r = 0; r < KV_RB; ++r)
-        for (int t = 0; t < 4; ++t) acc[r][t] = vzero();
-      const float* xt[4];
-      for (int t = 0; t < 4; ++t) xt[t] = xp + (size_t)(t0 + imin(t, tb - 1)) * K + k0;
-      for (int c = 0; c < kn; c += KV_W) {
-        VF xv[4];
-        for (int t = 0; t < 4; ++t) xv[t] = vload(xt[t] + c);
-        for (int r = 0; r < KV_RB; ++r) {
-          VF w = vload(buf[r] + c);
-          for (int t = 0; t < 4; ++t) acc[r][t] = vfma(w, xv[t], acc[r][t]);
-        }
-      }
-      for (int r = 0; r < rb; ++r)
-        for (int t = 0; t < tb; ++t) y[(size_t)(t0 + t) * N + n + r] += vsum(acc[r][t]);
+      for (int c = 0; c < kn; ++c) buf[(size_t)r * SLAB + c] = 0.0f;
+    int t0 = 0;
+    for (; t0 + KV_TB <= T; t0 += KV_TB) tile_block<KV_TB>(x, K, k0, kn, buf, t0, y, N, n, rb);
+    switch (T - t0) {
+      case 5: tile_block<5>(x, K, k0, kn, buf, t0, y, N, n, rb); break;
+      case 4: tile_block<4>(x, K, k0, kn, buf, t0, y, N, n, rb); break;
+      case 3: tile_block<3>(x, K, k0, kn, buf, t0, y, N, n, rb); break;
+      case 2: tile_block<2>(x, K, k0, kn, buf, t0, y, N, n, rb); break;
+      case 1: tile_block<1>(x, K, k0, kn, buf, t0, y, N, n, rb); break;
+      default: break;
     }
   }
+}
+
+// int4 rows as float32 in int4 order (x must be int4_order'd).
+static void int4_tile(const float* xp, int T, int K, const uint8_t* nib, const uint16_t* sz, int N,
+                      int G, float* y, int n, int rb) {
+  tile_rows(xp, T, K, y, N, n, rb, [&](int r, int k0, int kn, float* out) {
+    const uint16_t* srow = sz + (size_t)(n + r) * (K / G) * 2;
+    for (int c = 0; c < kn; c += 32) {
+      const uint16_t* p = srow + (size_t)((k0 + c) / G) * 2;
+      const float sc = bf16_to_f32(p[0]);
+      VF w[32 / KV_W];
+      nib32(nib + (size_t)(n + r) * (K / 2) + (k0 + c) / 2, vset(sc), vset(bf16_to_f32(p[1]) - 8.0f * sc), w);
+      for (int v = 0; v < 32 / KV_W; ++v) vstore(out + c + v * KV_W, w[v]);
+    }
+  });
 }
 
 // Few activation rows, integer dot products: x quantized per 32 weights to int16 (xq = round(x /
@@ -122,27 +145,37 @@ static void int4_tile(const float* xp, int T, int K, const uint8_t* nib, const u
 //   y[n] += s[n, b] * dx[b] * (sum(q * xq) - 8 sum(xq)) + zero[n, b] * sum(x)
 // xq layout per pair of blocks (b, b+1): their 16 even weights each, then their 16 odd ones.
 // dx [T, Bp] and xs [T, 2, Bp] (per block sum(x), then dx * sum(xq)), Bp = K / 32 padded to 16
-// with zeros. ks [N, 2, K / 32] bfloat16: row n's block scales, then its block zeros.
-static inline void bf16x16(const uint16_t* p, int n, float* out) {   // n <= 16 values, zero-padded
+// with zeros. The weight's (scale, zero) per group, [N, K / G, 2] bfloat16 as every int4 kernel
+// reads them, give each block of 32 its group's pair.
+// The (scale, zero) of blocks b0 .. b0 + n - 1 (n <= 16) of one row, zero-padded to 16 each.
+static inline void block_scales16(const uint16_t* row, int G, int b0, int n, float* s16, float* z16) {
 #if KV_ISA == 512
-  const __m256i h = _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), p);
-  _mm512_storeu_ps(out, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-  return;
+  if (G == 32) {       // one group a block: 2n bfloat16 in (scale, zero) pairs, de-interleaved
+    const __m512i v = _mm512_maskz_loadu_epi16((__mmask32)((n == 16 ? 0 : (1u << (2 * n))) - 1), row + 2 * b0);
+    const __m512i ev = _mm512_setr_epi32(0x00020000, 0x00060004, 0x000a0008, 0x000e000c, 0x00120010, 0x00160014,
+                                         0x001a0018, 0x001e001c, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i od = _mm512_add_epi16(ev, _mm512_set1_epi16(1));
+    const __m256i s = _mm512_castsi512_si256(_mm512_permutexvar_epi16(ev, v));
+    const __m256i z = _mm512_castsi512_si256(_mm512_permutexvar_epi16(od, v));
+    _mm512_storeu_ps(s16, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(s), 16)));
+    _mm512_storeu_ps(z16, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(z), 16)));
+    return;
+  }
 #endif
-  if (n == 16) {
-#pragma omp simd
-    for (int i = 0; i < 16; ++i) out[i] = bf16_to_f32(p[i]);
-  } else {
-    for (int i = 0; i < 16; ++i) out[i] = i < n ? bf16_to_f32(p[i]) : 0.0f;
+  const int per = G / 32;
+  for (int i = 0; i < 16; ++i) {
+    const uint16_t* p = row + (size_t)((b0 + i) / per) * 2;
+    s16[i] = i < n ? bf16_to_f32(p[0]) : 0.0f;
+    z16[i] = i < n ? bf16_to_f32(p[1]) : 0.0f;
   }
 }
 
 template <int TB>
 static inline void q16_row(const int16_t* xq, const float* dx, const float* xs, int K, int Bp,
-                           const uint8_t* nib, const uint16_t* ks, float* y, int N, int n) {
+                           const uint8_t* nib, const uint16_t* sz, int G, float* y, int N, int n) {
   const int nb = K / 32;
   const uint8_t* w = nib + (size_t)n * (K / 2);
-  const uint16_t* srow = ks + (size_t)n * 2 * nb;
+  const uint16_t* srow = sz + (size_t)n * (K / G) * 2;
   float acc[TB], s16[16], z16[16];
   for (int t = 0; t < TB; ++t) acc[t] = 0.0f;
 #if KV_ISA == 512
@@ -156,8 +189,7 @@ static inline void q16_row(const int16_t* xq, const float* dx, const float* xs, 
 #endif
   for (int b0 = 0; b0 < nb; b0 += 16) {
     const int bn = imin(16, nb - b0);
-    bf16x16(srow + b0, bn, s16);
-    bf16x16(srow + nb + b0, bn, z16);
+    block_scales16(srow, G, b0, bn, s16, z16);
 #if KV_ISA == 512
     const __m512 s8 = _mm512_mul_ps(_mm512_set1_ps(-8.0f), _mm512_loadu_ps(s16)), zv = _mm512_loadu_ps(z16);
     __m512 sv[TB];
@@ -228,17 +260,17 @@ static inline void q16_row(const int16_t* xq, const float* dx, const float* xs, 
 }
 
 static void gemv_int4_q16(const int16_t* xq, const float* dx, const float* xs, int T, int K, int Bp,
-                         const uint8_t* nib, const uint16_t* ks, int N, float* y, int n0, int n1) {
+                         const uint8_t* nib, const uint16_t* sz, int N, int G, float* y, int n0, int n1) {
   for (int n = n0; n < n1; ++n)
     for (int t = 0; t < T; t += 4) {
       const int16_t* xt = xq + (size_t)t * K;
       const float *dt = dx + (size_t)t * Bp, *st = xs + (size_t)t * 2 * Bp;
       float* yt = y + (size_t)t * N;
       switch (imin(4, T - t)) {
-        case 4: q16_row<4>(xt, dt, st, K, Bp, nib, ks, yt, N, n); break;
-        case 3: q16_row<3>(xt, dt, st, K, Bp, nib, ks, yt, N, n); break;
-        case 2: q16_row<2>(xt, dt, st, K, Bp, nib, ks, yt, N, n); break;
-        default: q16_row<1>(xt, dt, st, K, Bp, nib, ks, yt, N, n); break;
+        case 4: q16_row<4>(xt, dt, st, K, Bp, nib, sz, G, yt, N, n); break;
+        case 3: q16_row<3>(xt, dt, st, K, Bp, nib, sz, G, yt, N, n); break;
+        case 2: q16_row<2>(xt, dt, st, K, Bp, nib, sz, G, yt, N, n); break;
+        default: q16_row<1>(xt, dt, st, K, Bp, nib, sz, G, yt, N, n); break;
       }
     }
 }
@@ -250,6 +282,16 @@ static void int4_rows(const float* xp, int T, int K, const uint8_t* nib, const u
     case 1: int4_block<RB, 1>(xp, K, nib, sz, N, G, y, n, 0); break;
     case 2: int4_block<RB, 2>(xp, K, nib, sz, N, G, y, n, 0); break;
     case 3: int4_block<RB, 3>(xp, K, nib, sz, N, G, y, n, 0); break;
+    case 4: int4_block<RB, 4>(xp, K, nib, sz, N, G, y, n, 0); break;
+    case 5: int4_block<RB, 5>(xp, K, nib, sz, N, G, y, n, 0); break;
+    case 6: case 7: case 8:          // half the weight rows a block: the accumulators fit
+      for (int h = 0; h < RB; h += (RB + 1) / 2) {
+        constexpr int H = (RB + 1) / 2;
+        if (T == 6) int4_block<H, 6>(xp, K, nib, sz, N, G, y, n + h, 0);
+        else if (T == 7) int4_block<H, 7>(xp, K, nib, sz, N, G, y, n + h, 0);
+        else int4_block<H, 8>(xp, K, nib, sz, N, G, y, n + h, 0);
+      }
+      break;
     default: int4_tile(xp, T, K, nib, sz, N, G, y, n, RB); break;
   }
 }
@@ -314,6 +356,20 @@ template <bool BLOCKS>
 static void int8_all(const float* x, int T, int K, const int8_t* q, const uint16_t* rs,
                      const float* d, int N, float* y, int n0, int n1) {
   int n = n0;
+  if (BLOCKS && T > 4) {      // Q8_0 batches: each weight dequantized once, then the tile product
+    for (; n < n1; n += KV_RB) {
+      const int rb = imin(KV_RB, n1 - n);
+      tile_rows(x, T, K, y, N, n, rb, [&](int r, int k0, int kn, float* out) {
+        const int8_t* p = q + (size_t)(n + r) * K + k0;
+        const float* dr = d + (size_t)(n + r) * (K / 32) + k0 / 32;
+        for (int c = 0; c < kn; c += 32) {
+          const VF dv = vset(dr[c / 32]);
+          for (int v = 0; v < 32 / KV_W; ++v) vstore(out + c + v * KV_W, vmul(i8f(p + c + v * KV_W), dv));
+        }
+      });
+    }
+    return;
+  }
   for (; n + KV_RB <= n1; n += KV_RB) int8_rows<KV_RB, BLOCKS>(x, T, K, q, rs, d, y, N, n);
   for (; n < n1; ++n) int8_rows<1, BLOCKS>(x, T, K, q, rs, d, y, N, n);
 }

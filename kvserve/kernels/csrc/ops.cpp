@@ -66,13 +66,10 @@ Linear make_linear(int64_t format, const at::Tensor& a, const at::Tensor& b, con
   if (format == DENSE) {
     TORCH_CHECK(a.scalar_type() == at::kFloat && a.dim() == 2, "kvserve: dense weights are float32 [N, K]");
   } else if (format == INT4) {
-    TORCH_CHECK(a.scalar_type() == at::kByte && b.scalar_type() == at::kBFloat16 && w.G % 32 == 0 &&
-                    w.K % w.G == 0 && b.size(0) == w.K / w.G && b.size(1) == w.N && b.size(2) == 2,
-                "kvserve: int4 takes nibbles [N, K/2] uint8 and scales_and_zeros [K/G, N, 2] bfloat16");
-    TORCH_CHECK(!c.defined() || c.numel() == 0 ||
-                    (c.scalar_type() == at::kBFloat16 && c.is_contiguous() && c.size(0) == w.N && c.size(1) == 2 &&
-                     c.size(2) == w.K / 32),
-                "kvserve: int4 block scales are [N, 2, K/32] bfloat16");
+    TORCH_CHECK(a.scalar_type() == at::kByte && a.dim() == 2 && b.scalar_type() == at::kBFloat16 && w.G > 0 &&
+                    w.G % 32 == 0 && w.K % w.G == 0 && b.dim() == 3 && b.size(0) == w.N &&
+                    b.size(1) == w.K / w.G && b.size(2) == 2,
+                "kvserve: int4 takes nibbles [N, K/2] uint8 and scales [N, K/G, 2] bfloat16 (G a multiple of 32)");
   } else if (format == INT8) {
     TORCH_CHECK(a.scalar_type() == at::kChar && b.scalar_type() == at::kBFloat16 && w.K % 32 == 0 &&
                     b.numel() == w.N, "kvserve: int8 takes q [N, K] int8 and scale [N] bfloat16");
@@ -130,9 +127,7 @@ static void quantize_blocks(const float* x, int T, int K, int Bp, int16_t* xq, f
     }
 }
 
-bool int4_q16_route(const Linear& w, int T) {
-  return w.format == INT4 && T <= Q8_ROWS && w.c.defined() && w.c.numel() > 0 && w.K % 64 == 0;
-}
+bool int4_q16_route(const Linear& w, int T) { return w.format == INT4 && T <= Q8_ROWS && w.K % 64 == 0; }
 
 void linear_into(const float* x, int T, const Linear& w, float* y, float* xp) {
   const IsaKernels& k = isa();
@@ -147,9 +142,9 @@ void linear_into(const float* x, int T, const Linear& w, float* y, float* xp) {
     int16_t* xq = (int16_t*)xp;   // T * K int16 in the float scratch
     quantize_blocks(x, T, K, Bp, xq, dx.data(), xs.data());
     const uint8_t* nib = w.a.data_ptr<uint8_t>();
-    const uint16_t* ks = (const uint16_t*)w.c.data_ptr<at::BFloat16>();
+    const uint16_t* sz = (const uint16_t*)w.b.data_ptr<at::BFloat16>();
     parallel_rows(N, K, T, [&](int n0, int n1) {
-      k.gemv_int4_q16(xq, dx.data(), xs.data(), T, K, Bp, nib, ks, N, y, n0, n1);
+      k.gemv_int4_q16(xq, dx.data(), xs.data(), T, K, Bp, nib, sz, N, w.G, y, n0, n1);
     });
   } else if (w.format == INT4) {
     int4_order(x, T, K, xp);
@@ -178,9 +173,9 @@ static at::Tensor linear_op(const at::Tensor& x, const Linear& w) {
   return y;
 }
 
-static at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& sz,
-                              const c10::optional<at::Tensor>& block_scales, int64_t group) {
-  return linear_op(x, make_linear(INT4, nibbles, sz, block_scales.value_or(at::Tensor()), group));
+static at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scales,
+                              int64_t group) {
+  return linear_op(x, make_linear(INT4, nibbles, scales, at::Tensor(), group));
 }
 static at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
   return linear_op(x, make_linear(INT8, q, scale, at::Tensor(), 0));
@@ -308,7 +303,7 @@ static at::Tensor silu_mul_op(const at::Tensor& gate_up) {
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("set_isa(int bits) -> str", &kvk::set_isa);
-  m.def("linear_int4(Tensor x, Tensor nibbles, Tensor scales_and_zeros, Tensor? block_scales, int group_size) -> Tensor");
+  m.def("linear_int4(Tensor x, Tensor nibbles, Tensor scales, int group_size) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor q, Tensor scale) -> Tensor");
   m.def("linear_q8_0(Tensor x, Tensor q, Tensor d) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "

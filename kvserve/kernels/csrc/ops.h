@@ -13,11 +13,11 @@ const IsaKernels& isa();
 const IsaKernels& isa_dividing(int n);
 
 // A linear weight as the kernels read it (kvserve/kernels/__init__.py packs them):
-//   DENSE: a float32 tensor [N, K]; INT4: nibbles [N, K/2] uint8 + (scale, zero) [K/G, N, 2]
+//   DENSE: a float32 tensor [N, K]; INT4: nibbles [N, K/2] uint8 + (scale, zero) [N, K/G, 2]
 //   bfloat16; INT8: q [N, K] int8 + scale [N] bfloat16; Q8_0: q [N, K] int8 + d [N, K/32] float32.
+//   `c` is unused (empty). Steps of <= Q8_ROWS rows of an INT4 weight take the integer-dot route
+//   (activations in int16 per 32 weights), more rows the float route.
 enum Format { DENSE = 0, INT4 = 1, INT8 = 2, Q8_0 = 3 };
-//   An INT4 weight's `c`, if given: its block scales and zeros per row, [N, 2, Bp] bfloat16, for
-//   the integer-dot route of steps of <= Q8_ROWS rows (activations in int16 per 32 weights).
 struct Linear {
   int format = DENSE, N = 0, K = 0, G = 0;
   at::Tensor a, b, c;

@@ -20,11 +20,12 @@ static inline VF vset(float x) { return _mm512_set1_ps(x); }
 static inline VF vzero() { return _mm512_setzero_ps(); }
 static inline float vsum(VF v) { return _mm512_reduce_add_ps(v); }
 static inline void nib32(const uint8_t* p, VF s, VF z, VF* out) {
-  __m128i b = _mm_loadu_si128((const __m128i*)p);
-  __m128i m = _mm_set1_epi8(15);
-  __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
-  out[0] = vfma(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), s, z);
-  out[1] = vfma(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), s, z);
+  // the 16 values q * s + z as a table, each weight looked up by its nibble (vpermps reads the
+  // low 4 bits of each index: the low nibble as it is, the high one shifted down)
+  const VF lut = vfma(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), s, z);
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  out[0] = _mm512_permutexvar_ps(q, lut);
+  out[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), lut);
 }
 static inline VF vmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
 static inline VF i8f(const int8_t* p) {

@@ -32,10 +32,10 @@ instructions, else float32), which is compute-bound there, so the dequantization
 many rows. No dequantized copy is kept, except on a capability whose plan is `float_resident`.
 
 kvserve owns the values: int8 keeps q [N, K] (the kernel's own input), int4 keeps its nibbles in
-kvserve's layout (byte k of row n: q[n, 2k] low, q[n, 2k + 1] high) beside torch's packed copy,
-whose layout differs by capability and is never read back. Dequantizing, fusing, embedding lookups
-and re-quantizing read kvserve's copy. (Holding both costs int4 weights a byte a weight where the
-kernel runs, against half a byte; a kernel of kvserve's own that reads its layout removes torch's.)
+kvserve's layout (byte k of row n: q[n, 2k] low, q[n, 2k + 1] high) and its (scale, zero) per
+row and group, which kvserve's kernels read at every row count (kvserve/kernels): half a byte a
+weight and its scales, nothing more. Only where those kernels are not built does torch's int4
+kernel run, on a packed copy of its own (a layout that differs by capability, never read back).
 
 int4 needs K to be a multiple of the group; a matrix that is not (stories260K's 172-wide MLP)
 is stored as int8. The int4 kernel takes N a multiple of 16 and the int8 one K a multiple of 32
@@ -246,8 +246,11 @@ def unpack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
 class Int4Weight(QuantizedWeight):
     """Group-wise int4: q [N, K] in 0..15, scale and zero [N, K / G];
     W = (q - 8) * scale + zero per group. Held as kvserve's nibbles [N, K/2] (pack_nibbles) and
-    scales_and_zeros [K/G, N, 2], plus torch's packed copy for its kernel where the plan uses it.
-    GGUF Q4_0 maps to zero = 0; Q4_1 (w = q * d + m) to scale = d, zero = m + 8 d."""
+    `scales` [N, K/G, 2] bfloat16 (each group's scale, then its zero): 0.5 + 4 / G bytes a weight,
+    what kvserve's kernels read at every row count. Only where those kernels are not built
+    (KVSERVE_KERNELS=torch, no compiler) is torch's int4 kernel used instead, on a packed copy
+    of its own and its [K/G, N, 2] scales. GGUF Q4_0 maps to zero = 0; Q4_1 (w = q * d + m) to
+    scale = d, zero = m + 8 d."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -261,20 +264,20 @@ class Int4Weight(QuantizedWeight):
         if group not in GROUP_SIZES:
             raise ValueError(f"int4 group size must be one of {GROUP_SIZES}; {name} has {group}.")
         device = torch.device(device)
+        self.own_kernel = kernels.available(device)
         self._setup("int4", (N, K), dtype, device,
-                    None if N % INT4_KERNEL_ROWS == 0
+                    None if self.own_kernel or N % INT4_KERNEL_ROWS == 0
                     else f"the int4 kernel needs out_features divisible by {INT4_KERNEL_ROWS}")
         self.group_size = group
         self.nibbles = (pack_nibbles(q) if nibbles is None else nibbles).contiguous().to(device)
         self.has_zero = zero is not None and bool(zero.any())
         zero = torch.zeros_like(scale) if zero is None else zero
-        self.scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(
-            device=device, dtype=self.compute_dtype)                        # [K/G, N, 2]
-        # kvserve's kernel (its own block-scale layout) for steps of <= kernels.KERNEL_ROWS rows
-        # where it is built; torch's, on its packed copy, for bigger ones up to kernel_max_rows
-        self.block_scales = (kernels.int4_block_scales(self.scales_and_zeros, K)
-                             if self.kernel_max_rows >= 0 and kernels.available(device) else None)
-        self.packed = self._torch_packed() if self.kernel_max_rows >= 0 else None
+        self.scales = torch.stack([scale, zero], dim=-1).to(device=device, dtype=self.compute_dtype).contiguous()
+        # torch's kernel (the fallback where kvserve's are not built): its packed copy and scales
+        self.packed = self.torch_scales = None
+        if self.kernel_max_rows >= 0 and not self.own_kernel:
+            self.packed = self._torch_packed()
+            self.torch_scales = self.scales.transpose(0, 1).contiguous() if self.packed is not None else None
 
     def _torch_packed(self) -> torch.Tensor | None:
         """torch's packed copy [N, K/2] for its kernel (a layout of its own, never read back),
@@ -295,12 +298,12 @@ class Int4Weight(QuantizedWeight):
     def cat(cls, parts: list["Int4Weight"], dtype: torch.dtype, device, name: str = "weight") -> "Int4Weight":
         """Row blocks of one group size stacked into one weight (fused q, k, v), in the model's
         dtype and device."""
-        sz = torch.cat([p.scales_and_zeros.float().cpu() for p in parts], dim=1)    # [K/G, N, 2]
-        return cls(None, sz[..., 0].T, sz[..., 1].T, dtype=dtype, device=device, name=name,
+        sz = torch.cat([p.scales.float().cpu() for p in parts])                # [N, K/G, 2]
+        return cls(None, sz[..., 0], sz[..., 1], dtype=dtype, device=device, name=name,
                    nibbles=torch.cat([p.nibbles.cpu() for p in parts]))
 
     def tensors(self):
-        return [t for t in (self.nibbles, self.packed, self.scales_and_zeros, self.block_scales) if t is not None]
+        return [t for t in (self.nibbles, self.scales, self.packed, self.torch_scales) if t is not None]
 
     def dequantize(self, start: int = 0, stop: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Rows start:stop of W, [stop - start, K] in `dtype` (default the compute dtype)."""
@@ -308,7 +311,7 @@ class Int4Weight(QuantizedWeight):
         stop = self.shape[0] if stop is None else stop
         n, dtype = stop - start, dtype or self.compute_dtype
         w = unpack_nibbles(self.nibbles[start:stop]).to(dtype).view(n, -1, self.group_size)
-        scale, zero = self.scales_and_zeros[:, start:stop].to(dtype).transpose(0, 1).unbind(-1)   # [n, K/G]
+        scale, zero = self.scales[start:stop].to(dtype).unbind(-1)            # [n, K/G]
         w = w.sub_(8).mul_(scale[..., None])
         return (w.add_(zero[..., None]) if self.has_zero else w).view(n, K)
 
@@ -316,7 +319,7 @@ class Int4Weight(QuantizedWeight):
         """W[ids] [T, K] in the model dtype (an embedding lookup)."""
         T, (N, K), G = ids.shape[0], self.shape, self.group_size
         q = unpack_nibbles(self.nibbles[ids])                                # [T, K]
-        scale, zero = self.scales_and_zeros[:, ids].to(self.dtype).permute(1, 0, 2).unbind(-1)  # [T, K/G]
+        scale, zero = self.scales[ids].to(self.dtype).unbind(-1)             # [T, K/G]
         w = (q.to(self.dtype).view(T, -1, G) - 8) * scale[..., None] + zero[..., None]
         return w.view(T, K)
 
@@ -324,13 +327,12 @@ class Int4Weight(QuantizedWeight):
         return F.linear(x, self.dequantize(start, stop, x.dtype))
 
     def linear(self, x, bias=None):
-        if x.shape[0] <= min(self.kernel_max_rows, kernels.KERNEL_ROWS) and self.block_scales is not None:
-            y = torch.ops.kvserve.linear_int4(x.float(), self.nibbles, self.scales_and_zeros,
-                                              self.block_scales, self.group_size)
+        if x.shape[0] <= self.kernel_max_rows and self.own_kernel:
+            y = torch.ops.kvserve.linear_int4(x.float(), self.nibbles, self.scales, self.group_size)
         elif x.shape[0] <= self.kernel_max_rows:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.to(self.compute_dtype).contiguous(), self.packed, self.group_size,
-                self.scales_and_zeros)                                       # [T, N]
+                self.torch_scales)                                           # [T, N]
         else:
             y = self._dense(x)
         y = y.to(x.dtype)

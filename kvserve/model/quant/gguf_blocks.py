@@ -3,15 +3,17 @@
 Int4Values: Q4_0 / Q4_1 / Q4_K unpacked (gguf_types.py) and not yet packed, because the parts
 of one fused matrix (q, k, v) are packed together once they are all read.
 
-Int8BlockWeight: Q8_0 (w = d q, a scale d per 32 weights) exactly. The int8 kernel takes one
-scale per row, and requantizing per row adds error (gguf_types.py measures it); instead each q
-is split into two nibbles, q = 16 hi + lo with hi in -8..7 and lo in 0..15, so that
+Int8BlockWeight: Q8_0 (w = d q, a scale d per 32 weights) exactly, in its own type: q and d, read
+by kvserve's Q8_0 kernel. Where kvserve's kernels are not built (torch's int8 kernel takes one
+scale per row, and requantizing per row adds error: gguf_types.py measures it), each q
+is split into two nibbles instead, q = 16 hi + lo with hi in -8..7 and lo in 0..15, so that
     w = hi * 16 d + lo * d = ((hi + 8) - 8) * 16 d + ((lo - 8) * d + 8 d)
 is two int4 weights with groups of 32. Interleaved block by block they form one [N, 2K] int4
 matrix, and x @ W.T = x2 @ W2.T where x2 repeats each 32-wide block of x. 1.25 bytes a weight
 against 1.0 for per-row int8, and measured at one row (2 threads) 1.4 to 2.2 times the int8
 kernel's time ([3072, 576]: 56 against 30 us; [49152, 576]: 907 against 650 us; [4096, 4096]:
-417 against 189 us): gguf_types.py uses it only for the embedding and the lm_head.
+417 against 189 us): without kvserve's kernels gguf_types.py uses it only for the embedding and
+the lm_head.
 """
 from __future__ import annotations
 
@@ -19,8 +21,11 @@ import logging
 
 import torch
 
+import torch.nn.functional as F
+
+from kvserve import kernels
 from kvserve.config.names import GROUP_SIZES
-from kvserve.model.quant.formats import INT4_KERNEL_ROWS, Int4Weight, QuantizedWeight, quantize
+from kvserve.model.quant.formats import INT4_KERNEL_ROWS, Int4Weight, QuantizedWeight, quantize, unpack_nibbles
 
 logger = logging.getLogger(__name__)
 
@@ -79,11 +84,31 @@ class Int4Values:
 
 
 class Int8BlockWeight(QuantizedWeight):
-    """q [N, K] int8 with d [N, K / 32]: W = q * d per block, as two int4 planes (module doc) in
-    one Int4Weight [N, 2K]. N must be a multiple of INT4_KERNEL_ROWS (`fits`)."""
+    """GGUF Q8_0 in its own type: q [N, K] int8 with d [N, K / 32] float32 (GGUF's float16 d,
+    exactly); W = q * d per block of 32, 1.125 bytes a weight (the file's 1.0625). kvserve's
+    kernel (`linear_q8_0`) reads it at every row count up to the plan's int8 limit (a few rows:
+    a float GEMV; more: each weight dequantized once into a tile, then a register-blocked
+    product), bigger steps dequantize in row blocks. Where kvserve's kernels are not built, the
+    weight is held as two int4 planes instead (module doc) for torch's int4 kernel."""
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", name: str = "weight"):
+        N, K = q.shape
+        if q.dtype != torch.int8 or K % QK8 or tuple(d.shape) != (N, K // QK8):
+            raise ValueError(f"Int8BlockWeight takes q [N, K] int8 (K a multiple of {QK8}) and d [N, K/{QK8}]; "
+                             f"got q {tuple(q.shape)} {q.dtype} and d {tuple(d.shape)}.")
+        device = torch.device(device)
+        self.own_kernel = kernels.available(device)
+        self._setup("int8", (N, K), dtype, device)
+        self.q = self.d = self.planes = None
+        if self.own_kernel:
+            self.q, self.d = q.contiguous().to(device), d.float().contiguous().to(device)
+        else:
+            self.planes = self._planes(q, d, dtype, device, name)
+            self.kernel_max_rows = self.planes.kernel_max_rows
+
+    @staticmethod
+    def _planes(q: torch.Tensor, d: torch.Tensor, dtype, device, name) -> Int4Weight:
         N, K = q.shape
         planes = torch.empty(N, K // QK8, 2, QK8, dtype=torch.uint8)       # 0..15 each
         for a in range(0, N, PLANE_ROWS):      # row blocks: no full-size temporaries at load
@@ -93,28 +118,62 @@ class Int8BlockWeight(QuantizedWeight):
         planes = planes.view(N, 2 * K)
         scale = torch.stack([16 * d, d], dim=-1).view(N, -1)                # [N, 2K / 32]
         zero = torch.stack([torch.zeros_like(d), 8 * d], dim=-1).view(N, -1)
-        self.planes = Int4Weight(planes, scale, zero, dtype=dtype, device=device, name=name)
-        self._setup("int4", (N, K), dtype, torch.device(device))
+        return Int4Weight(planes, scale, zero, dtype=dtype, device=device, name=name)
 
     @staticmethod
     def fits(N: int) -> bool:
-        return N % INT4_KERNEL_ROWS == 0
+        """Whether a weight of N rows can be held: kvserve's kernel takes any N; the planes need
+        torch's int4 kernel's multiple of INT4_KERNEL_ROWS."""
+        return kernels.available("cpu") or N % INT4_KERNEL_ROWS == 0
+
+    @classmethod
+    def cat(cls, parts: list["Int8BlockWeight"], dtype: torch.dtype, device) -> "Int8BlockWeight":
+        """Row blocks stacked into one weight (fused q, k, v), in the model's dtype and device."""
+        qd = [p.values() for p in parts]
+        return cls(torch.cat([q for q, _ in qd]), torch.cat([d for _, d in qd]), dtype, device)
+
+    def values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [N, K] int8, d [N, K / 32] float32) on the CPU."""
+        if self.q is not None:
+            return self.q.cpu(), self.d.cpu()
+        w = self.planes
+        hi = unpack_nibbles(w.nibbles).view(self.shape[0], -1, 2, QK8).to(torch.int16)     # [N, K/32, 2, 32]
+        q = ((hi[:, :, 0] - 8) * 16 + hi[:, :, 1]).to(torch.int8).view(self.shape)
+        return q.cpu(), w.scales[:, 1::2, 0].float().cpu()
 
     def tensors(self):
-        return self.planes.tensors()
+        return self.planes.tensors() if self.planes is not None else [self.q, self.d]
 
     def _twice(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] -> [T, 2K], each block of 32 repeated: one copy per plane."""
         T, nb = x.shape[0], self.shape[1] // QK8            # (named: T may be 0, a chunk that samples nothing)
         return x.view(T, nb, 1, QK8).expand(T, nb, 2, QK8).reshape(T, 2 * self.shape[1])
 
+    def _dense_rows(self, x, start, stop):
+        return F.linear(x, self._rows_values(self.q[start:stop], self.d[start:stop], x.dtype))
+
+    @staticmethod
+    def _rows_values(q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        n, K = q.shape
+        return (q.to(dtype).view(n, -1, QK8) * d.to(dtype)[..., None]).view(n, K)
+
     def linear(self, x, bias=None):
-        return self.planes.linear(self._twice(x), bias)
+        if self.planes is not None:
+            return self.planes.linear(self._twice(x), bias)
+        if x.shape[0] <= self.kernel_max_rows:
+            y = torch.ops.kvserve.linear_q8_0(x.float(), self.q, self.d).to(x.dtype)
+        else:
+            y = self._dense(x).to(x.dtype)
+        return y if bias is None else y + bias
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """W[ids] [T, K] in the model dtype; in float32 exactly q * d (d as stored)."""
+        """W[ids] [T, K] in the model dtype; in float32 exactly q * d."""
+        if self.planes is None:
+            return self._rows_values(self.q[ids], self.d[ids], self.dtype)
         r = self.planes.rows(ids).view(ids.shape[0], -1, 2, QK8)
         return (r[:, :, 0] + r[:, :, 1]).reshape(ids.shape[0], self.shape[1])
 
     def dequantize(self) -> torch.Tensor:
+        if self.planes is None:
+            return self._rows_values(self.q, self.d, torch.float32)
         return self.rows(torch.arange(self.shape[0], device=self.planes.nibbles.device))

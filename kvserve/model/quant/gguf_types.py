@@ -34,6 +34,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvserve import kernels
 from kvserve.model.quant.formats import Int8Weight, quantize
 from kvserve.model.quant.gguf_blocks import Int4Values, Int8BlockWeight
 
@@ -142,10 +143,14 @@ def native_weight(t, shape: tuple[int, ...], heads: int | None, dtype: torch.dty
     """One GGUF tensor (a `gguf.ReaderTensor` of torch `shape`) in its own type: Int4Values for
     Q4_0/Q4_1/Q4_K, an Int8Weight for the other quantized types, else a tensor in `dtype` on
     `device`. `heads`: undo llama.cpp's q/k row permutation over that many heads.
-    `logits_side` (the embedding and the lm_head): Q8_0 stays exact, an Int8BlockWeight."""
+    Q8_0 stays exact, an Int8BlockWeight, where kvserve's kernels run it; without them only
+    `logits_side` (the embedding and the lm_head) does, the other Q8_0 tensors are requantized."""
     kind = t.tensor_type.name
-    if len(shape) == 2 and kind == "Q8_0" and logits_side and Int8BlockWeight.fits(shape[0]):
+    own = kernels.available(device)
+    if len(shape) == 2 and kind == "Q8_0" and (own or logits_side) and Int8BlockWeight.fits(shape[0]):
         q, d = unpack_q8_0(t.data, *shape)
+        if heads is not None:
+            q, d = unpermute_rope_rows(q, heads), unpermute_rope_rows(d, heads)
         return Int8BlockWeight(torch.from_numpy(q), torch.from_numpy(d), dtype, device, t.name)
     if len(shape) == 2 and kind in UNPACK_INT4:
         def load():
