@@ -73,7 +73,7 @@ def measure(shapes: str, rows: list[int], threads: int) -> dict:
         w = torch.randn(N, K, generator=torch.Generator().manual_seed(0))
         i4, i8 = quantize(w, "int4", 32, torch.float32), quantize(w, "int8", None, torch.float32)
         packed = i4._torch_packed()                   # torch's kernel, measured beside kvserve's
-        torch_scales = i4.scales.transpose(0, 1).contiguous()
+        torch_scales = i4.scales.permute(2, 0, 1).contiguous()
         own = kernels.available()
         dense = {"b": w.bfloat16(), "f": w}
         cells: dict = {}

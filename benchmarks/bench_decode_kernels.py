@@ -1,5 +1,5 @@
-"""kvserve's int4 GEMV (`torch.ops.kvserve.linear_int4`, the int16 route for <= 3 rows and the
-float tile route above) against torch's int4 kernel on its packed copy (bf16 activations), on
+"""kvserve's int4 kernel (`torch.ops.kvserve.linear_int4`: the int16 route for <= 3 rows, float
+register blocks to 8, dequantized tiles above) against torch's int4 kernel on its packed copy (bf16 activations), on
 SmolLM2-135M's matrices (group 32), by rows; the best of 5 interleaved timings of each.
 
     python benchmarks/bench_decode_kernels.py --threads 1 --rows 1,2,3,4,8,32
@@ -45,14 +45,14 @@ def main() -> None:
     for name, (N, K) in SHAPES.items():
         q, s = quantize_int4(torch.randn(N, K, generator=g), 32, torch.bfloat16)
         w = Int4Weight(q, s, dtype=torch.float32)
-        packed = w.packed if w.packed is not None else w._torch_packed()
-        scales = kernels.int4_block_scales(w.scales_and_zeros, K)
-        read = w.nibbles.numel() + scales.numel() * 2
+        packed = w._torch_packed()                    # torch's kernel reads its own copy
+        torch_scales = w.scales.permute(2, 0, 1).contiguous()
+        read = w.nibbles.numel() + w.scales.numel() * 2
         for T in (int(r) for r in args.rows.split(",")):
             x = torch.randn(T, K, generator=g)
             xb = x.bfloat16()
-            ours = best_us(lambda: torch.ops.kvserve.linear_int4(x, w.nibbles, w.scales_and_zeros, scales, 32))
-            theirs = best_us(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, 32, w.scales_and_zeros))
+            ours = best_us(lambda: torch.ops.kvserve.linear_int4(x, w.nibbles, w.scales, 32))
+            theirs = best_us(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, 32, torch_scales))
             print(f"{name:16s} {T:4d} {ours:11.1f} {read / ours / 1e3:6.1f} {theirs:9.1f} {ours / theirs:6.2f}")
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from kvserve import SamplingParams
 from kvserve.cli import main
-from kvserve.model.loaders import default_model
+from kvserve.config import default_model
 from kvserve.server.cli import served_name
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.model.loaders import default_model
+from kvserve.config import default_model
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

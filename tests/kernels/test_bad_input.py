@@ -28,7 +28,7 @@ def test_decode_attention_refuses_heads_and_dims_it_does_not_hold():
         torch.ops.kvserve.decode_attention(torch.randn(1, H, D), *caches(torch.int8), None, None, tables, lens, 0.25, 0)
     with pytest.raises(RuntimeError, match="int4 takes"):
         torch.ops.kvserve.linear_int4(torch.randn(1, 64), torch.zeros(16, 32, dtype=torch.uint8),
-                                      torch.zeros(16, 1, 2, dtype=torch.bfloat16), 48)
+                                      torch.zeros(16, 2, 1, dtype=torch.bfloat16), 48)
     with pytest.raises(RuntimeError, match="int4 takes"):      # scales in torch's [K/G, N, 2] order
         torch.ops.kvserve.linear_int4(torch.randn(1, 64), torch.zeros(16, 32, dtype=torch.uint8),
                                       torch.zeros(2, 16, 2, dtype=torch.bfloat16), 32)

@@ -70,7 +70,7 @@ def q16_rounding(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
     N, K = w.shape
     T = x.shape[0]
     amax = x.double().abs().view(T, K // 32, 32).amax(-1).repeat_interleave(32, dim=1)          # [T, K]
-    scale = w.scales[..., 0].double().repeat_interleave(w.group_size, dim=1)                    # [N, K]
+    scale = w.scales[:, 0].double().repeat_interleave(w.group_size, dim=1)                      # [N, K]
     q = torch.stack([w.nibbles & 15, w.nibbles >> 4], -1).view(N, K).double()
     return 1.01 * (amax @ ((q - 8).abs() * scale).T) / 65534
 

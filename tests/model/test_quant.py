@@ -75,7 +75,7 @@ def force_path(w: QuantizedWeight, path: str) -> QuantizedWeight:
     if path == "kernel" and isinstance(w, Int4Weight) and not w.own_kernel and w.packed is None:
         w.kernel_max_rows = 0           # this CPU's plan does not use torch's kernel: pack for it here
         w.packed = w._torch_packed()
-        w.torch_scales = w.scales.transpose(0, 1).contiguous()
+        w.torch_scales = w.scales.permute(2, 0, 1).contiguous()
     w.kernel_max_rows = 1 << 30 if path == "kernel" else -1
     return w
 
@@ -194,7 +194,7 @@ def test_rows_are_the_dequantized_rows(method, dtype):
         exact = w.q.double() * w.scale.double()[:, None]
     else:
         q = unpack_nibbles(w.nibbles).double().view(192, 8, 32)
-        scale, zero = w.scales.double().unbind(-1)                          # [N, K/G]
+        scale, zero = w.scales.double().unbind(1)                           # [N, K/G]
         exact = ((q - 8) * scale[..., None] + zero[..., None]).view(192, 256)
     rel = 2 ** -24 if dtype == torch.float32 else 2 ** -8          # half a unit in the last place
     assert ((got.double() - exact[ids]).abs() <= rel * exact[ids].abs()).all()

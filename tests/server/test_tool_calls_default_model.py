@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from kvserve.model.loaders import default_model
+from kvserve.config import default_model
 
 from .live import LiveServer
 

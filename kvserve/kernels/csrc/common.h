@@ -25,7 +25,7 @@ struct AttnArgs {
 
 // The kernels of one ISA. Shapes: x [T, K] float32; y [T, N] float32; rows n0..n1 of y computed.
 //   gemv_int4: W = (q - 8) * scale + zero per group of G, q as kvserve's nibbles [N, K / 2],
-//              (scale, zero) bfloat16 [N, K / G, 2]; `xp` is x in int4_order (each 32 weights:
+//              scales and zeros bfloat16 [N, 2, K / G] (row n: its scales, then its zeros); `xp` is x in int4_order (each 32 weights:
 //              the 16 even ones, then the 16 odd ones).
 //   gemv_int4_q16: the same weights times x quantized to int16 per 32 weights (kernels.h: q16_row).
 //   gemv_int8: W = q * scale[n], q [N, K] int8, scale [N] bfloat16.

@@ -49,9 +49,9 @@ static inline void int4_block(const float* xp, int K, const uint8_t* nib, const 
     for (int c = g * G; c < (g + 1) * G; c += 32) {
       VF w[RB][NV];
       for (int r = 0; r < RB; ++r) {
-        const uint16_t* sg = sz + ((size_t)(n + r) * groups + g) * 2;
+        const uint16_t* sg = sz + (size_t)(n + r) * 2 * groups + g;     // [N, 2, K/G]: scales, then zeros
         const float sc = bf16_to_f32(sg[0]);
-        nib32(nib + (size_t)(n + r) * row_bytes + c / 2, vset(sc), vset(bf16_to_f32(sg[1]) - 8.0f * sc), w[r]);
+        nib32(nib + (size_t)(n + r) * row_bytes + c / 2, vset(sc), vset(bf16_to_f32(sg[groups]) - 8.0f * sc), w[r]);
       }
       for (int t = 0; t < TB; ++t) {
         VF xv[NV];
@@ -128,12 +128,13 @@ static void tile_rows(const float* x, int T, int K, float* y, int N, int n, int 
 static void int4_tile(const float* xp, int T, int K, const uint8_t* nib, const uint16_t* sz, int N,
                       int G, float* y, int n, int rb) {
   tile_rows(xp, T, K, y, N, n, rb, [&](int r, int k0, int kn, float* out) {
-    const uint16_t* srow = sz + (size_t)(n + r) * (K / G) * 2;
+    const int groups = K / G;
+    const uint16_t* srow = sz + (size_t)(n + r) * 2 * groups;
     for (int c = 0; c < kn; c += 32) {
-      const uint16_t* p = srow + (size_t)((k0 + c) / G) * 2;
+      const uint16_t* p = srow + (k0 + c) / G;
       const float sc = bf16_to_f32(p[0]);
       VF w[32 / KV_W];
-      nib32(nib + (size_t)(n + r) * (K / 2) + (k0 + c) / 2, vset(sc), vset(bf16_to_f32(p[1]) - 8.0f * sc), w);
+      nib32(nib + (size_t)(n + r) * (K / 2) + (k0 + c) / 2, vset(sc), vset(bf16_to_f32(p[groups]) - 8.0f * sc), w);
       for (int v = 0; v < 32 / KV_W; ++v) vstore(out + c + v * KV_W, w[v]);
     }
   });
@@ -145,28 +146,37 @@ static void int4_tile(const float* xp, int T, int K, const uint8_t* nib, const u
 //   y[n] += s[n, b] * dx[b] * (sum(q * xq) - 8 sum(xq)) + zero[n, b] * sum(x)
 // xq layout per pair of blocks (b, b+1): their 16 even weights each, then their 16 odd ones.
 // dx [T, Bp] and xs [T, 2, Bp] (per block sum(x), then dx * sum(xq)), Bp = K / 32 padded to 16
-// with zeros. The weight's (scale, zero) per group, [N, K / G, 2] bfloat16 as every int4 kernel
-// reads them, give each block of 32 its group's pair.
-// The (scale, zero) of blocks b0 .. b0 + n - 1 (n <= 16) of one row, zero-padded to 16 each.
-static inline void block_scales16(const uint16_t* row, int G, int b0, int n, float* s16, float* z16) {
+// with zeros. The weight's scales and zeros per group, [N, 2, K / G] bfloat16 as every int4
+// kernel reads them, give each block of 32 its group's pair.
+// 16 bfloat16 values as float32, the first n of them (n <= 16) read, the rest zero.
+static inline void bf16x16(const uint16_t* p, int n, float* out) {
 #if KV_ISA == 512
-  if (G == 32) {       // one group a block: 2n bfloat16 in (scale, zero) pairs, de-interleaved
-    const __m512i v = _mm512_maskz_loadu_epi16((__mmask32)((n == 16 ? 0 : (1u << (2 * n))) - 1), row + 2 * b0);
-    const __m512i ev = _mm512_setr_epi32(0x00020000, 0x00060004, 0x000a0008, 0x000e000c, 0x00120010, 0x00160014,
-                                         0x001a0018, 0x001e001c, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m512i od = _mm512_add_epi16(ev, _mm512_set1_epi16(1));
-    const __m256i s = _mm512_castsi512_si256(_mm512_permutexvar_epi16(ev, v));
-    const __m256i z = _mm512_castsi512_si256(_mm512_permutexvar_epi16(od, v));
-    _mm512_storeu_ps(s16, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(s), 16)));
-    _mm512_storeu_ps(z16, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(z), 16)));
+  const __m256i h = _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), p);
+  _mm512_storeu_ps(out, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+  return;
+#endif
+  if (n == 16) {
+#pragma omp simd
+    for (int i = 0; i < 16; ++i) out[i] = bf16_to_f32(p[i]);
+  } else {
+    for (int i = 0; i < 16; ++i) out[i] = i < n ? bf16_to_f32(p[i]) : 0.0f;
+  }
+}
+
+// The scales and the zeros of blocks b0 .. b0 + n - 1 (n <= 16) of one row (`row`: its [2, K/G]
+// slice), zero-padded to 16 each: groups of 32 are the blocks themselves, wider ones repeat.
+static inline void block_scales16(const uint16_t* row, int K, int G, int b0, int n, float* s16, float* z16) {
+  const int groups = K / G;
+  if (G == 32) {
+    bf16x16(row + b0, n, s16);
+    bf16x16(row + groups + b0, n, z16);
     return;
   }
-#endif
   const int per = G / 32;
   for (int i = 0; i < 16; ++i) {
-    const uint16_t* p = row + (size_t)((b0 + i) / per) * 2;
-    s16[i] = i < n ? bf16_to_f32(p[0]) : 0.0f;
-    z16[i] = i < n ? bf16_to_f32(p[1]) : 0.0f;
+    const int g = (b0 + i) / per;
+    s16[i] = i < n ? bf16_to_f32(row[g]) : 0.0f;
+    z16[i] = i < n ? bf16_to_f32(row[groups + g]) : 0.0f;
   }
 }
 
@@ -175,7 +185,7 @@ static inline void q16_row(const int16_t* xq, const float* dx, const float* xs, 
                            const uint8_t* nib, const uint16_t* sz, int G, float* y, int N, int n) {
   const int nb = K / 32;
   const uint8_t* w = nib + (size_t)n * (K / 2);
-  const uint16_t* srow = sz + (size_t)n * (K / G) * 2;
+  const uint16_t* srow = sz + (size_t)n * 2 * (K / G);
   float acc[TB], s16[16], z16[16];
   for (int t = 0; t < TB; ++t) acc[t] = 0.0f;
 #if KV_ISA == 512
@@ -189,7 +199,7 @@ static inline void q16_row(const int16_t* xq, const float* dx, const float* xs, 
 #endif
   for (int b0 = 0; b0 < nb; b0 += 16) {
     const int bn = imin(16, nb - b0);
-    block_scales16(srow, G, b0, bn, s16, z16);
+    block_scales16(srow, K, G, b0, bn, s16, z16);
 #if KV_ISA == 512
     const __m512 s8 = _mm512_mul_ps(_mm512_set1_ps(-8.0f), _mm512_loadu_ps(s16)), zv = _mm512_loadu_ps(z16);
     __m512 sv[TB];
@@ -296,11 +306,20 @@ static void int4_rows(const float* xp, int T, int K, const uint8_t* nib, const u
   }
 }
 
+// Activation rows a pass of the tiles takes: each chunk of x stays in L2 while every weight row
+// of the thread's range passes over it (a weight is dequantized once per chunk).
+constexpr int T_CHUNK = 64;
+
 static void gemv_int4(const float* xp, int T, int K, const uint8_t* nib, const uint16_t* sz, int N,
                       int G, float* y, int n0, int n1) {
-  int n = n0;
-  for (; n + KV_RB <= n1; n += KV_RB) int4_rows<KV_RB>(xp, T, K, nib, sz, N, G, y, n);
-  for (; n < n1; ++n) int4_rows<1>(xp, T, K, nib, sz, N, G, y, n);
+  for (int t0 = 0; t0 < T; t0 += T_CHUNK) {
+    const int tn = imin(T_CHUNK, T - t0);
+    const float* xt = xp + (size_t)t0 * K;
+    float* yt = y + (size_t)t0 * N;
+    int n = n0;
+    for (; n + KV_RB <= n1; n += KV_RB) int4_rows<KV_RB>(xt, tn, K, nib, sz, N, G, yt, n);
+    for (; n < n1; ++n) int4_rows<1>(xt, tn, K, nib, sz, N, G, yt, n);
+  }
 }
 
 // ---- int8 GEMVs: one scale per row (int8) or per 32 weights (GGUF Q8_0) -----------------
@@ -356,17 +375,20 @@ template <bool BLOCKS>
 static void int8_all(const float* x, int T, int K, const int8_t* q, const uint16_t* rs,
                      const float* d, int N, float* y, int n0, int n1) {
   int n = n0;
-  if (BLOCKS && T > 4) {      // Q8_0 batches: each weight dequantized once, then the tile product
-    for (; n < n1; n += KV_RB) {
-      const int rb = imin(KV_RB, n1 - n);
-      tile_rows(x, T, K, y, N, n, rb, [&](int r, int k0, int kn, float* out) {
-        const int8_t* p = q + (size_t)(n + r) * K + k0;
-        const float* dr = d + (size_t)(n + r) * (K / 32) + k0 / 32;
-        for (int c = 0; c < kn; c += 32) {
-          const VF dv = vset(dr[c / 32]);
-          for (int v = 0; v < 32 / KV_W; ++v) vstore(out + c + v * KV_W, vmul(i8f(p + c + v * KV_W), dv));
-        }
-      });
+  if (BLOCKS && T > 4) {      // Q8_0 batches: each weight dequantized once a chunk, then the tile product
+    for (int t0 = 0; t0 < T; t0 += T_CHUNK) {
+      const int tn = imin(T_CHUNK, T - t0);
+      for (n = n0; n < n1; n += KV_RB) {
+        const int rb = imin(KV_RB, n1 - n);
+        tile_rows(x + (size_t)t0 * K, tn, K, y + (size_t)t0 * N, N, n, rb, [&](int r, int k0, int kn, float* out) {
+          const int8_t* p = q + (size_t)(n + r) * K + k0;
+          const float* dr = d + (size_t)(n + r) * (K / 32) + k0 / 32;
+          for (int c = 0; c < kn; c += 32) {
+            const VF dv = vset(dr[c / 32]);
+            for (int v = 0; v < 32 / KV_W; ++v) vstore(out + c + v * KV_W, vmul(i8f(p + c + v * KV_W), dv));
+          }
+        });
+      }
     }
     return;
   }

@@ -67,9 +67,9 @@ Linear make_linear(int64_t format, const at::Tensor& a, const at::Tensor& b, con
     TORCH_CHECK(a.scalar_type() == at::kFloat && a.dim() == 2, "kvserve: dense weights are float32 [N, K]");
   } else if (format == INT4) {
     TORCH_CHECK(a.scalar_type() == at::kByte && a.dim() == 2 && b.scalar_type() == at::kBFloat16 && w.G > 0 &&
-                    w.G % 32 == 0 && w.K % w.G == 0 && b.dim() == 3 && b.size(0) == w.N &&
-                    b.size(1) == w.K / w.G && b.size(2) == 2,
-                "kvserve: int4 takes nibbles [N, K/2] uint8 and scales [N, K/G, 2] bfloat16 (G a multiple of 32)");
+                    w.G % 32 == 0 && w.K % w.G == 0 && b.dim() == 3 && b.size(0) == w.N && b.size(1) == 2 &&
+                    b.size(2) == w.K / w.G,
+                "kvserve: int4 takes nibbles [N, K/2] uint8 and scales [N, 2, K/G] bfloat16 (G a multiple of 32)");
   } else if (format == INT8) {
     TORCH_CHECK(a.scalar_type() == at::kChar && b.scalar_type() == at::kBFloat16 && w.K % 32 == 0 &&
                     b.numel() == w.N, "kvserve: int8 takes q [N, K] int8 and scale [N] bfloat16");

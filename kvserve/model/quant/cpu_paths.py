@@ -71,16 +71,27 @@ class KernelPlan:
 #   avx2          245/3326 | 194/1365 | - | 381   3984/7900 | 3677/5171 | 1634 | 3054   13469/12049 | 11643/9245 | 3974 | 7640   43105/28992 | 40648/27600 | 14383 | 24117
 #   default       6053/7119 | 2918/2104 | - | 418   191887/8393 | 89503/3231 | 3104 | 2394   766652/16470 | 379352/10564 | 11448 | 10546
 # The kernels win at decode on every SIMD capability and lose to a dense GEMM as rows grow: the
-# entries take the largest R (of 1-512) up to which the kernel beats dequantizing. Without bf16
+# entries take the largest R (of 1-512) up to which the kernel beats dequantizing. The int4
+# entries are those of kvserve's own int4 kernel (kvserve/kernels), which replaced torch's
+# (`python benchmarks/bench_cpu_paths.py`, 2026-12-06, an Intel Xeon with AVX-512 BF16 and AMX
+# standing in for the others, load average 1-2; benchmarks/results/cpu_paths_own_int4.json),
+# microseconds over the same three matrices, kvserve's kernel / torch's / dequantize + the
+# entry's GEMM:
+#   entry         R = 1           R = 16            R = 64              R = 128             R = 256
+#   avx512_bf16   73/87/2009      463/566/1982      1461/2246/2146      3034/4550/2372      6219/9051/2752
+#   avx512        76/87/1625      456/579/2226      1524/2258/3597      3059/4494/4852      6338/9036/6154
+#   avx2          184/143/1596    770/1053/2151     3042/4032/3408      6096/8156/5190      12288/16726/8650
+# (This host's bf16 GEMMs run on AMX, so its avx512_bf16 dequantize path is faster than a Zen 4's,
+# whose crossover would be higher: 64 is this host's.) Without bf16
 # instructions a bf16 GEMM is 2-4x a float32 one (avx2 at 128 rows: 16.0 against 3.9 ms on
 # gate_up), so the other entries dequantize into float32. W8A8 beats both weight-only paths from
 # 16 rows on every entry (from 8 on avx512); under DEFAULT (no SIMD in torch's own kernels) the
 # kernels and every dequantization are 5-400x the dense float32 GEMM, so its plan holds the
 # weights dequantized. Arm builds (DEFAULT, SVE256) and any other capability string take that plan.
 TABLE = {
-    "avx512_bf16": KernelPlan("avx512_bf16", "", int4_kernel_max_rows=128, int8_kernel_max_rows=16,
+    "avx512_bf16": KernelPlan("avx512_bf16", "", int4_kernel_max_rows=64, int8_kernel_max_rows=16,
                               w8a8_min_rows=8, dense_dtype=torch.bfloat16),
-    "avx512": KernelPlan("avx512", "", int4_kernel_max_rows=512, int8_kernel_max_rows=256,
+    "avx512": KernelPlan("avx512", "", int4_kernel_max_rows=128, int8_kernel_max_rows=256,
                          w8a8_min_rows=8, dense_dtype=torch.float32),
     "avx2": KernelPlan("avx2", "", int4_kernel_max_rows=64, int8_kernel_max_rows=32,
                        w8a8_min_rows=8, dense_dtype=torch.float32),

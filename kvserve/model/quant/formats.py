@@ -246,7 +246,7 @@ def unpack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
 class Int4Weight(QuantizedWeight):
     """Group-wise int4: q [N, K] in 0..15, scale and zero [N, K / G];
     W = (q - 8) * scale + zero per group. Held as kvserve's nibbles [N, K/2] (pack_nibbles) and
-    `scales` [N, K/G, 2] bfloat16 (each group's scale, then its zero): 0.5 + 4 / G bytes a weight,
+    `scales` [N, 2, K/G] bfloat16 (a row's scales, then its zeros): 0.5 + 4 / G bytes a weight,
     what kvserve's kernels read at every row count. Only where those kernels are not built
     (KVSERVE_KERNELS=torch, no compiler) is torch's int4 kernel used instead, on a packed copy
     of its own and its [K/G, N, 2] scales. GGUF Q4_0 maps to zero = 0; Q4_1 (w = q * d + m) to
@@ -272,12 +272,12 @@ class Int4Weight(QuantizedWeight):
         self.nibbles = (pack_nibbles(q) if nibbles is None else nibbles).contiguous().to(device)
         self.has_zero = zero is not None and bool(zero.any())
         zero = torch.zeros_like(scale) if zero is None else zero
-        self.scales = torch.stack([scale, zero], dim=-1).to(device=device, dtype=self.compute_dtype).contiguous()
+        self.scales = torch.stack([scale, zero], dim=1).to(device=device, dtype=self.compute_dtype).contiguous()
         # torch's kernel (the fallback where kvserve's are not built): its packed copy and scales
         self.packed = self.torch_scales = None
         if self.kernel_max_rows >= 0 and not self.own_kernel:
             self.packed = self._torch_packed()
-            self.torch_scales = self.scales.transpose(0, 1).contiguous() if self.packed is not None else None
+            self.torch_scales = self.scales.permute(2, 0, 1).contiguous() if self.packed is not None else None
 
     def _torch_packed(self) -> torch.Tensor | None:
         """torch's packed copy [N, K/2] for its kernel (a layout of its own, never read back),
@@ -298,8 +298,8 @@ class Int4Weight(QuantizedWeight):
     def cat(cls, parts: list["Int4Weight"], dtype: torch.dtype, device, name: str = "weight") -> "Int4Weight":
         """Row blocks of one group size stacked into one weight (fused q, k, v), in the model's
         dtype and device."""
-        sz = torch.cat([p.scales.float().cpu() for p in parts])                # [N, K/G, 2]
-        return cls(None, sz[..., 0], sz[..., 1], dtype=dtype, device=device, name=name,
+        sz = torch.cat([p.scales.float().cpu() for p in parts])                # [N, 2, K/G]
+        return cls(None, sz[:, 0], sz[:, 1], dtype=dtype, device=device, name=name,
                    nibbles=torch.cat([p.nibbles.cpu() for p in parts]))
 
     def tensors(self):
@@ -311,7 +311,7 @@ class Int4Weight(QuantizedWeight):
         stop = self.shape[0] if stop is None else stop
         n, dtype = stop - start, dtype or self.compute_dtype
         w = unpack_nibbles(self.nibbles[start:stop]).to(dtype).view(n, -1, self.group_size)
-        scale, zero = self.scales[start:stop].to(dtype).unbind(-1)            # [n, K/G]
+        scale, zero = self.scales[start:stop].to(dtype).unbind(1)             # [n, K/G]
         w = w.sub_(8).mul_(scale[..., None])
         return (w.add_(zero[..., None]) if self.has_zero else w).view(n, K)
 
@@ -319,7 +319,7 @@ class Int4Weight(QuantizedWeight):
         """W[ids] [T, K] in the model dtype (an embedding lookup)."""
         T, (N, K), G = ids.shape[0], self.shape, self.group_size
         q = unpack_nibbles(self.nibbles[ids])                                # [T, K]
-        scale, zero = self.scales[ids].to(self.dtype).unbind(-1)             # [T, K/G]
+        scale, zero = self.scales[ids].to(self.dtype).unbind(1)              # [T, K/G]
         w = (q.to(self.dtype).view(T, -1, G) - 8) * scale[..., None] + zero[..., None]
         return w.view(T, K)
 

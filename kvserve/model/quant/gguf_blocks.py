@@ -139,7 +139,7 @@ class Int8BlockWeight(QuantizedWeight):
         w = self.planes
         hi = unpack_nibbles(w.nibbles).view(self.shape[0], -1, 2, QK8).to(torch.int16)     # [N, K/32, 2, 32]
         q = ((hi[:, :, 0] - 8) * 16 + hi[:, :, 1]).to(torch.int8).view(self.shape)
-        return q.cpu(), w.scales[:, 1::2, 0].float().cpu()
+        return q.cpu(), w.scales[:, 0, 1::2].float().cpu()
 
     def tensors(self):
         return self.planes.tensors() if self.planes is not None else [self.q, self.d]
