@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import threading
 import time
 
@@ -39,12 +40,18 @@ def main() -> None:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    llm = LLM(model, kv_cache_memory=16 << 20, **json.loads(args.kwargs))
+    kwargs = {"kv_cache_memory": 16 << 20, **json.loads(args.kwargs)}
+    llm = LLM(model, **kwargs)
     done.set()
     sampler.join()
-    print(f"{model} {args.kwargs}: anonymous memory before {before:.0f} MB, after loading "
-          f"{rss_anon_mb():.0f} MB, peak while loading {peak[0]:.0f} MB; weights "
-          f"{llm.engine.model.weight_bytes() / 1e6:.1f} MB, KV cache 16 MB (torch {torch.__version__})")
+    after = rss_anon_mb()
+    kv = sum(t.numel() * t.element_size() for t in llm.engine.core.runner.kv_cache_tensors()) / 1e6
+    size = os.path.getsize(model) / 1e6 if os.path.isfile(model) else float("nan")
+    print(f"{model} {kwargs}: anonymous memory before {before:.0f} MB, after loading {after:.0f} MB, "
+          f"peak while loading {peak[0]:.0f} MB; weights {llm.engine.model.weight_bytes() / 1e6:.1f} MB, "
+          f"KV cache {kv:.1f} MB; the file {size:.1f} MB: growth {(after - before) / size:.2f}x the file, "
+          f"peak {(peak[0] - before) / size:.2f}x (torch {torch.__version__}, load average "
+          f"{os.getloadavg()[0]:.1f})")
 
 
 if __name__ == "__main__":

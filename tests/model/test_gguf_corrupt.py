@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from kvserve.model.loaders.gguf_check import check_gguf
+from kvserve.model.loaders.gguf_file import check_gguf
 from tests.model.gguf_files import STORIES_GGUF, write_out
 
 LOAD_TIMEOUT_S = 10.0              # a clean load of this 1 MB file takes ~15 ms

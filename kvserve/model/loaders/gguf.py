@@ -1,9 +1,9 @@
-"""GGUF files (llama.cpp's one-file format), read with gguf-py's `GGUFReader` (memory-mapped):
+"""GGUF files (llama.cpp's one-file format), read by gguf_file.py (metadata as values, tensors memory-mapped):
 metadata -> ModelConfig, tensors -> weights under HF names, vocabulary -> tokenizer
 (tokenizers/gguf_tokenizer.py). Tensors come either in their own types (`native`: int4 / int8 / the model
 dtype, quant/gguf_types.py) or dequantized to float32 with `gguf.quants.dequantize`.
 
-Everything is checked (every length and offset against the file size, gguf_check.py; then
+Everything is checked (every length and offset against the file size, gguf_file.py; then
 architecture, tensor names, types, shapes) before the first tensor is dequantized, so a bad file
 costs no memory. GGUF lists dimensions fastest-first (ne0 = columns), the reverse of torch;
 llama.cpp's converter permutes the q/k rows of `llama` models for its interleaved RoPE, which
@@ -22,6 +22,7 @@ import torch
 from kvserve.model.config import ModelConfig
 from kvserve.model.registry import ARCHITECTURES, gguf_architecture
 from kvserve.model.loaders.gguf_deepseek import DENSE_ALWAYS, MLA_TENSORS, deepseek2_config, join_kv_b, mla_shape
+from kvserve.model.loaders.gguf_file import GGUFFile, read_gguf
 from kvserve.model.quant.gguf_types import native_weight, unpermute_rope_rows
 from kvserve.model.tokenizers.gguf_tokenizer import GGUFTokenizer, build_gguf_tokenizer
 
@@ -126,32 +127,15 @@ def _expert_weights(t, stacked: str, shape: tuple, native: bool, dtype, device) 
     return dict(zip(names, w.unbind(0)))
 
 
-def open_gguf(path: str | Path):
-    """A `gguf.GGUFReader` over `path`, or ValueError if it is not a whole, well-formed GGUF
-    file: gguf_check.check_gguf walks every length and offset first (GGUFReader trusts them)."""
-    from gguf import GGUFReader
-
-    from kvserve.model.loaders.gguf_check import check_gguf
-
-    check_gguf(path)
-    try:
-        return GGUFReader(path)
-    except Exception as e:  # what the walk does not check (e.g. a value gguf-py rejects)
-        raise ValueError(f"{str(path)!r} is truncated or corrupt (reading its GGUF header failed: "
-                         f"{e}); download or write the file again.") from e
+def open_gguf(path: str | Path) -> GGUFFile:
+    """The GGUF file at `path` (gguf_file.read_gguf: every length and offset checked), or
+    ValueError if it is not a whole, well-formed GGUF file."""
+    return read_gguf(path)
 
 
-def read_metadata(reader) -> dict:
+def read_metadata(reader: GGUFFile) -> dict:
     """Every key-value field as a Python value (str, int, float, bool, or a list of them)."""
-    meta = {}
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF."):
-            continue
-        try:
-            meta[name] = field.contents()
-        except Exception as e:
-            raise ValueError(f"metadata field {name!r} is corrupt ({e}); the file is damaged.") from e
-    return meta
+    return reader.metadata
 
 
 def config_from_metadata(meta: dict, path) -> tuple[ModelConfig, bool]:
