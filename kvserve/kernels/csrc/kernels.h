@@ -191,7 +191,7 @@ static inline void q16_row(const int16_t* xq, const float* dx, const float* xs, 
 #if KV_ISA == 512
   __m512 facc[TB];
   for (int t = 0; t < TB; ++t) facc[t] = _mm512_setzero_ps();
-  const __m256i m4 = _mm256_set1_epi8(15);
+  const __m512i m4w = _mm512_set1_epi16(15);
 #elif KV_ISA == 256
   __m256 facc[TB];
   for (int t = 0; t < TB; ++t) facc[t] = _mm256_setzero_ps();
@@ -210,8 +210,9 @@ static inline void q16_row(const int16_t* xq, const float* dx, const float* xs, 
     }
     for (int p = 0; p < bn; p += 2) {           // two blocks: 64 weights, 32 in each zmm
       __m256i bytes = _mm256_loadu_si256((const __m256i*)(w + (size_t)(b0 + p) * 16));
-      __m512i lo = _mm512_cvtepu8_epi16(_mm256_and_si256(bytes, m4));                     // evens of b, b+1
-      __m512i hi = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), m4));  // odds
+      const __m512i wb = _mm512_cvtepu8_epi16(bytes);          // a word per byte: lo | hi << 4
+      __m512i lo = _mm512_and_si512(wb, m4w);                  // evens of b, b+1
+      __m512i hi = _mm512_srli_epi16(wb, 4);                   // odds (the word's bits 4..7)
       const __m512i idx = _mm512_setr_epi32(p, p, p, p, p, p, p, p, p + 1, p + 1, p + 1, p + 1, p + 1, p + 1, p + 1, p + 1);
       for (int t = 0; t < TB; ++t) {
         const int16_t* xp = xq + (size_t)t * K + (size_t)(b0 + p) * 32;
