@@ -43,9 +43,8 @@ from kvserve.server.docs_page import install as install_docs
 from kvserve.server.errors import EngineFailureReport, install_error_handlers
 from kvserve.server.llama_routes import ROUTES as LLAMA_ROUTES
 from kvserve.server.llama_routes import install as install_llama_routes
-from kvserve.server.limits import (
-    DEFAULT_MAX_PROMPTS_PER_REQUEST, MIN_BYTES_PER_TOKEN_BOUND, ServerLimits, Tokenization,
-    max_bytes_per_token)
+from kvserve.frontend.tokenization import Tokenization
+from kvserve.server.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST, ServerLimits
 from kvserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kvserve.server.openapi import ROUTES, install_openapi
 from kvserve.server.page import install as install_page
@@ -105,9 +104,8 @@ class ServerState:
             self.chat.escape_special_tokens = escape_special_tokens    # server/openai/chat_renderer.py
         self.max_model_len = engine.limits.max_model_len      # the core's served context (engine_core.py)
         self.kv_stream_address = engine.limits.kv_stream_address    # PD decode side (engine/remote_kv.py)
-        bound = max_bytes_per_token(tok) if tok is not None else MIN_BYTES_PER_TOKEN_BOUND
-        self.limits = ServerLimits(self.max_model_len, max_prompts_per_request, max_waiting, bound)
-        self.tokenization = Tokenization()
+        self.limits = ServerLimits(engine.limits, max_prompts_per_request, max_waiting)
+        self.tokenization = Tokenization(tok, self.max_model_len)    # the frontend's (frontend/tokenization.py)
         # --generation-config: request defaults from the model's generation_config.json
         self.generation_defaults = generation_defaults or {}
         self.engine_failure = EngineFailureReport()

@@ -12,69 +12,38 @@
   such a batch could never fit under (400, not a 503 that retrying cannot cure).
 - List fields are counted before pydantic looks at their items (`check_list_lengths`): a
   4-million-entry `stop_token_ids` costs a `len()`, not a validation pass.
-- A text prompt longer in UTF-8 bytes than `max_model_len` times the most bytes any one token
-  stands for cannot fit, and is refused before it is tokenized (`check_text_fits`). What is
-  tokenized is tokenized on a small worker pool (`Tokenization`), not on the event loop, so a
-  long prompt never stalls `/health` or another client's stream.
+- A token-id prompt is held to the frontend's context rule before pydantic reads it. Text is
+  bounded and tokenized by the frontend (frontend/tokenization.py: refused by its UTF-8 length
+  before it is tokenized, tokenized off the event loop); the server turns the frontend's
+  `ContextLengthError` into OpenAI's 400 (`context_error`) and formats nothing else about it.
 """
 from __future__ import annotations
 
-import asyncio
-import logging
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from kvserve.engine.core_io import CoreLimits
+from kvserve.frontend.processor import ContextLengthError, context_max_tokens
 from kvserve.server.openai.protocol import LIST_FIELD_LIMITS, APIError
-
-logger = logging.getLogger("kvserve.server")
 
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 1024
 ADD_CHUNK = 64                  # engine requests queued per turn of the event loop
-INLINE_TOKENIZE_CHARS = 2048    # shorter text is tokenized on the event loop (microseconds)
-TOKENIZER_THREADS = 2
-MIN_BYTES_PER_TOKEN_BOUND = 16  # a floor for the bound below (normalizers, special tokens)
 
 
-def max_bytes_per_token(tokenizer) -> int:
-    """An upper bound on the UTF-8 bytes of input text one token can stand for: 4 x the longest
-    vocabulary entry in bytes of its own spelling, and never below MIN_BYTES_PER_TOKEN_BOUND.
-
-    A spelling is never shorter than the normalized text it stands for (a byte-level BPE spells
-    each byte with a 1-2 byte character, sentencepiece a space with the 3-byte U+2581), and a
-    normalizer shrinks text at most 4:1 (NFKC maps 4-byte U+1D400 to "A"). Only a normalizer
-    that deletes characters outright (control characters) beats it, and a prompt made of those
-    is no loss."""
-    longest = 0
-    inner = getattr(tokenizer, "_tok", None)                    # HFTokenizer
-    pieces = getattr(tokenizer, "pieces", None)                 # Llama2cTokenizer
-    try:
-        if inner is not None:
-            longest = max((len(t.encode("utf-8")) for t in inner.get_vocab(with_added_tokens=True)),
-                          default=0)
-        elif pieces is not None:
-            longest = max((len(p) for p in pieces), default=0)
-        else:
-            longest = int(getattr(tokenizer, "max_token_length", 0) or 64)
-    except Exception:  # noqa: BLE001 -- an unusual tokenizer: fall back to a generous bound
-        logger.warning("cannot read the tokenizer's vocabulary; assuming tokens of 64 bytes at most")
-        longest = 64
-    return max(4 * longest, MIN_BYTES_PER_TOKEN_BOUND)
+def context_error(e: ContextLengthError) -> APIError:
+    """The frontend's refusal of a request that does not fit the served context (its one rule,
+    frontend/processor.py), as OpenAI's 400."""
+    return APIError(str(e), param=e.param, code="context_length_exceeded")
 
 
 @dataclass
 class ServerLimits:
-    max_model_len: int
+    core: CoreLimits                # the served context and pool (the frontend checks against them)
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
     max_waiting: int | None = None
-    bytes_per_token: int = MIN_BYTES_PER_TOKEN_BOUND
 
     def __post_init__(self):
         if self.max_prompts_per_request < 1:
             raise ValueError(f"max_prompts_per_request must be >= 1, got {self.max_prompts_per_request}.")
-
-    @property
-    def max_prompt_bytes(self) -> int:
-        return self.max_model_len * self.bytes_per_token
 
     def check_list_lengths(self, obj: dict) -> None:
         """Cheap checks on the raw JSON object, before pydantic validates any list item."""
@@ -90,9 +59,11 @@ class ServerLimits:
         else:
             self.check_num_prompts(len(prompt))
             lists = [p for p in prompt if isinstance(p, list)]
-        for ids in lists:
-            if len(ids) >= self.max_model_len:
-                raise self.context_error(len(ids))
+        for ids in lists:           # the frontend's context rule on the prompt alone
+            try:
+                context_max_tokens(self.core, len(ids), None)
+            except ContextLengthError as e:
+                raise context_error(e) from None
 
     def check_num_prompts(self, n: int) -> None:
         if n > self.max_prompts_per_request:
@@ -103,37 +74,3 @@ class ServerLimits:
             raise APIError(f"prompt: {n} prompts can never fit in the waiting queue of "
                            f"{self.max_waiting} (--max-waiting): send fewer per request", param="prompt",
                            code="too_many_prompts")
-
-    def context_error(self, prompt_len: int | str) -> APIError:
-        return APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                        f"your prompt has {prompt_len} tokens. Please reduce the length of the prompt.",
-                        param="prompt", code="context_length_exceeded")
-
-    def check_text_fits(self, text: str) -> None:
-        """400 for text that cannot fit max_model_len whatever it tokenizes to (no tokenizing)."""
-        if len(text) * 4 <= self.max_prompt_bytes:      # UTF-8: at most 4 bytes a character
-            return
-        n = len(text.encode("utf-8", "surrogatepass"))
-        if n > self.max_prompt_bytes:
-            raise self.context_error(f"at least {n // self.bytes_per_token}")
-
-
-class Tokenization:
-    """Tokenizer calls off the event loop: long text goes to a small thread pool (the HF
-    tokenizer releases the GIL while it works), short text is done inline."""
-
-    def __init__(self, threads: int = TOKENIZER_THREADS):
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvserve-tokenize")
-
-    async def call(self, size: int, fn, *args):
-        """fn(*args): inline when `size` (characters, or token ids) is small, else on the pool."""
-        if size <= INLINE_TOKENIZE_CHARS:
-            return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    async def run_many(self, fn, items: list) -> list:
-        """[fn(x) for x in items] (texts to encode, or token-id lists to decode)."""
-        return await self.call(sum(len(x) for x in items), lambda: [fn(x) for x in items])
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)

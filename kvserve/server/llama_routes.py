@@ -38,7 +38,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from kvserve.config.cli_args import kvserve_version
+from kvserve.frontend.processor import ContextLengthError
 from kvserve.server.body import parse_body, validation_error_to_api_error
+from kvserve.server.limits import context_error
 from kvserve.server.llama_fields import (
     LLAMA_DEFAULTS, LlamaCompletionRequest, LlamaCompletionResponse, LlamaInfillRequest, PropsResponse,
     SlotsResponse)
@@ -132,9 +134,10 @@ async def _infill_prompt(state, req: LlamaInfillRequest) -> list[int]:
                        "tokens (<fim_prefix>/<fim_suffix>/<fim_middle> or their spellings)",
                        param="input_prefix", code=UNSUPPORTED)
     texts = [req.input_prefix, req.input_suffix] + ([req.prompt] if isinstance(req.prompt, str) else [])
-    for t in texts:
-        state.limits.check_text_fits(t)
-    encoded = await state.tokenization.run_many(lambda t: tok.encode(t, add_special_tokens=False), texts)
+    try:
+        encoded = await state.tokenization.encode(texts, add_special_tokens=False)
+    except ContextLengthError as e:
+        raise context_error(e) from None
     middle = encoded[2] if isinstance(req.prompt, str) else list(req.prompt)
     bos = [tok.bos_token_id] if tok.add_bos_token and tok.bos_token_id is not None else []
     return bos + [fim[0]] + encoded[0] + [fim[1]] + encoded[1] + [fim[2]] + middle

@@ -11,6 +11,8 @@ from typing import Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvserve.frontend.processor import ContextLengthError
+from kvserve.server.limits import context_error
 from kvserve.server.openai.chat_renderer import render_options, request_renderer, template_messages
 from kvserve.server.openai.logprobs import chat_logprobs, prompt_logprobs_table
 from kvserve.server.openai.prompts import engine_salt, max_tokens_for, request_ids, truncate_prompt
@@ -51,7 +53,10 @@ async def chat_prompt(state, req, request=None):
     options = render_options(chat, req, request)
     text = await state.tokenization.call(size, lambda: chat.render(
         messages, req.add_generation_prompt, tools, **options))
-    state.limits.check_text_fits(text)
+    try:
+        state.tokenization.check_text_fits(text)
+    except ContextLengthError as e:
+        raise context_error(e) from None
     ids = await state.tokenization.call(len(text), lambda: chat.encode_chat(
         text, messages, req.add_generation_prompt, tools, req.add_special_tokens, **options))
     return plan, messages, text, ids

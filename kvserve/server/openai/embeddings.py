@@ -31,6 +31,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, field_validator
 
+from kvserve.frontend.processor import ContextLengthError
 from kvserve.pooling.batcher import BatcherClosed, EmbeddingBatcher, QueueFull
 from kvserve.pooling.core import NOT_GENERATING, EmbeddingCore
 from kvserve.server.body import parse_body
@@ -227,10 +228,13 @@ async def _token_ids(state, inputs: list, vocab_size: int) -> list[list[int]]:
     tok, texts = state.tokenizer, [x for x in inputs if isinstance(x, str)]
     if texts and tok is None:
         raise APIError("input: this model has no tokenizer: send token ids", param="input")
-    bound = state.limits.max_prompt_bytes
     for i, x in enumerate(inputs):
-        if isinstance(x, str) and len(x) * 4 > bound and len(x.encode("utf-8")) > bound:
-            raise _too_long(state, i, f"at least {len(x.encode('utf-8')) // state.limits.bytes_per_token}")
+        if isinstance(x, str):
+            try:
+                state.tokenization.check_text_fits(x, "input")
+            except ContextLengthError:
+                n = len(x.encode("utf-8", "surrogatepass")) // state.tokenization.bytes_per_token
+                raise _too_long(state, i, f"at least {n}") from None
     encoded = iter(await state.tokenization.run_many(tok.encode, texts) if texts else ())
     prompts = [next(encoded) if isinstance(x, str) else x for x in inputs]
     for i, ids in enumerate(prompts):

@@ -1,8 +1,8 @@
 """The engine prompts behind one HTTP request, and the bounds they are checked against first.
 
-`prompt_items` turns a /v1/completions request into engine prompts: the prompt count
-and each text's UTF-8 size are checked before anything is tokenized, and tokenizing runs off the
-event loop. `max_tokens_for` is the frontend's context-window rule, refused as an HTTP 400.
+`prompt_items` turns a /v1/completions request into engine prompts: the prompt count is checked
+here, and the frontend (frontend/tokenization.py) bounds each text's UTF-8 size and tokenizes it
+off the event loop. `max_tokens_for` is the frontend's context-window rule, refused as an HTTP 400.
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import re
 import uuid
 
 from kvserve.frontend.processor import ContextLengthError, context_max_tokens, truncated
+from kvserve.server.limits import context_error
 from kvserve.server.openai.protocol import APIError, CompletionRequest
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -58,7 +59,7 @@ def max_tokens_for(state, prompt_len: int, requested: int | None, min_tokens: in
     try:
         return context_max_tokens(state.engine.limits, prompt_len, requested, min_tokens)
     except ContextLengthError as e:
-        raise APIError(str(e), param=e.param, code="context_length_exceeded") from None
+        raise context_error(e) from None
 
 
 def split_prompts(p) -> list[str | list[int]]:
@@ -73,16 +74,15 @@ def split_prompts(p) -> list[str | list[int]]:
 async def prompt_items(state, req: CompletionRequest) -> list[dict]:
     """The engine prompt of each prompt of the request, tokenized off the event loop after a
     check that needs no tokenizing (server/limits.py)."""
-    tok = state.tokenizer
     prompts = split_prompts(req.prompt)
     state.limits.check_num_prompts(len(prompts))
     texts = [p for p in prompts if isinstance(p, str)]
-    if texts and tok is None:
+    if texts and state.tokenizer is None:
         raise APIError("this model has no tokenizer: send the prompt as token ids", param="prompt")
-    for t in texts:
-        state.limits.check_text_fits(t)
-    encode = lambda t: tok.encode(t, add_special_tokens=req.add_special_tokens)   # noqa: E731
-    encoded = iter(await state.tokenization.run_many(encode, texts) if texts else ())
+    try:
+        encoded = iter(await state.tokenization.encode(texts, req.add_special_tokens) if texts else ())
+    except ContextLengthError as e:
+        raise context_error(e) from None
     items = []
     salt = engine_salt(req)
     for p in prompts:

@@ -24,7 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from kvserve.config.cli_args import kvserve_version
+from kvserve.frontend.processor import ContextLengthError
 from kvserve.server.body import parse_body
+from kvserve.server.limits import context_error
 from kvserve.server.openai.chat import chat_prompt
 from kvserve.server.openai.chat_fields import CONTINUE_RULE, ChatTemplateFields
 from kvserve.server.openai.protocol import MAX_MESSAGES, APIError, ChatMessageParam, ModelCard, TokenId
@@ -147,9 +149,11 @@ async def prompt_ids(state, req: TokenizeRequest, request=None) -> list[int]:
     """The token ids of the request's prompt, or of its chat as /v1/chat/completions renders it."""
     tok = _tokenizer(state)
     if req.prompt is not None:
-        state.limits.check_text_fits(req.prompt)
         special = True if req.add_special_tokens is None else req.add_special_tokens
-        return await state.tokenization.call(len(req.prompt), tok.encode, req.prompt, special)
+        try:
+            return (await state.tokenization.encode([req.prompt], special))[0]
+        except ContextLengthError as e:
+            raise context_error(e) from None
     return (await chat_prompt(state, req, request))[3]
 
 
