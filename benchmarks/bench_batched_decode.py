@@ -10,7 +10,7 @@ median of its repeats. Also each tree's resident weight bytes (`model.weight_byt
 
     git worktree add --detach /tmp/kvserve-base HEAD
     python benchmarks/bench_batched_decode.py --tree . --baseline-tree /tmp/kvserve-base \\
-        --batches 1,4,8,16,32,64 --repeats 3 [--model FILE] [--out results/batched_decode.json]
+        --batches 1,4,8,16,32,64 --repeats 3 [--model FILE] [--kwargs JSON] [--out results/batched_decode.json]
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from kvserve.config.default_model import default_model_path
 torch.set_num_threads({threads})
 model = {model!r} or default_model_path()
 out = {{"capability": torch.backends.cpu.get_cpu_capability()}}
-llm = LLM(model=model, enable_prefix_caching=False, max_num_seqs=max({batches}), num_kv_blocks=4096)
+llm = LLM(model=model, enable_prefix_caching=False, max_num_seqs=max({batches}), num_kv_blocks=4096, **{kwargs})
 out["weight_bytes"] = llm.engine.model.weight_bytes()
 vocab = llm.engine.model.cfg.vocab_size
 def run(B, n, seed):
@@ -49,7 +49,7 @@ print(json.dumps(out))
 
 def measure(tree: Path, args) -> dict:
     code = CHILD.format(threads=args.threads, model=args.model, batches=args.batches, prompt=args.prompt_len,
-                        new=args.new_tokens)
+                        new=args.new_tokens, kwargs=json.loads(args.kwargs))
     env = dict(os.environ, PYTHONPATH=str(tree.resolve()))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tree)
     if out.returncode != 0:
@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8, 16, 32, 64])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--kwargs", default="{}", help='LLM keyword arguments, as JSON: \'{"dtype": "bfloat16"}\'')
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)

@@ -6,7 +6,6 @@ import copy
 
 import torch
 
-from kvserve.attention import kv_quant
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.config.names import check_kv_cache_dtype
 

@@ -2,9 +2,9 @@
 of a pure-decode step in one call of kvserve's C++ kernels (`torch.ops.kvserve.decode_layers`,
 kvserve/kernels), instead of ~220 eager ATen calls a layer.
 
-Chosen once at load: the model must be float32 on the CPU, without tensor parallelism, with an
-unquantized KV cache, head dims and GQA ratios the attention kernel holds, and linear weights the
-kernels read (float32 tensors, int4, int8, GGUF Q8_0), dense MLPs or mixtures of experts
+Chosen once at load: the model must be float32 or bfloat16 on the CPU, without tensor
+parallelism, with an unquantized KV cache, head dims and GQA ratios the attention kernel holds,
+and linear weights the kernels read (float32 or bfloat16 tensors, int4, int8, GGUF Q8_0), dense MLPs or mixtures of experts
 (kvserve/model/moe_models.py: softmax top-k routing, a shared expert; the router and its
 scale go to the kernel, which reads only the chosen experts), per-head q/k norms and no clip_qkv. Anything else runs the
 layer-by-layer torch path, with one log line naming why. A step with prefill chunks always takes
@@ -29,7 +29,7 @@ EMPTY = torch.empty(0)
 def linear_spec(w) -> tuple | None:
     """(format, group, a, b, c) of a linear weight as the kernels read it, or None."""
     if isinstance(w, torch.Tensor):
-        return (DENSE, 0, w, EMPTY, EMPTY) if w.dtype == torch.float32 else None
+        return (DENSE, 0, w, EMPTY, EMPTY) if w.dtype in (torch.float32, torch.bfloat16) else None
     if isinstance(w, Int4Weight):
         return INT4, w.group_size, w.nibbles, w.scales, EMPTY
     if isinstance(w, Int8Weight) and w.shape[1] % 32 == 0:
@@ -47,8 +47,8 @@ def _layer_pack(layer) -> tuple[list, list[int]] | None:
     moe = not layer.dense_mlp
     lins = [linear_spec(w) for w in (layer.qkv, layer.o)]
     lins += [(DENSE, 0, EMPTY, EMPTY, EMPTY)] * 2 if moe else [linear_spec(layer.gate_up), linear_spec(layer.down)]
-    tensors = [layer.input_norm, layer.post_norm,
-               *[EMPTY if t is None else t for t in (layer.qkv_bias, layer.q_norm, layer.k_norm)]]
+    tensors = [_f32(layer.input_norm), _f32(layer.post_norm),
+               *[EMPTY if t is None else _f32(t) for t in (layer.qkv_bias, layer.q_norm, layer.k_norm)]]
     spec: list[int] = []
     shared = 0
     if moe:
@@ -66,13 +66,18 @@ def _layer_pack(layer) -> tuple[list, list[int]] | None:
         spec += [fmt, group]
     spec += [len(layer.experts_gate_up), layer.top_k, int(layer.renormalize), shared] if moe else [0, 0, 0, 0]
     if moe:
-        tensors += [layer.router.contiguous(), torch.tensor([float(layer.route_scale)])]
+        tensors += [_f32(layer.router), torch.tensor([float(layer.route_scale)])]
         for fmt, group, a, b, c in extra:
             tensors += [a, b, c]
             spec += [fmt, group]
         if shared == 2:
-            tensors.append(layer.shared_gate.contiguous())
+            tensors.append(_f32(layer.shared_gate))
     return tensors, spec
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    """A norm, bias or router as the kernels read it: float32 (a copy only in a bfloat16 model)."""
+    return t.float().contiguous()
 
 
 class FusedDecode:
@@ -119,8 +124,8 @@ class FusedDecode:
             return lacking
         if model.device.type != "cpu" or not kernels.available(model.device):
             return "no kvserve kernels here"
-        if model.dtype != torch.float32:
-            return f"model dtype {model.dtype}, the fused step runs float32"
+        if model.dtype not in (torch.float32, torch.bfloat16):
+            return f"model dtype {model.dtype}, the fused step runs float32 and bfloat16 models"
         if model.tp is not None:
             return "tensor parallelism"
         if attn.kv_cache_dtype != "auto":
@@ -143,11 +148,16 @@ class FusedDecode:
         return num_tokens == num_decode_tokens and 0 < num_tokens <= self.max_rows
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, meta, kv_caches) -> torch.Tensor:
-        """x [B, hidden] float32 (the embeddings) -> the residual stream after the last layer."""
+        """x [B, hidden] (the embeddings) -> the residual stream after the last layer. The step
+        runs in float32 whatever the model's dtype: a bfloat16 model's weights and KV cache stay
+        bfloat16 (its GEMMs round their input to bfloat16, its K/V are rounded as they are
+        written), the residual stream, norms, RoPE and attention are float32."""
         m, cfg = self.model, self.model.cfg
+        dtype = x.dtype
+        x = x.float()
         torch.ops.kvserve.decode_layers(
             x, self.weights, self.spec, m.rope_cos, m.rope_sin, positions,
             [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.decode_block_tables,
             meta.decode_context_lens, meta.slot_mapping, cfg.num_heads, cfg.num_kv_heads,
             cfg.rms_norm_eps, m.attn.scale, m.attn.sliding_window or 0)
-        return x
+        return x.to(dtype)

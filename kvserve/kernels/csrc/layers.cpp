@@ -1,4 +1,5 @@
-// One call for every decoder layer of a pure-decode step (Llama family, float32 activations):
+// One call for every decoder layer of a pure-decode step (Llama family, float32 activations;
+// float32 or bfloat16 weights and KV cache):
 // per layer add + RMSNorm, the QKV GEMV (+ bias, + Qwen3's per-head q/k norm), RoPE, the KV
 // cache write, paged decode attention, the output GEMV, add + RMSNorm, gate_up GEMV, SwiGLU and
 // the down GEMV, with no Python between them and scratch buffers allocated once per step.
@@ -131,11 +132,12 @@ static void decode_layers(at::Tensor x, at::TensorList weights, at::IntArrayRef 
     TORCH_CHECK(pos[b] >= 0 && pos[b] < rope_cos.size(0), "kvserve: position ", pos[b], " beyond the RoPE table");
     TORCH_CHECK(slots[b] >= 0 && slots[b] < slots_total, "kvserve: slot ", slots[b], " outside the cache");
   }
+  const auto kv_type = k_caches[0].scalar_type();
   for (int l = 0; l < L; ++l)
     TORCH_CHECK(k_caches[l].sizes() == k_caches[0].sizes() && v_caches[l].sizes() == k_caches[0].sizes() &&
-                    k_caches[l].scalar_type() == at::kFloat && v_caches[l].scalar_type() == at::kFloat &&
-                    k_caches[l].is_contiguous() && v_caches[l].is_contiguous(),
-                "kvserve: decode_layers takes float32 caches of one shape");
+                    (kv_type == at::kFloat || kv_type == at::kBFloat16) && k_caches[l].scalar_type() == kv_type &&
+                    v_caches[l].scalar_type() == kv_type && k_caches[l].is_contiguous() && v_caches[l].is_contiguous(),
+                "kvserve: decode_layers takes float32 or bfloat16 caches of one shape and type");
 
   std::vector<Linear> lin((size_t)L * 4);
   std::vector<Moe> moe((size_t)L);
@@ -227,13 +229,17 @@ static void decode_layers(at::Tensor x, at::TensorList weights, at::IntArrayRef 
         rope_head(head, cos + pos[b] * D, sin + pos[b] * D, D);
       }
       std::copy(row, row + (size_t)H * D, q.data() + (size_t)b * H * D);
-      float* kc = k_caches[l].data_ptr<float>();
-      float* vc = v_caches[l].data_ptr<float>();
       const int64_t block = slots[b] / bs, off = slots[b] % bs;
       for (int kvh = 0; kvh < KV; ++kvh) {
         const size_t dst = ((size_t)(block * KV + kvh) * bs + off) * D;
-        std::copy(row + (size_t)(H + kvh) * D, row + (size_t)(H + kvh + 1) * D, kc + dst);
-        std::copy(row + (size_t)(H + KV + kvh) * D, row + (size_t)(H + KV + kvh + 1) * D, vc + dst);
+        const float *k = row + (size_t)(H + kvh) * D, *v = row + (size_t)(H + KV + kvh) * D;
+        if (kv_type == at::kFloat) {
+          std::copy(k, k + D, k_caches[l].data_ptr<float>() + dst);
+          std::copy(v, v + D, v_caches[l].data_ptr<float>() + dst);
+        } else {                   // bfloat16, rounded to nearest even as torch's .to() rounds
+          std::copy(k, k + D, k_caches[l].data_ptr<at::BFloat16>() + dst);
+          std::copy(v, v + D, v_caches[l].data_ptr<at::BFloat16>() + dst);
+        }
       }
     }
     at::Tensor qt = at::from_blob(q.data(), {B, H, D}, at::kFloat);

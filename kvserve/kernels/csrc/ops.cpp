@@ -64,7 +64,8 @@ Linear make_linear(int64_t format, const at::Tensor& a, const at::Tensor& b, con
   w.G = (int)group;
   TORCH_CHECK(a.is_contiguous() && (!b.defined() || b.is_contiguous()), "kvserve: weights must be contiguous");
   if (format == DENSE) {
-    TORCH_CHECK(a.scalar_type() == at::kFloat && a.dim() == 2, "kvserve: dense weights are float32 [N, K]");
+    TORCH_CHECK((a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16) && a.dim() == 2,
+                "kvserve: dense weights are float32 or bfloat16 [N, K]");
   } else if (format == INT4) {
     TORCH_CHECK(a.scalar_type() == at::kByte && a.dim() == 2 && b.scalar_type() == at::kBFloat16 && w.G > 0 &&
                     w.G % 32 == 0 && w.K % w.G == 0 && b.dim() == 3 && b.size(0) == w.N && b.size(1) == 2 &&
@@ -135,7 +136,10 @@ void linear_into(const float* x, int T, const Linear& w, float* y, float* xp) {
   if (w.format == DENSE) {
     at::Tensor xt = at::from_blob(const_cast<float*>(x), {T, K}, at::kFloat);
     at::Tensor yt = at::from_blob(y, {T, N}, at::kFloat);
-    at::mm_out(yt, xt, w.a.t());
+    if (w.a.scalar_type() == at::kBFloat16)      // a bfloat16 model: its GEMM in bfloat16, out in float32
+      yt.copy_(at::mm(xt.to(at::kBFloat16), w.a.t()));
+    else
+      at::mm_out(yt, xt, w.a.t());
   } else if (int4_q16_route(w, T)) {
     const int Bp = (K / 32 + 15) / 16 * 16;
     std::vector<float> dx((size_t)T * Bp), xs((size_t)T * 2 * Bp);

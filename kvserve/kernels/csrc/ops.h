@@ -13,7 +13,7 @@ const IsaKernels& isa();
 const IsaKernels& isa_dividing(int n);
 
 // A linear weight as the kernels read it (kvserve/kernels/__init__.py packs them):
-//   DENSE: a float32 tensor [N, K]; INT4: nibbles [N, K/2] uint8 + scales and zeros [N, 2, K/G]
+//   DENSE: a float32 or bfloat16 tensor [N, K] (bfloat16: x rounded to bfloat16 for the GEMM); INT4: nibbles [N, K/2] uint8 + scales and zeros [N, 2, K/G]
 //   bfloat16; INT8: q [N, K] int8 + scale [N] bfloat16; Q8_0: q [N, K] int8 + d [N, K/32] float32.
 //   `c` is unused (empty). Steps of <= Q8_ROWS rows of an INT4 weight take the integer-dot route
 //   (activations in int16 per 32 weights), more rows the float route.

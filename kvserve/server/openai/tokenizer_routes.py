@@ -147,7 +147,7 @@ def _decode(tok, ids: list[int]) -> str:
 
 async def prompt_ids(state, req: TokenizeRequest, request=None) -> list[int]:
     """The token ids of the request's prompt, or of its chat as /v1/chat/completions renders it."""
-    tok = _tokenizer(state)
+    _tokenizer(state)                   # a 400 when the model has none
     if req.prompt is not None:
         special = True if req.add_special_tokens is None else req.add_special_tokens
         try:
