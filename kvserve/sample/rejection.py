@@ -14,7 +14,7 @@ point (penalties and min_tokens see the drafts before it as output: `_Ahead`), t
   norm(max(0, p - q)) = p without d_i, and when all are kept a bonus token is drawn from row k.
   The emitted tokens are then distributed exactly as the target's own samples. Draws come from
   the request's own generator (`request_generator`: seeded by `SamplingParams.seed`) or the
-  engine's: k uniforms, then one exponential race over V, on every verification.
+  engine's: k uniforms, then one inverse-CDF draw over V (sampler.draw), on every verification.
 
 Logprobs of emitted tokens are those of the raw target rows, as the sampler reports them.
 """
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.sample.sampler import Sampled, process_logits, request_generator, token_logprobs
+from kvserve.sample.sampler import Sampled, draw, process_logits, request_generator, token_logprobs
 
 
 class _Ahead:
@@ -81,8 +81,7 @@ def rejection_sample(probs: torch.Tensor, drafts: list[int], gen: torch.Generato
     row = probs[a].clone()                                                     # [V]
     if a < k:
         row[drafts[a]] = 0.0          # the residual max(0, p - q), unnormalised
-    noise = torch.empty_like(row).exponential_(generator=gen)
-    return drafts[:a] + [int((row / noise).argmax())], a
+    return drafts[:a] + [int(draw(row.unsqueeze(0), [gen], gen)[0])], a
 
 
 def verify(logits: torch.Tensor, reqs: list, drafts: list[list[int]], engine_gen: torch.Generator

@@ -128,6 +128,29 @@ def test_linear_q8_0(bits, seed, blocks, N, T, n_threads):
     check(y, x, q.double() * d.double().repeat_interleave(32, dim=1))
 
 
+@pytest.mark.parametrize("bits", ISA_BITS)
+@SETTINGS
+@given(seed=st.integers(0, 2**31), group=st.sampled_from([32, 64, 128]), blocks=st.integers(1, 6),
+       N=st.integers(1, 40), zeros=st.booleans())
+def test_dequantize_ops_round_each_exact_value_once(bits, seed, group, blocks, N, zeros):
+    """`dequantize_int4` / `dequantize_q8_0`: every weight's exact value ((q - 8) * scale + zero,
+    q * d), rounded once to float32, and to bfloat16 from there (the dequantize path of big steps)."""
+    g = torch.Generator().manual_seed(seed)
+    K = group * blocks
+    w = int4_weight(g, N, K, group, zeros)
+    q = torch.stack([w.nibbles & 15, w.nibbles >> 4], -1).view(N, K).double()
+    scale, zero = (t.double().repeat_interleave(group, dim=1) for t in w.scales.unbind(1))     # [N, K]
+    exact = (q - 8) * scale + zero
+    q8 = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+    d = torch.rand(N, K // 32, generator=g) * 0.01
+    exact8 = q8.double() * d.double().repeat_interleave(32, dim=1)
+    with on_isa(bits):
+        for dtype in (torch.float32, torch.bfloat16):
+            got = torch.ops.kvserve.dequantize_int4(w.nibbles, w.scales, group, dtype)
+            assert torch.equal(got, exact.float().to(dtype))
+            assert torch.equal(torch.ops.kvserve.dequantize_q8_0(q8, d, dtype), exact8.float().to(dtype))
+
+
 def test_quantized_weights_run_kvserves_ops():
     """Int4Weight.linear is kvserve's op, bit for bit, at every row count its plan gives the
     kernel (no packed copy of torch's is made beside it); Int8Weight's at <= KERNEL_ROWS rows;

@@ -33,6 +33,8 @@ struct AttnArgs {
 //   attn_part: query heads of KV head `kvh` of sequence b over tokens t0..t1: the unnormalised
 //              output [G, D] and (max, sum of exp) [G, 2] of the online softmax (FlashDecoding).
 //   silu_mul:  [T, 2I] (gate, up) -> [T, I] silu(gate) * up.
+//   dequant_int4 / dequant_q8_0: rows n0..n1 of a weight as a dense matrix [n1 - n0, K], float32
+//              (f) or bfloat16 (b, rounded to nearest even), for steps the kernels do not take.
 struct IsaKernels {
   const char* name;
   int width;      // floats per vector: head dims must be a multiple for attn_part
@@ -46,6 +48,8 @@ struct IsaKernels {
                     float* y, int n0, int n1);
   void (*attn_part)(const AttnArgs& a, int b, int kvh, int t0, int t1, float* out, float* ml);
   void (*silu_mul)(const float* gu, int T, int I, float* out);
+  void (*dequant_int4)(const uint8_t* nib, const uint16_t* sz, int K, int G, int n0, int n1, float* f, uint16_t* b);
+  void (*dequant_q8_0)(const int8_t* q, const float* d, int K, int n0, int n1, float* f, uint16_t* b);
 };
 
 const IsaKernels& avx512_kernels();

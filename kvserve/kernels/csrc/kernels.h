@@ -406,3 +406,60 @@ static void gemv_q8_0(const float* x, int T, int K, const int8_t* q, const float
                       float* y, int n0, int n1) {
   int8_all<true>(x, T, K, q, nullptr, d, N, y, n0, n1);
 }
+
+// ---- dequantization: rows of a weight into a dense float32 or bfloat16 matrix --------------
+// (bigger steps than the kernels take: prefill chunks, mixed steps; the dense GEMM follows.)
+// Each weight is its exact value ((q - 8) * s + zero, q * d) rounded once to float32, then to
+// bfloat16 (nearest even, as torch's .to(torch.bfloat16) rounds) when asked.
+static inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline void store_row(const float* w, int n, float* f, uint16_t* b) {
+  if (f) {
+#pragma omp simd
+    for (int i = 0; i < n; ++i) f[i] = w[i];
+  } else {
+#pragma omp simd
+    for (int i = 0; i < n; ++i) b[i] = f32_to_bf16(w[i]);
+  }
+}
+
+// int4 rows n0..n1 (nibbles [N, K/2], scales [N, 2, K/G]) -> out rows [n1 - n0, K] (f or b).
+static void dequant_int4(const uint8_t* nib, const uint16_t* sz, int K, int G, int n0, int n1, float* f, uint16_t* b) {
+  float w[32];
+  const int groups = K / G;
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* row = nib + (size_t)n * (K / 2);
+    const uint16_t* srow = sz + (size_t)n * 2 * groups;
+    const size_t o = (size_t)(n - n0) * K;
+    for (int c = 0; c < K; c += 32) {
+      // (q - 8) * s is exact in float32, so w is the exact value rounded once
+      const float s = bf16_to_f32(srow[c / G]), z = bf16_to_f32(srow[groups + c / G]);
+      const uint8_t* p = row + c / 2;
+#pragma omp simd
+      for (int j = 0; j < 16; ++j) {
+        w[2 * j] = (float)((p[j] & 15) - 8) * s + z;
+        w[2 * j + 1] = (float)((p[j] >> 4) - 8) * s + z;
+      }
+      store_row(w, 32, f ? f + o + c : nullptr, b ? b + o + c : nullptr);
+    }
+  }
+}
+
+// Q8_0 rows n0..n1 (q [N, K] int8, d [N, K/32] float32) -> out rows [n1 - n0, K] (f or b).
+static void dequant_q8_0(const int8_t* q, const float* d, int K, int n0, int n1, float* f, uint16_t* b) {
+  float w[32];
+  for (int n = n0; n < n1; ++n) {
+    const size_t o = (size_t)(n - n0) * K;
+    for (int c = 0; c < K; c += 32) {
+      const float s = d[(size_t)n * (K / 32) + c / 32];
+      const int8_t* p = q + (size_t)n * K + c;
+#pragma omp simd
+      for (int j = 0; j < 32; ++j) w[j] = (float)p[j] * s;
+      store_row(w, 32, f ? f + o + c : nullptr, b ? b + o + c : nullptr);
+    }
+  }
+}

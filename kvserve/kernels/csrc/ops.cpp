@@ -303,6 +303,33 @@ static at::Tensor silu_mul_op(const at::Tensor& gate_up) {
   return out;
 }
 
+// Rows of an int4 or Q8_0 weight as a dense float32 or bfloat16 matrix [N, K] (over ATen's threads).
+static at::Tensor dequantize_op(const Linear& w, at::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "kvserve: dequantizes to float32 or bfloat16");
+  at::Tensor out = at::empty({w.N, w.K}, at::TensorOptions().dtype(dtype));
+  float* f = dtype == at::kFloat ? out.data_ptr<float>() : nullptr;
+  uint16_t* b = dtype == at::kBFloat16 ? (uint16_t*)out.data_ptr<at::BFloat16>() : nullptr;
+  const IsaKernels& k = isa();
+  at::parallel_for(0, w.N, std::max<int64_t>(1, 65536 / w.K), [&](int64_t n0, int64_t n1) {
+    const size_t o = (size_t)n0 * w.K;
+    if (w.format == INT4)
+      k.dequant_int4(w.a.data_ptr<uint8_t>(), (const uint16_t*)w.b.data_ptr<at::BFloat16>(), w.K, w.G, (int)n0,
+                     (int)n1, f ? f + o : nullptr, b ? b + o : nullptr);
+    else
+      k.dequant_q8_0(w.a.data_ptr<int8_t>(), w.b.data_ptr<float>(), w.K, (int)n0, (int)n1, f ? f + o : nullptr,
+                     b ? b + o : nullptr);
+  });
+  return out;
+}
+
+static at::Tensor dequantize_int4(const at::Tensor& nibbles, const at::Tensor& scales, int64_t group,
+                                  at::ScalarType dtype) {
+  return dequantize_op(make_linear(INT4, nibbles, scales, at::Tensor(), group), dtype);
+}
+static at::Tensor dequantize_q8_0(const at::Tensor& q, const at::Tensor& d, at::ScalarType dtype) {
+  return dequantize_op(make_linear(Q8_0, q, d, at::Tensor(), 32), dtype);
+}
+
 }  // namespace kvk
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
@@ -313,6 +340,8 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
         "Tensor block_tables, Tensor context_lens, float scale, int window) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("dequantize_int4(Tensor nibbles, Tensor scales, int group_size, ScalarType dtype) -> Tensor");
+  m.def("dequantize_q8_0(Tensor q, Tensor d, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
@@ -321,4 +350,6 @@ TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("linear_q8_0", &kvk::linear_q8_0);
   m.impl("decode_attention", &kvk::decode_attention);
   m.impl("silu_mul", &kvk::silu_mul_op);
+  m.impl("dequantize_int4", &kvk::dequantize_int4);
+  m.impl("dequantize_q8_0", &kvk::dequantize_q8_0);
 }

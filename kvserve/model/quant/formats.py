@@ -306,10 +306,15 @@ class Int4Weight(QuantizedWeight):
         return [t for t in (self.nibbles, self.scales, self.packed, self.torch_scales) if t is not None]
 
     def dequantize(self, start: int = 0, stop: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Rows start:stop of W, [stop - start, K] in `dtype` (default the compute dtype)."""
+        """Rows start:stop of W, [stop - start, K] in `dtype` (default the compute dtype): with
+        kvserve's kernels each weight's exact value rounded once to `dtype` (float32 or bfloat16,
+        in one pass: `dequantize_int4`), else torch's arithmetic in `dtype`."""
         K = self.shape[1]
         stop = self.shape[0] if stop is None else stop
         n, dtype = stop - start, dtype or self.compute_dtype
+        if self.own_kernel and dtype in (torch.float32, torch.bfloat16):
+            return torch.ops.kvserve.dequantize_int4(self.nibbles[start:stop], self.scales[start:stop],
+                                                     self.group_size, dtype)
         w = unpack_nibbles(self.nibbles[start:stop]).to(dtype).view(n, -1, self.group_size)
         scale, zero = self.scales[start:stop].to(dtype).unbind(1)             # [n, K/G]
         w = w.sub_(8).mul_(scale[..., None])

@@ -150,6 +150,8 @@ class Int8BlockWeight(QuantizedWeight):
         return x.view(T, nb, 1, QK8).expand(T, nb, 2, QK8).reshape(T, 2 * self.shape[1])
 
     def _dense_rows(self, x, start, stop):
+        if x.dtype in (torch.float32, torch.bfloat16):      # one pass, each value rounded once
+            return F.linear(x, torch.ops.kvserve.dequantize_q8_0(self.q[start:stop], self.d[start:stop], x.dtype))
         return F.linear(x, self._rows_values(self.q[start:stop], self.d[start:stop], x.dtype))
 
     @staticmethod
