@@ -3,7 +3,7 @@ of a pure-decode step in one call of kvserve's C++ kernels (`torch.ops.kvserve.d
 kvserve/kernels), instead of ~220 eager ATen calls a layer.
 
 Chosen once at load: the model must be float32 or bfloat16 on the CPU, without tensor
-parallelism, with an unquantized KV cache, head dims and GQA ratios the attention kernel holds,
+parallelism, with a KV cache in the model's dtype or int8, head dims and GQA ratios the attention kernel holds,
 and linear weights the kernels read (float32 or bfloat16 tensors, int4, int8, GGUF Q8_0), dense MLPs or mixtures of experts
 (kvserve/model/moe_models.py: softmax top-k routing, a shared expert; the router and its
 scale go to the kernel, which reads only the chosen experts), per-head q/k norms and no clip_qkv. Anything else runs the
@@ -128,7 +128,7 @@ class FusedDecode:
             return f"model dtype {model.dtype}, the fused step runs float32 and bfloat16 models"
         if model.tp is not None:
             return "tensor parallelism"
-        if attn.kv_cache_dtype != "auto":
+        if attn.kv_cache_dtype not in ("auto", "int8"):
             return f"kv_cache_dtype {attn.kv_cache_dtype}"
         if attn.name != "cpu_fused":
             return f"attention backend {attn.name or type(attn).__name__} (the fused step is cpu_fused's)"
@@ -151,13 +151,19 @@ class FusedDecode:
         """x [B, hidden] (the embeddings) -> the residual stream after the last layer. The step
         runs in float32 whatever the model's dtype: a bfloat16 model's weights and KV cache stay
         bfloat16 (its GEMMs round their input to bfloat16, its K/V are rounded as they are
-        written), the residual stream, norms, RoPE and attention are float32."""
+        written), the residual stream, norms, RoPE and attention are float32. An int8 KV cache
+        is written and read as attention/kv_quant.py stores it (a scale per token and head)."""
         m, cfg = self.model, self.model.cfg
         dtype = x.dtype
         x = x.float()
+        ks, vs = [k for k, _ in kv_caches], [v for _, v in kv_caches]
+        k_scales = v_scales = []
+        if isinstance(ks[0], tuple):                   # int8: (values, scales) per pool
+            k_scales, v_scales = [s for _, s in ks], [s for _, s in vs]
+            ks, vs = [q for q, _ in ks], [q for q, _ in vs]
         torch.ops.kvserve.decode_layers(
             x, self.weights, self.spec, m.rope_cos, m.rope_sin, positions,
-            [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.decode_block_tables,
+            ks, vs, k_scales, v_scales, meta.decode_block_tables,
             meta.decode_context_lens, meta.slot_mapping, cfg.num_heads, cfg.num_kv_heads,
             cfg.rms_norm_eps, m.attn.scale, m.attn.sliding_window or 0)
         return x.to(dtype)

@@ -74,7 +74,7 @@ def test_decode_layers_refuses_a_slot_outside_the_cache():
     cos, sin = torch.ones(64, D), torch.zeros(64, D)
     with pytest.raises(RuntimeError, match="slot"):
         torch.ops.kvserve.decode_layers(torch.randn(1, hidden), weights, [0, 0] * 4, cos, sin, torch.tensor([4]),
-                                        [k], [v], torch.tensor([[1, 2]]), torch.tensor([5]),
+                                        [k], [v], [], [], torch.tensor([[1, 2]]), torch.tensor([5]),
                                         torch.tensor([NB * BS]), H, KV, 1e-5, 0.25, 0)
 
 

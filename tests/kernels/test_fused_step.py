@@ -123,7 +123,7 @@ def test_fused_moe_refuses_a_spec_without_its_experts(moe_model_dir):
         torch.ops.kvserve.decode_layers(torch.zeros(1, 64), fused.weights[:-3], fused.spec[:-2],
                                         llm.engine.model.rope_cos, llm.engine.model.rope_sin, torch.zeros(1, dtype=torch.long),
                                         [k for k, _ in llm.engine.runner.kv_caches], [v for _, v in llm.engine.runner.kv_caches],
-                                        torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long),
+                                        [], [], torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long),
                                         torch.zeros(1, dtype=torch.long) + 8, 4, 2, 1e-5, 0.25, 0)
 
 
@@ -175,7 +175,7 @@ def test_a_step_with_prefill_chunks_never_takes_the_fused_path(random_model_dir)
 
 
 @pytest.mark.parametrize("kw, why", [(dict(dtype="float16"), "model dtype torch.float16"),
-                                     (dict(kv_cache_dtype="int8"), "kv_cache_dtype int8")])
+                                     (dict(kv_cache_dtype="fp8_e4m3"), "kv_cache_dtype fp8_e4m3")])
 def test_a_refused_model_logs_why_and_runs_layer_by_layer(kw, why, random_model_dir, caplog):
     with caplog.at_level(logging.INFO, logger="kvserve.model.fused_decode"):
         llm = LLM(str(random_model_dir("llama")), **kw)
@@ -183,6 +183,17 @@ def test_a_refused_model_logs_why_and_runs_layer_by_layer(kw, why, random_model_
     assert any(why in r.getMessage() and "fused decode step off" in r.getMessage() for r in caplog.records)
     out = generate(llm, prompts_for(4, 2))
     assert [len(tokens) for tokens, _ in out] == [MAX_TOKENS, MAX_TOKENS]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fused_step_with_an_int8_kv_cache(arch, random_model_dir):
+    """An int8 KV cache, written and read by the fused step as attention/kv_quant.py stores it
+    (a scale per token and KV head, round half to even): the same tokens and logprobs within
+    1e-4 as the layer-by-layer path over the same int8 cache."""
+    fused, layered, steps = fused_and_layered(random_model_dir(arch), prompts_for(2, 4), block_size=8,
+                                              kv_cache_dtype="int8")
+    assert_same(fused, layered, LOGPROB_TOL)
+    assert sum(f for _, _, f in steps) >= MAX_TOKENS - 1
 
 
 BF16_LOGPROB_TOL = 0.15      # a bfloat16 model's logprobs move by ~2^-8 of its logits

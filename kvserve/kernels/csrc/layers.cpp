@@ -101,6 +101,16 @@ static void add_rms_norm(float* x, const float* delta, const float* w, float eps
   for (int i = 0; i < n; ++i) out[i] = x[i] * r * w[i];
 }
 
+// A K or V row quantized as attention/kv_quant.py's `quantize` does: scale = max(amax / 127,
+// 1e-12), q = round(x / scale) (half to even, as torch.round) in -127..127.
+static void quantize_int8_row(const float* x, int D, int8_t* q, float* scale) {
+  float amax = 0.0f;
+  for (int d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+  const float s = std::max(amax / 127.0f, 1e-12f);
+  for (int d = 0; d < D; ++d) q[d] = (int8_t)std::max(-127.0f, std::min(127.0f, std::nearbyint(x[d] / s)));
+  *scale = s;
+}
+
 // rope(x) = x * cos + roll(x, D/2) * sin with kvserve's tables (sin signed: [-sin, sin]).
 static void rope_head(float* x, const float* cos, const float* sin, int D) {
   const int half = D / 2;
@@ -113,7 +123,8 @@ static void rope_head(float* x, const float* cos, const float* sin, int D) {
 
 static void decode_layers(at::Tensor x, at::TensorList weights, at::IntArrayRef spec,
                           const at::Tensor& rope_cos, const at::Tensor& rope_sin, const at::Tensor& positions,
-                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& block_tables,
+                          at::TensorList k_caches, at::TensorList v_caches, at::TensorList k_scales,
+                          at::TensorList v_scales, const at::Tensor& block_tables,
                           const at::Tensor& context_lens, const at::Tensor& slot_mapping, int64_t num_heads,
                           int64_t num_kv_heads, double eps, double scale, int64_t window) {
   const int L = (int)k_caches.size();
@@ -133,11 +144,22 @@ static void decode_layers(at::Tensor x, at::TensorList weights, at::IntArrayRef 
     TORCH_CHECK(slots[b] >= 0 && slots[b] < slots_total, "kvserve: slot ", slots[b], " outside the cache");
   }
   const auto kv_type = k_caches[0].scalar_type();
-  for (int l = 0; l < L; ++l)
+  const bool int8_kv = kv_type == at::kChar;
+  TORCH_CHECK(v_caches.size() == (size_t)L && (int8_kv ? k_scales.size() == (size_t)L && v_scales.size() == (size_t)L
+                                                       : k_scales.empty() && v_scales.empty()),
+              "kvserve: decode_layers takes a K and V cache per layer, and their scales with an int8 cache");
+  for (int l = 0; l < L; ++l) {
     TORCH_CHECK(k_caches[l].sizes() == k_caches[0].sizes() && v_caches[l].sizes() == k_caches[0].sizes() &&
-                    (kv_type == at::kFloat || kv_type == at::kBFloat16) && k_caches[l].scalar_type() == kv_type &&
-                    v_caches[l].scalar_type() == kv_type && k_caches[l].is_contiguous() && v_caches[l].is_contiguous(),
-                "kvserve: decode_layers takes float32 or bfloat16 caches of one shape and type");
+                    (kv_type == at::kFloat || kv_type == at::kBFloat16 || int8_kv) &&
+                    k_caches[l].scalar_type() == kv_type && v_caches[l].scalar_type() == kv_type &&
+                    k_caches[l].is_contiguous() && v_caches[l].is_contiguous(),
+                "kvserve: decode_layers takes float32, bfloat16 or int8 caches of one shape and type");
+    if (int8_kv)
+      TORCH_CHECK(k_scales[l].scalar_type() == at::kFloat && v_scales[l].scalar_type() == at::kFloat &&
+                      k_scales[l].is_contiguous() && v_scales[l].is_contiguous() &&
+                      k_scales[l].sizes() == k_caches[0].sizes().slice(0, 3) && v_scales[l].sizes() == k_scales[l].sizes(),
+                  "kvserve: int8 cache scales are float32 [num_blocks, KV, block_size]");
+  }
 
   std::vector<Linear> lin((size_t)L * 4);
   std::vector<Moe> moe((size_t)L);
@@ -236,14 +258,19 @@ static void decode_layers(at::Tensor x, at::TensorList weights, at::IntArrayRef 
         if (kv_type == at::kFloat) {
           std::copy(k, k + D, k_caches[l].data_ptr<float>() + dst);
           std::copy(v, v + D, v_caches[l].data_ptr<float>() + dst);
-        } else {                   // bfloat16, rounded to nearest even as torch's .to() rounds
+        } else if (!int8_kv) {     // bfloat16, rounded to nearest even as torch's .to() rounds
           std::copy(k, k + D, k_caches[l].data_ptr<at::BFloat16>() + dst);
           std::copy(v, v + D, v_caches[l].data_ptr<at::BFloat16>() + dst);
+        } else {                   // int8, one scale per token and KV head (attention/kv_quant.py)
+          const size_t si = (size_t)(block * KV + kvh) * bs + off;
+          quantize_int8_row(k, D, k_caches[l].data_ptr<int8_t>() + dst, k_scales[l].data_ptr<float>() + si);
+          quantize_int8_row(v, D, v_caches[l].data_ptr<int8_t>() + dst, v_scales[l].data_ptr<float>() + si);
         }
       }
     }
     at::Tensor qt = at::from_blob(q.data(), {B, H, D}, at::kFloat);
-    AttnArgs a = attn_args(qt, k_caches[l], v_caches[l], c10::nullopt, c10::nullopt, block_tables, scale);
+    AttnArgs a = int8_kv ? attn_args(qt, k_caches[l], v_caches[l], k_scales[l], v_scales[l], block_tables, scale)
+                         : attn_args(qt, k_caches[l], v_caches[l], c10::nullopt, c10::nullopt, block_tables, scale);
     if (l == 0) check_tables(a, context_lens.data_ptr<int64_t>(), B, k_caches[0].size(0));
     attention_into(a, context_lens.data_ptr<int64_t>(), B, window, attn.data());
     linear_into(attn.data(), B, w[1], o.data(), xp.data());
@@ -268,7 +295,8 @@ static void decode_layers(at::Tensor x, at::TensorList weights, at::IntArrayRef 
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("decode_layers(Tensor(a!) x, Tensor[] weights, int[] spec, Tensor rope_cos, Tensor rope_sin, "
-        "Tensor positions, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor block_tables, "
+        "Tensor positions, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor(d!)[] k_scales, "
+        "Tensor(e!)[] v_scales, Tensor block_tables, "
         "Tensor context_lens, Tensor slot_mapping, int num_heads, int num_kv_heads, float eps, "
         "float scale, int window) -> ()");
 }
