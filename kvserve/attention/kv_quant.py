@@ -2,7 +2,8 @@
 (seed 000 / seed 003: the KV cache bounds the batch, so a smaller cache holds more tokens;
 int8 or fp8 holds about 2x the tokens of bf16, 4x of float32).
 
-`kv_cache_dtype` uses vLLM's names: "auto" (the model dtype, no scales), "int8" (symmetric,
+`kv_cache_dtype` uses vLLM's names: "auto" (the model dtype, no scales), "bfloat16" (a float32
+model's K/V rounded to bfloat16 as they are written: half the bytes, no scales), "int8" (symmetric,
 scale = amax / 127), "fp8_e4m3" / "fp8_e5m2" (scale = amax / the format's max). Each token's
 K / V row of one KV head is quantized once, when it is written into its slot, so a sequence's
 cache content never depends on how its prompt was chunked or batched.
@@ -24,13 +25,19 @@ TINY = 1e-12                     # floor of a scale, so an all-zero row divides 
 
 
 def is_quantized(name: str) -> bool:
-    return name != "auto"
+    """A cache of values and scales (int8, fp8); "auto" and "bfloat16" are plain tensors."""
+    return name in STORAGE
+
+
+def plain_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """A plain cache's dtype: the model's ("auto"), or bfloat16 whatever the model's."""
+    return torch.bfloat16 if name == "bfloat16" else model_dtype
 
 
 def bytes_per_token_head(name: str, head_dim: int, model_dtype: torch.dtype) -> int:
     """Bytes one token's K (or V) row of one KV head takes: D elements, plus a scale if quantized."""
     if not is_quantized(name):
-        return head_dim * torch.empty((), dtype=model_dtype).element_size()
+        return head_dim * torch.empty((), dtype=plain_dtype(name, model_dtype)).element_size()
     return head_dim + SCALE_BYTES
 
 
@@ -39,7 +46,7 @@ def allocate(shape: tuple[int, ...], name: str, model_dtype: torch.dtype, device
     """One layer's K (or V) pool: a tensor of `shape`, or (values of `shape`, scales shape[:-1])."""
     make = torch.zeros if zeros else torch.empty
     if not is_quantized(name):
-        return make(shape, dtype=model_dtype, device=device, pin_memory=pin_memory)
+        return make(shape, dtype=plain_dtype(name, model_dtype), device=device, pin_memory=pin_memory)
     return (make(shape, dtype=STORAGE[name], device=device, pin_memory=pin_memory),
             make(shape[:-1], dtype=SCALE_DTYPE, device=device, pin_memory=pin_memory))
 

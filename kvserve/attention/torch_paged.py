@@ -16,6 +16,11 @@ def write_slots(k, v, k_cache, v_cache, meta: AttentionMetadata, block_size: int
     what the cache now holds for them (dequantized, in the model dtype, when quantized)."""
     block, offset = meta.block_and_offset(block_size)
     if not kv_quant.is_quantized(kv_cache_dtype):
+        if k_cache.dtype != k.dtype:        # "bfloat16" under a float32 model: rounded as written,
+            kc, vc = k.to(k_cache.dtype), v.to(v_cache.dtype)    # and the step attends to that too
+            k_cache[block, :, offset] = kc
+            v_cache[block, :, offset] = vc
+            return kc.to(k.dtype), vc.to(v.dtype)
         k_cache[block, :, offset] = k
         v_cache[block, :, offset] = v
         return k, v
@@ -32,7 +37,7 @@ def gather_blocks(cache, index: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     """Blocks `index` of a pool as [n, KV, bs, D] in `dtype` (dequantized if need be)."""
     if isinstance(cache, tuple):
         return kv_quant.dequantize(cache[0].index_select(0, index), cache[1].index_select(0, index), dtype)
-    return cache.index_select(0, index)
+    return cache.index_select(0, index).to(dtype)
 
 
 class TorchPagedAttention(AttentionBackend):

@@ -34,7 +34,7 @@ class EngineStats:
     num_async_steps: int = 0               # steps planned and started while the one before ran
     forward_time_total: float = 0.0        # seconds inside the model's forward pass
     step_time_total: float = 0.0
-    kv_cache_dtype: str = "auto"           # "auto" (the model dtype) | "int8" | "fp8_e4m3" | "fp8_e5m2"
+    kv_cache_dtype: str = "auto"           # "auto" (the model dtype) | "bfloat16" | "int8" | "fp8_e4m3" | "fp8_e5m2"
     kv_bytes_per_token: int = 0            # K and V of every layer, scales included
     num_kv_tokens: int = 0                 # tokens the device pool holds: blocks * block_size
     # Speculative decoding (kvserve/spec_decode/; vLLM's spec_decode_* counters; 0 when off)

@@ -128,7 +128,7 @@ class FusedDecode:
             return f"model dtype {model.dtype}, the fused step runs float32 and bfloat16 models"
         if model.tp is not None:
             return "tensor parallelism"
-        if attn.kv_cache_dtype not in ("auto", "int8"):
+        if attn.kv_cache_dtype not in ("auto", "bfloat16", "int8"):
             return f"kv_cache_dtype {attn.kv_cache_dtype}"
         if attn.name != "cpu_fused":
             return f"attention backend {attn.name or type(attn).__name__} (the fused step is cpu_fused's)"

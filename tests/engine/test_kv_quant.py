@@ -24,7 +24,7 @@ SAMPLE = Path(__file__).resolve().parents[2] / "docs" / "sample-story.txt"
 
 
 def test_unknown_kv_cache_dtype_is_refused_at_config_time():
-    with pytest.raises(ValueError, match="auto, int8, fp8_e4m3, fp8_e5m2"):
+    with pytest.raises(ValueError, match="auto, bfloat16, int8, fp8_e4m3, fp8_e5m2"):
         EngineConfig(model="x", kv_cache_dtype="int4")
 
 
@@ -41,6 +41,7 @@ def test_one_byte_cache_holds_about_twice_the_tokens_of_bf16(head_dim):
         plan = kvmath.kv_bytes_per_token(kv_dtype=name, n_layers=32, n_kv_heads=8, head_dim=head_dim)
         assert plan * 16 == q                                      # the planner counts the scales
     assert kvmath.kv_bytes_per_token(kv_dtype="bf16", n_layers=32, n_kv_heads=8, head_dim=head_dim) * 16 == bf16
+    assert ModelRunner.kv_bytes_per_block(cfg, 16, torch.float32, "bfloat16") == bf16 == fp32 // 2
 
 
 def test_engine_blocks_tokens_and_stats_agree_with_the_planner():

@@ -196,6 +196,18 @@ def test_fused_step_with_an_int8_kv_cache(arch, random_model_dir):
     assert sum(f for _, _, f in steps) >= MAX_TOKENS - 1
 
 
+def test_fused_step_with_a_bfloat16_kv_cache():
+    """`kv_cache_dtype="bfloat16"` under a float32 model: K/V rounded to bfloat16 as they are
+    written, by the fused step and the torch path alike (the step attends to the rounded values
+    too): the same tokens, logprobs within 1e-3 (a float32 difference of 1e-7 can move a value
+    across a bfloat16 rounding boundary; measured <= 5e-4); half the pool's bytes."""
+    fused, layered, steps = fused_and_layered(STORIES_HF, prompts_for(7, 4), kv_cache_dtype="bfloat16", block_size=8)
+    assert_same(fused, layered, 1e-3)
+    assert sum(f for _, _, f in steps) >= MAX_TOKENS - 1
+    llm = LLM(str(STORIES_HF), kv_cache_dtype="bfloat16", num_kv_blocks=8)
+    assert {t.dtype for t in llm.engine.core.runner.kv_cache_tensors()} == {torch.bfloat16}
+
+
 BF16_LOGPROB_TOL = 0.15      # a bfloat16 model's logprobs move by ~2^-8 of its logits
 
 
