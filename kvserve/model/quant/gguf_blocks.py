@@ -86,7 +86,7 @@ class Int4Values:
 class Int8BlockWeight(QuantizedWeight):
     """GGUF Q8_0 in its own type: q [N, K] int8 with d [N, K / 32] float32 (GGUF's float16 d,
     exactly); W = q * d per block of 32, 1.125 bytes a weight (the file's 1.0625). kvserve's
-    kernel (`linear_q8_0`) reads it at every row count up to the plan's int8 limit (a few rows:
+    kernel (`linear_q8_0`) reads it at every row count up to the plan's int4 limit (a few rows:
     a float GEMV; more: each weight dequantized once into a tile, then a register-blocked
     product), bigger steps dequantize in row blocks. Where kvserve's kernels are not built, the
     weight is held as two int4 planes instead (module doc) for torch's int4 kernel."""
@@ -99,7 +99,9 @@ class Int8BlockWeight(QuantizedWeight):
                              f"got q {tuple(q.shape)} {q.dtype} and d {tuple(d.shape)}.")
         device = torch.device(device)
         self.own_kernel = kernels.available(device)
-        self._setup("int8", (N, K), dtype, device)
+        # kvserve's own kernel, dequantizing into tiles past a few rows as the int4 one does: the
+        # CPU plan's int4 rows (model/quant/cpu_paths.py) say where the dequantize path wins
+        self._setup("int4" if self.own_kernel else "int8", (N, K), dtype, device)
         self.q = self.d = self.planes = None
         if self.own_kernel:
             self.q, self.d = q.contiguous().to(device), d.float().contiguous().to(device)
