@@ -322,7 +322,7 @@ class Int4Weight(QuantizedWeight):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """W[ids] [T, K] in the model dtype (an embedding lookup)."""
-        T, (N, K), G = ids.shape[0], self.shape, self.group_size
+        T, (_, K), G = ids.shape[0], self.shape, self.group_size
         q = unpack_nibbles(self.nibbles[ids])                                # [T, K]
         scale, zero = self.scales[ids].to(self.dtype).unbind(1)              # [T, K/G]
         w = (q.to(self.dtype).view(T, -1, G) - 8) * scale[..., None] + zero[..., None]
