@@ -2,7 +2,7 @@
 matmuls of the dequantized weights, on every ISA allowed here, property-based over shapes.
 
 Tolerances, per output y[t, n], with M = |x| @ |W|.T (the sum of the absolute products):
-  float routes (int4 without block scales or with > KERNEL_ROWS rows, int8, Q8_0):  4e-6 * M
+  float routes (int4 without block scales or with > KERNEL_ROWS rows, int8, Q8_0 with more rows):  4e-6 * M
     (float32 accumulation over K <= 2304; measured up to 1.2e-6 * M, about 5e-7 of max |y|, on the
     portable code's one-accumulator sums)
   int4 with block scales, <= KERNEL_ROWS rows (activations in int16 per 32 weights):
@@ -10,6 +10,9 @@ Tolerances, per output y[t, n], with M = |x| @ |W|.T (the sum of the absolute pr
     most half a step (amax of the 32-block / 32767) times the weights it multiplies (measured
     about 2e-5 of max |y|, 3e-6 * M). Where block scales are given but the route falls back (more
     rows, K not a multiple of 64) the result is the float route's, bit for bit.
+  Q8_0, <= KERNEL_ROWS rows (activations in int16 per 32 weights): 4e-6 * M against the product of
+    x's int16 blocks (the integer sums are exact), and 1.01 * (|W| @ amax32(x).T) / 65534 + 4e-6 * M
+    against x itself.
 """
 from __future__ import annotations
 
@@ -117,6 +120,9 @@ def test_linear_int8(bits, seed, blocks, N, T, n_threads):
 @SETTINGS
 @given(seed=st.integers(0, 2**31), blocks=st.integers(1, 48), N=st.integers(1, 80), T=st.integers(1, 40),
        n_threads=st.sampled_from([1, 2]))
+@example(seed=5, blocks=17, N=37, T=1, n_threads=2)      # odd blocks: the last one alone (AVX-512: masked)
+@example(seed=6, blocks=18, N=9, T=3, n_threads=1)
+@example(seed=7, blocks=1, N=5, T=2, n_threads=1)
 def test_linear_q8_0(bits, seed, blocks, N, T, n_threads):
     g = torch.Generator().manual_seed(seed)
     K = 32 * blocks
@@ -125,7 +131,27 @@ def test_linear_q8_0(bits, seed, blocks, N, T, n_threads):
     x = activations(g, T, K)
     with on_isa(bits), threads(n_threads):
         y = torch.ops.kvserve.linear_q8_0(x, q, d)
-    check(y, x, q.double() * d.double().repeat_interleave(32, dim=1))
+    w = q.double() * d.double().repeat_interleave(32, dim=1)
+    if T <= kernels.KERNEL_ROWS:            # the int16 route: exactly x's int16 blocks times W, summed in float32
+        check(y, q16_activations(x), w)
+        check(y, x, w, 1.01 * (amax32(x) @ w.abs().T) / 65534)
+    else:
+        check(y, x, w)
+
+
+def amax32(x: torch.Tensor) -> torch.Tensor:
+    """max |x| of each 32-block, repeated over the block [T, K] (float64)."""
+    T, K = x.shape
+    return x.double().abs().view(T, K // 32, 32).amax(-1).repeat_interleave(32, dim=1)
+
+
+def q16_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the Q8_0 int16 route sees it: per 32, round(x / dx) * dx with dx = max |x| / 32767."""
+    T, K = x.shape
+    xb = x.view(T, K // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 32767 / amax, torch.zeros_like(amax))
+    return (torch.round(xb * inv).double() * (amax / 32767).double()).view(T, K)
 
 
 @pytest.mark.parametrize("bits", ISA_BITS)

@@ -16,6 +16,7 @@ from kvserve.model.quant import cpu_paths
 from kvserve.model.quant.cpu_paths import kernel_plan
 from kvserve.model.quant.formats import Int4Weight, Int8Weight, keeps_quantized
 from kvserve.model.quant.gguf_blocks import Int4Values, Int8BlockWeight
+from tests.kernels.test_linear_ops import q16_activations
 from tests.model.gguf_files import quantize_q4_k, write_hf_as_gguf, write_mixed_types
 from tests.model.test_gguf_tokenizer import SMOLLM2, needs_smollm2
 from tests.model.test_quant import greedy, teacher_forced
@@ -168,6 +169,8 @@ def test_int8_block_weight_computes_x_times_w(rows, own, monkeypatch):
     ref = x.double() @ exact.T
     got = w.linear(x)
     tol = 1e-5 if own and rows <= w.kernel_max_rows else 1e-2           # float32 kernel; else a bf16 GEMM at most
+    if own and rows <= kernels.KERNEL_ROWS:       # the int16 route: x in int16 per 32 (tests/kernels: its bound)
+        ref = q16_activations(x) @ exact.T
     assert got.shape == (rows, 128) and (got.double() - ref).abs().max() <= tol * ref.abs().max()
     assert w.nbytes == (128 * 256 + 128 * 8 * 4 if own else int4_bytes(128, 512))   # q + d, or two planes
     assert [torch.equal(a, b) for a, b in zip(w.values(), (torch.from_numpy(q), stored))] == [True, True]

@@ -30,6 +30,7 @@ struct AttnArgs {
 //   gemv_int4_q16: the same weights times x quantized to int16 per 32 weights (kernels.h: q16_row).
 //   gemv_int8: W = q * scale[n], q [N, K] int8, scale [N] bfloat16.
 //   gemv_q8_0: W = q * d[n, k / 32] (GGUF Q8_0), q [N, K] int8, d [N, K / 32] float32.
+//   gemv_q8_0_q16: the same weights times x quantized to int16 per 32 weights (kernels.h: q8_q16_rows).
 //   attn_part: query heads of KV head `kvh` of sequence b over tokens t0..t1: the unnormalised
 //              output [G, D] and (max, sum of exp) [G, 2] of the online softmax (FlashDecoding).
 //   silu_mul:  [T, 2I] (gate, up) -> [T, I] silu(gate) * up.
@@ -46,6 +47,8 @@ struct IsaKernels {
                     float* y, int n0, int n1);
   void (*gemv_q8_0)(const float* x, int T, int K, const int8_t* q, const float* d, int N,
                     float* y, int n0, int n1);
+  void (*gemv_q8_0_q16)(const int16_t* xq, const uint8_t* xl, const int8_t* xh, const int32_t* xc, const float* dx,
+                        int T, int K, const int8_t* q, const float* d, int N, float* y, int n0, int n1);
   void (*attn_part)(const AttnArgs& a, int b, int kvh, int t0, int t1, float* out, float* ml);
   void (*silu_mul)(const float* gu, int T, int I, float* out);
   void (*dequant_int4)(const uint8_t* nib, const uint16_t* sz, int K, int G, int n0, int n1, float* f, uint16_t* b);

@@ -15,6 +15,6 @@ namespace isa_avx512 {
 
 const kvk::IsaKernels& kvk::avx512_kernels() {
   using namespace isa_avx512;
-  static const IsaKernels k{"avx512", KV_W, gemv_int4, gemv_int4_q16, gemv_int8, gemv_q8_0, attn_part, silu_mul, dequant_int4, dequant_q8_0};
+  static const IsaKernels k{"avx512", KV_W, gemv_int4, gemv_int4_q16, gemv_int8, gemv_q8_0, gemv_q8_0_q16, attn_part, silu_mul, dequant_int4, dequant_q8_0};
   return k;
 }

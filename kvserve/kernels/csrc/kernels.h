@@ -51,6 +51,7 @@ static inline void int4_block(const float* xp, int K, const uint8_t* nib, const 
       for (int r = 0; r < RB; ++r) {
         const uint16_t* sg = sz + (size_t)(n + r) * 2 * groups + g;     // [N, 2, K/G]: scales, then zeros
         const float sc = bf16_to_f32(sg[0]);
+        if (!(c & 127)) ahead(nib + (size_t)(n + r) * row_bytes + c / 2);
         nib32(nib + (size_t)(n + r) * row_bytes + c / 2, vset(sc), vset(bf16_to_f32(sg[groups]) - 8.0f * sc), w[r]);
       }
       for (int t = 0; t < TB; ++t) {
@@ -131,6 +132,7 @@ static void int4_tile(const float* xp, int T, int K, const uint8_t* nib, const u
     const int groups = K / G;
     const uint16_t* srow = sz + (size_t)(n + r) * 2 * groups;
     for (int c = 0; c < kn; c += 32) {
+      if (!(c & 127)) ahead(nib + (size_t)(n + r) * (K / 2) + (k0 + c) / 2);
       const uint16_t* p = srow + (k0 + c) / G;
       const float sc = bf16_to_f32(p[0]);
       VF w[32 / KV_W];
@@ -209,6 +211,7 @@ static inline void q16_row(const int16_t* xq, const float* dx, const float* xs, 
       sv[t] = _mm512_mul_ps(_mm512_loadu_ps(s16), _mm512_loadu_ps(dx + (size_t)t * Bp + b0));
     }
     for (int p = 0; p < bn; p += 2) {           // two blocks: 64 weights, 32 in each zmm
+      if (!(p & 2)) ahead(w + (size_t)(b0 + p) * 16);
       __m256i bytes = _mm256_loadu_si256((const __m256i*)(w + (size_t)(b0 + p) * 16));
       const __m512i wb = _mm512_cvtepu8_epi16(bytes);          // a word per byte: lo | hi << 4
       __m512i lo = _mm512_and_si512(wb, m4w);                  // evens of b, b+1
@@ -232,6 +235,7 @@ static inline void q16_row(const int16_t* xq, const float* dx, const float* xs, 
       }
     }
     for (int p = 0; p < bn; ++p) {              // one block: 32 weights, 16 in each ymm
+      if (!(p & 3)) ahead(w + (size_t)(b0 + p) * 16);
       __m128i bytes = _mm_loadu_si128((const __m128i*)(w + (size_t)(b0 + p) * 16));
       __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, m4));
       __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), m4));
@@ -338,6 +342,7 @@ static inline void int8_block(const float* x, int K, const int8_t* q, const uint
       for (int v = 0; v < NV; ++v) xv[t][v] = vload(x + (size_t)(t0 + t) * K + c + v * KV_W);
     for (int r = 0; r < RB; ++r) {
       const int8_t* p = q + (size_t)(n + r) * K + c;
+      if (!(c & 63)) ahead(p);
       VF w[NV];
       if (BLOCKS) {
         VF dv = vset(d[(size_t)(n + r) * (K / 32) + c / 32]);
@@ -385,6 +390,7 @@ static void int8_all(const float* x, int T, int K, const int8_t* q, const uint16
           const int8_t* p = q + (size_t)(n + r) * K + k0;
           const float* dr = d + (size_t)(n + r) * (K / 32) + k0 / 32;
           for (int c = 0; c < kn; c += 32) {
+            if (!(c & 63)) ahead(p + c);
             const VF dv = vset(dr[c / 32]);
             for (int v = 0; v < 32 / KV_W; ++v) vstore(out + c + v * KV_W, vmul(i8f(p + c + v * KV_W), dv));
           }
@@ -405,6 +411,132 @@ static void gemv_int8(const float* x, int T, int K, const int8_t* q, const uint1
 static void gemv_q8_0(const float* x, int T, int K, const int8_t* q, const float* d, int N,
                       float* y, int n0, int n1) {
   int8_all<true>(x, T, K, q, nullptr, d, N, y, n0, n1);
+}
+
+// ---- Q8_0 on integer dot products (few activation rows) ----------------------------------
+// x quantized per 32 weights to int16 (xq = round(x / dx), dx = max |x| / 32767: about 2^-16 of
+// the block's largest, as the int4 route's activations; llama.cpp's vec_dot_q8_0_q8_0 takes x in
+// int8, 2^-8, which changes the default model's answers), each block's sum(q * xq) exact in int32,
+// then y[n] += d[n, b] * dx[b] * sum(q * xq).
+//   AVX-512 VNNI: x as its two bytes, xq = 256 xh + xl (xh signed, xl unsigned); vpdpbusd takes
+//     unsigned x signed bytes, so sum(q * xq) = 256 (sum((q + 128) * xh) - 128 sum(xh)) +
+//     sum(xl * q): (q ^ 0x80) = q + 128 unsigned, and xc [T, K/4] = -128 sum(xh) per four bytes
+//     is the accumulator the first vpdpbusd starts from (every partial sum fits int32). 64 bytes:
+//     two blocks, lanes 0-7 and 8-15.
+//   AVX2: each weight widened to int16, vpmaddwd per 16. The portable code: int32 sums.
+// Every partial sum is exact, so each ISA computes the same integers; only the float sums differ.
+template <int RB, int TB>
+static inline void q8_q16_rows(const int16_t* xq, const uint8_t* xl, const int8_t* xh, const int32_t* xc,
+                               const float* dx, int K, const int8_t* q, const float* d, float* y, int N, int n) {
+  const int nb = K / 32;
+  alignas(64) float s16[RB][TB][16];
+#if KV_ISA == 512
+  __m512 acc[RB][TB];
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < TB; ++t) acc[r][t] = _mm512_setzero_ps();
+#elif KV_ISA == 256
+  __m256 acc[RB][TB];
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < TB; ++t) acc[r][t] = _mm256_setzero_ps();
+#else
+  float acc[RB][TB] = {};
+#endif
+  for (int b0 = 0; b0 < nb; b0 += 16) {
+    const int bn = imin(16, nb - b0);
+    for (int r = 0; r < RB; ++r)
+      for (int t = 0; t < TB; ++t) {
+        const float* dr = d + (size_t)(n + r) * nb + b0;
+        const float* dt = dx + (size_t)t * nb + b0;
+#if KV_ISA == 512
+        const __mmask16 m = (__mmask16)((1u << bn) - 1);
+        _mm512_store_ps(s16[r][t], _mm512_mul_ps(_mm512_maskz_loadu_ps(m, dr), _mm512_maskz_loadu_ps(m, dt)));
+#else
+        for (int i = 0; i < 16; ++i) s16[r][t][i] = i < bn ? dr[i] * dt[i] : 0.0f;
+#endif
+      }
+    for (int p = 0; p < bn; ++p) {
+      const size_t off = (size_t)(b0 + p) * 32;
+#if KV_ISA == 512
+      // two blocks a zmm, x as its two bytes: xq = 256 xh + xl (xh signed, xl unsigned), so
+      // sum(q * xq) = 256 (sum((q + 128) * xh) - 128 sum(xh)) + sum(xl * q): two vpdpbusd
+      if (p & 1) continue;
+      const __mmask64 m = p + 1 < bn ? ~0ull : 0xFFFFFFFFull;
+      const __mmask16 m4 = p + 1 < bn ? (__mmask16)0xFFFF : (__mmask16)0xFF;
+      __m512i lv[TB], hv[TB], cv[TB];
+      for (int t = 0; t < TB; ++t) {
+        lv[t] = _mm512_maskz_loadu_epi8(m, xl + (size_t)t * K + off);
+        hv[t] = _mm512_maskz_loadu_epi8(m, xh + (size_t)t * K + off);
+        cv[t] = _mm512_maskz_loadu_epi32(m4, xc + ((size_t)t * K + off) / 4);
+      }
+      const __m512i idx = _mm512_setr_epi32(p, p, p, p, p, p, p, p, p + 1, p + 1, p + 1, p + 1, p + 1, p + 1, p + 1, p + 1);
+      for (int r = 0; r < RB; ++r) {
+        ahead(q + (size_t)(n + r) * K + off);
+        const __m512i w = _mm512_maskz_loadu_epi8(m, q + (size_t)(n + r) * K + off);
+        const __m512i wu = _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
+        for (int t = 0; t < TB; ++t) {
+          const __m512i hi = _mm512_slli_epi32(_mm512_dpbusd_epi32(cv[t], wu, hv[t]), 8);
+          const __m512i s = _mm512_dpbusd_epi32(hi, lv[t], w);
+          acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(idx, _mm512_load_ps(s16[r][t])), acc[r][t]);
+        }
+      }
+#elif KV_ISA == 256
+      __m256i xv[TB][2];
+      for (int t = 0; t < TB; ++t)
+        for (int h = 0; h < 2; ++h) xv[t][h] = _mm256_loadu_si256((const __m256i*)(xq + (size_t)t * K + off + 16 * h));
+      for (int r = 0; r < RB; ++r) {
+        const int8_t* wr = q + (size_t)(n + r) * K + off;
+        if (!(p & 1)) ahead(wr);
+        const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)wr));
+        const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wr + 16)));
+        for (int t = 0; t < TB; ++t) {
+          const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(lo, xv[t][0]), _mm256_madd_epi16(hi, xv[t][1]));
+          acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(&s16[r][t][p]), acc[r][t]);
+        }
+      }
+#else
+      for (int r = 0; r < RB; ++r)
+        for (int t = 0; t < TB; ++t) {
+          const int8_t* w = q + (size_t)(n + r) * K + off;
+          const int16_t* xb = xq + (size_t)t * K + off;
+          int32_t dot = 0;
+          for (int j = 0; j < 32; ++j) dot += (int32_t)w[j] * xb[j];
+          acc[r][t] += (float)dot * s16[r][t][p];
+        }
+#endif
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < TB; ++t) {
+#if KV_ISA == 512
+      y[(size_t)t * N + n + r] = _mm512_reduce_add_ps(acc[r][t]);
+#elif KV_ISA == 256
+      y[(size_t)t * N + n + r] = vsum(acc[r][t]);
+#else
+      y[(size_t)t * N + n + r] = acc[r][t];
+#endif
+    }
+}
+
+template <int RB>
+static void q8_q16_tb(const int16_t* xq, const uint8_t* xl, const int8_t* xh, const int32_t* xc, const float* dx,
+                      int T, int K, const int8_t* q, const float* d, float* y, int N, int n) {
+  switch (T) {
+    case 3: q8_q16_rows<RB, 3>(xq, xl, xh, xc, dx, K, q, d, y, N, n); break;
+    case 2: q8_q16_rows<RB, 2>(xq, xl, xh, xc, dx, K, q, d, y, N, n); break;
+    default: q8_q16_rows<RB, 1>(xq, xl, xh, xc, dx, K, q, d, y, N, n); break;
+  }
+}
+
+static void gemv_q8_0_q16(const int16_t* xq, const uint8_t* xl, const int8_t* xh, const int32_t* xc, const float* dx,
+                          int T, int K, const int8_t* q, const float* d, int N, float* y, int n0, int n1) {
+  for (int t = 0; t < T; t += 3) {
+    const int tn = imin(3, T - t);
+    const size_t o = (size_t)t * K;
+    int n = n0;
+    for (; n + KV_RB <= n1; n += KV_RB)
+      q8_q16_tb<KV_RB>(xq + o, xl + o, xh + o, xc + o / 4, dx + o / 32, tn, K, q, d, y + (size_t)t * N, N, n);
+    for (; n < n1; ++n) q8_q16_tb<1>(xq + o, xl + o, xh + o, xc + o / 4, dx + o / 32, tn, K, q, d, y + (size_t)t * N, N, n);
+  }
 }
 
 // ---- dequantization: rows of a weight into a dense float32 or bfloat16 matrix --------------

@@ -16,7 +16,8 @@ const IsaKernels& isa_dividing(int n);
 //   DENSE: a float32 or bfloat16 tensor [N, K] (bfloat16: x rounded to bfloat16 for the GEMM); INT4: nibbles [N, K/2] uint8 + scales and zeros [N, 2, K/G]
 //   bfloat16; INT8: q [N, K] int8 + scale [N] bfloat16; Q8_0: q [N, K] int8 + d [N, K/32] float32.
 //   `c` is unused (empty). Steps of <= Q8_ROWS rows of an INT4 weight take the integer-dot route
-//   (activations in int16 per 32 weights), more rows the float route.
+//   (activations in int16 per 32 weights), of a Q8_0 weight too (int16 in two byte planes); more rows
+//   the float route.
 enum Format { DENSE = 0, INT4 = 1, INT8 = 2, Q8_0 = 3 };
 struct Linear {
   int format = DENSE, N = 0, K = 0, G = 0;
@@ -25,6 +26,7 @@ struct Linear {
 constexpr int Q8_ROWS = 3;      // kvserve/kernels/__init__.py: KERNEL_ROWS
 Linear make_linear(int64_t format, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, int64_t group);
 bool int4_q16_route(const Linear& w, int T);
+bool q8_0_q16_route(const Linear& w, int T);
 
 // y [T, N] = x [T, K] @ W.T, both float32 row-major; `xp` scratch [T, K] for the int4 order.
 void linear_into(const float* x, int T, const Linear& w, float* y, float* xp);
