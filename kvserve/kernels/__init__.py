@@ -3,13 +3,16 @@ the machine it runs on and cached, registered as `torch.ops.kvserve.*` ops (seed
 step reads every weight byte once; its host work is a few calls, not thousands).
 
   linear_int4 / linear_int8 / linear_q8_0   GEMVs and tiled GEMMs reading kvserve's packed layouts (model/quant/formats.py)
+  linear_bf16                               a bfloat16 weight (AMX tiles where the CPU has them, else torch's GEMM)
   decode_attention                          paged decode attention, split along the context
   silu_mul                                  SwiGLU
   decode_layers                             every decoder layer of a pure-decode step, one call
 
 The ISA is chosen at run time: the widest of AVX-512, AVX2 and portable C++ that both the CPU and
 torch's dispatch capability allow (`ATEN_CPU_CAPABILITY=avx2` therefore tests the AVX2 code on
-an AVX-512 host). `KVSERVE_KERNELS=torch` (or no compiler, or a failed build: one warning with
+an AVX-512 host). On CPUs with AMX-BF16 (Intel Sapphire Rapids and later) steps of `amx_rows()`
+rows or more (and a bfloat16 weight at any row count) run on AMX tiles: weights dequantized to
+bfloat16 a slab at a time, x rounded to bfloat16, float32 sums (csrc/isa_amx.cpp). `KVSERVE_KERNELS=torch` (or no compiler, or a failed build: one warning with
 the compiler's message) leaves the pure-torch path, logged once.
 """
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("ops.cpp", "layers.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_scalar.cpp")
+SOURCES = ("ops.cpp", "layers.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_scalar.cpp", "isa_amx.cpp")
 CAPABILITY_BITS = {"AVX512": 512, "AVX2": 256}
 # Steps of up to this many rows run int4 weights on int16 dot products (a decode of a few
 # streams) and int8 ones on kvserve's GEMV; more rows take int4's float route (register blocks

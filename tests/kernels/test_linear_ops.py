@@ -1,4 +1,4 @@
-"""kvserve's GEMV ops (torch.ops.kvserve.linear_int4 / linear_int8 / linear_q8_0) against float64
+"""kvserve's GEMV ops (torch.ops.kvserve.linear_int4 / linear_int8 / linear_q8_0 / linear_bf16) against float64
 matmuls of the dequantized weights, on every ISA allowed here, property-based over shapes.
 
 Tolerances, per output y[t, n], with M = |x| @ |W|.T (the sum of the absolute products):
@@ -10,6 +10,8 @@ Tolerances, per output y[t, n], with M = |x| @ |W|.T (the sum of the absolute pr
     most half a step (amax of the 32-block / 32767) times the weights it multiplies (measured
     about 2e-5 of max |y|, 3e-6 * M). Where block scales are given but the route falls back (more
     rows, K not a multiple of 64) the result is the float route's, bit for bit.
+  AMX (csrc/isa_amx.cpp, CPUs with AMX-BF16, steps of at least amx_rows() rows, every format): 4e-6 * M
+    against the product of x and W each rounded to bfloat16 (products exact in float32, summed in float32).
   Q8_0, <= KERNEL_ROWS rows (activations in int16 per 32 weights): 4e-6 * M against the product of
     x's int16 blocks (the integer sums are exact), and 1.01 * (|W| @ amax32(x).T) / 65534 + 4e-6 * M
     against x itself.
@@ -98,8 +100,12 @@ def test_linear_int4(bits, seed, group, blocks, N, T, few, zeros, n_threads):
     x = activations(g, T, K)
     with on_isa(bits), threads(n_threads):
         y = torch.ops.kvserve.linear_int4(x, w.nibbles, w.scales, group)
+        amx = on_amx(T)
     int16_route = T <= kernels.KERNEL_ROWS and K % 64 == 0
-    check(y, x, w.dequantize(dtype=torch.float32), q16_rounding(x, w) if int16_route else 0.0)
+    if amx:
+        check(y, *bf16_operands(x, w.dequantize(dtype=torch.float32)))
+    else:
+        check(y, x, w.dequantize(dtype=torch.float32), q16_rounding(x, w) if int16_route else 0.0)
 
 
 @pytest.mark.parametrize("bits", ISA_BITS)
@@ -113,7 +119,9 @@ def test_linear_int8(bits, seed, blocks, N, T, n_threads):
     x = activations(g, T, K)
     with on_isa(bits), threads(n_threads):
         y = torch.ops.kvserve.linear_int8(x, q, scale)
-    check(y, x, q.double() * scale.double()[:, None])
+        amx = on_amx(T)
+    w = q.double() * scale.double()[:, None]
+    check(y, *(bf16_operands(x, w) if amx else (x, w)))
 
 
 @pytest.mark.parametrize("bits", ISA_BITS)
@@ -131,12 +139,48 @@ def test_linear_q8_0(bits, seed, blocks, N, T, n_threads):
     x = activations(g, T, K)
     with on_isa(bits), threads(n_threads):
         y = torch.ops.kvserve.linear_q8_0(x, q, d)
+        amx = on_amx(T)
     w = q.double() * d.double().repeat_interleave(32, dim=1)
-    if T <= kernels.KERNEL_ROWS:            # the int16 route: exactly x's int16 blocks times W, summed in float32
+    if amx:
+        check(y, *bf16_operands(x, w))
+    elif T <= kernels.KERNEL_ROWS:            # the int16 route: exactly x's int16 blocks times W, summed in float32
         check(y, q16_activations(x), w)
         check(y, x, w, 1.01 * (amax32(x) @ w.abs().T) / 65534)
     else:
         check(y, x, w)
+
+
+@pytest.mark.parametrize("bits", ISA_BITS)
+@SETTINGS
+@given(seed=st.integers(0, 2**31), blocks=st.integers(1, 48), N=st.integers(1, 80), T=st.integers(1, 70),
+       n_threads=st.sampled_from([1, 2]))
+@example(seed=8, blocks=40, N=35, T=1, n_threads=2)      # 1,280 columns: two slabs; a partial last tile
+def test_linear_bf16(bits, seed, blocks, N, T, n_threads):
+    """A bfloat16 weight: on AMX tiles at every row count where the CPU has them (x rounded to
+    bfloat16, float32 sums), else torch's bfloat16 GEMM (its output rounded to bfloat16 too)."""
+    g = torch.Generator().manual_seed(seed)
+    K = 32 * blocks
+    w = torch.randn(N, K, generator=g).bfloat16()
+    x = activations(g, T, K)
+    with on_isa(bits), threads(n_threads):
+        y = torch.ops.kvserve.linear_bf16(x, w)
+        amx = torch.ops.kvserve.amx_rows() > 0           # a dense weight takes AMX at any row count
+    if amx:
+        check(y, x.bfloat16(), w)
+    else:
+        check(y, x.bfloat16(), w, (x.bfloat16().double() @ w.double().T).abs() * 2 ** -8)
+
+
+def on_amx(T: int) -> bool:
+    """Whether a step of T rows runs on AMX tiles on the ISA now set (csrc/isa_amx.cpp)."""
+    rows = torch.ops.kvserve.amx_rows()
+    return 0 < rows <= T
+
+
+def bf16_operands(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x and W as the AMX route multiplies them: each rounded once to bfloat16 (x from float32, W
+    from its exact value rounded to float32), products summed in float32."""
+    return x.bfloat16(), w.float().bfloat16()
 
 
 def amax32(x: torch.Tensor) -> torch.Tensor:

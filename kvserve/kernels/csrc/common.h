@@ -55,6 +55,19 @@ struct IsaKernels {
   void (*dequant_q8_0)(const int8_t* q, const float* d, int K, int n0, int n1, float* f, uint16_t* b);
 };
 
+// A weight as isa_amx.cpp reads it: `format` as ops.h's Format (dense: bfloat16 only), `a` / `b`
+// the format's two tensors' data (common.h's shapes above; b unused for dense).
+struct AmxWeight {
+  int format, N, K, G;
+  const void* a;
+  const void* b;
+};
+// The CPU has AMX-BF16 (and AVX512-BF16) and the OS granted this process the tile state.
+bool amx_ready();
+// y rows n0..n1 (a multiple of 16 from n0) of x @ W.T, T <= 64 activation rows, x as bfloat16
+// VNNI pairs xb [ceil(T/16)][K/2][16][2] (ops.cpp pack_amx), y [T, N] float32.
+void amx_linear(const uint16_t* xb, int T, const AmxWeight& w, float* y, int n0, int n1);
+
 const IsaKernels& avx512_kernels();
 const IsaKernels& avx2_kernels();
 const IsaKernels& scalar_kernels();

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "ops.h"
@@ -155,10 +156,56 @@ static void quantize_q16(const float* x, int T, int K, int16_t* xq, uint8_t* xl,
 
 bool q8_0_q16_route(const Linear& w, int T) { return w.format == Q8_0 && T <= Q8_ROWS; }
 
+static int g_amx_rows = AMX_ROWS;     // set_amx_rows
+
+bool amx_route(const Linear& w, int T) {
+  if (g_amx_rows <= 0 || w.K % 32 || allowed_bits() < 512 || !amx_ready()) return false;
+  if (w.format == DENSE) return w.a.scalar_type() == at::kBFloat16 && T >= 1;   // A tiles read from W itself
+  return T >= g_amx_rows;
+}
+
+// The fewest rows a step runs on AMX with the ISA now allowed (0: it does not).
+static int64_t amx_rows() { return g_amx_rows > 0 && allowed_bits() >= 512 && amx_ready() ? g_amx_rows : 0; }
+
+static int64_t set_amx_rows(int64_t rows) {
+  g_amx_rows = (int)rows;
+  return amx_rows();
+}
+
+static inline uint16_t to_bf16(float f) {     // nearest even, as vcvtneps2bf16 and torch's .to() round
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// x [tn <= 64, K] -> xb [ceil(tn/16)][K/2][16][2] bfloat16: per 16 rows, each pair of columns of
+// each row side by side (the B tile's VNNI layout), rows past tn zero.
+static void pack_amx(const float* x, int tn, int K, uint16_t* xb) {
+  const int G = (tn + 15) / 16;
+  for (int g = 0; g < G; ++g)
+    for (int t = 0; t < 16; ++t) {
+      const int row = g * 16 + t;
+      uint16_t* o = xb + (size_t)g * (K / 2) * 32 + (size_t)t * 2;
+      for (int i = 0; i < K / 2; ++i) {
+        o[(size_t)i * 32] = row < tn ? to_bf16(x[(size_t)row * K + 2 * i]) : 0;
+        o[(size_t)i * 32 + 1] = row < tn ? to_bf16(x[(size_t)row * K + 2 * i + 1]) : 0;
+      }
+    }
+}
+
 void linear_into(const float* x, int T, const Linear& w, float* y, float* xp) {
   const IsaKernels& k = isa();
   const int N = w.N, K = w.K;
-  if (w.format == DENSE) {
+  if (amx_route(w, T)) {
+    const AmxWeight aw{w.format, N, K, w.G, w.a.data_ptr(), w.b.defined() ? w.b.data_ptr() : nullptr};
+    std::vector<uint16_t> xb;
+    for (int t0 = 0; t0 < T; t0 += 64) {
+      const int tn = std::min(64, T - t0);
+      xb.resize((size_t)(tn + 15) / 16 * 16 * K);
+      pack_amx(x + (size_t)t0 * K, tn, K, xb.data());
+      parallel_rows(N, K, tn, [&](int n0, int n1) { amx_linear(xb.data(), tn, aw, y + (size_t)t0 * N, n0, n1); });
+    }
+  } else if (w.format == DENSE) {
     at::Tensor xt = at::from_blob(const_cast<float*>(x), {T, K}, at::kFloat);
     at::Tensor yt = at::from_blob(y, {T, N}, at::kFloat);
     if (w.a.scalar_type() == at::kBFloat16)      // a bfloat16 model: its GEMM in bfloat16, out in float32
@@ -223,6 +270,10 @@ static at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at
 }
 static at::Tensor linear_q8_0(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d) {
   return linear_op(x, make_linear(Q8_0, q, d, at::Tensor(), 32));
+}
+static at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16, "kvserve: linear_bf16 takes a bfloat16 weight [N, K]");
+  return linear_op(x, make_linear(DENSE, w, at::Tensor(), at::Tensor(), 0));
 }
 
 AttnArgs attn_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -371,9 +422,12 @@ static at::Tensor dequantize_q8_0(const at::Tensor& q, const at::Tensor& d, at::
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("set_isa(int bits) -> str", &kvk::set_isa);
+  m.def("set_amx_rows(int rows) -> int", &kvk::set_amx_rows);
+  m.def("amx_rows() -> int", &kvk::amx_rows);
   m.def("linear_int4(Tensor x, Tensor nibbles, Tensor scales, int group_size) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor q, Tensor scale) -> Tensor");
   m.def("linear_q8_0(Tensor x, Tensor q, Tensor d) -> Tensor");
+  m.def("linear_bf16(Tensor x, Tensor w) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
         "Tensor block_tables, Tensor context_lens, float scale, int window) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
@@ -385,6 +439,7 @@ TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("linear_int4", &kvk::linear_int4);
   m.impl("linear_int8", &kvk::linear_int8);
   m.impl("linear_q8_0", &kvk::linear_q8_0);
+  m.impl("linear_bf16", &kvk::linear_bf16);
   m.impl("decode_attention", &kvk::decode_attention);
   m.impl("silu_mul", &kvk::silu_mul_op);
   m.impl("dequantize_int4", &kvk::dequantize_int4);

@@ -24,9 +24,15 @@ struct Linear {
   at::Tensor a, b, c;
 };
 constexpr int Q8_ROWS = 3;      // kvserve/kernels/__init__.py: KERNEL_ROWS
+// Steps of at least AMX_ROWS rows run on AMX tiles where the CPU has them (isa_amx.cpp; int4,
+// int8 and Q8_0 weights; a bfloat16 weight at any row count; set_amx_rows changes it, 0: never).
+// Measured (3072 x 576 and 576 x 1536, 2 threads): kvserve's float route wins at 4 rows, they
+// tie at 6, AMX is 1.6x at 8, 2-3.5x at 16-64.
+constexpr int AMX_ROWS = 6;
 Linear make_linear(int64_t format, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, int64_t group);
 bool int4_q16_route(const Linear& w, int T);
 bool q8_0_q16_route(const Linear& w, int T);
+bool amx_route(const Linear& w, int T);
 
 // y [T, N] = x [T, K] @ W.T, both float32 row-major; `xp` scratch [T, K] for the int4 order.
 void linear_into(const float* x, int T, const Linear& w, float* y, float* xp);

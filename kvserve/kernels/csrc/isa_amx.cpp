@@ -1,0 +1,160 @@
+// Batched GEMMs on Intel AMX (AMX-BF16 tiles; Sapphire Rapids and later): y = x @ W.T for a step
+// of a few to 64 activation rows, W in any of kvserve's formats (ops.h Format: int4, int8, Q8_0,
+// or a dense bfloat16 matrix). Per 16 weight rows: the rows dequantized, 32 weights at a time, to
+// bfloat16 (each weight's exact value rounded once to float32, then to bfloat16 -- what
+// dequantize_int4 / dequantize_q8_0 give) in a slab of 1,024 columns that stays in L1; then per
+// 32 columns one tile of weights (A: 16 rows x 32 bfloat16) against up to four tiles of x
+// (B: 32 columns x 16 activation rows, in the VNNI pair layout ops.cpp packs) into four float32
+// accumulator tiles (C: 16 weight rows x 16 activation rows each). A dense bfloat16 weight's
+// tiles are loaded from the matrix itself. One tdpbf16ps is 8,192 multiply-adds, so the step
+// costs what its weights take to dequantize, not what it multiplies.
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "common.h"
+
+namespace kvk {
+
+bool amx_ready() {
+  static const bool ready = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tiles = (d >> 24) & 1, bf16_tiles = (d >> 22) & 1, avx512bw = (b >> 30) & 1;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
+    const bool avx512bf16 = (a >> 5) & 1;
+    if (!(tiles && bf16_tiles && avx512bw && avx512bf16)) return false;
+    // Linux hands out the 8 KB tile state only to a process that asks (ARCH_REQ_XCOMP_PERM for
+    // XFEATURE_XTILEDATA); without it the first tile instruction faults.
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  }();
+  return ready;
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,amx-tile,amx-bf16,fma")
+
+namespace isa_amx {
+
+constexpr int SLAB = 1024;       // columns of a 16-row weight slab dequantized at a time (32 KB)
+
+struct TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+static inline float bf16f(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+
+static inline __m512i bf16x32(__m512 lo, __m512 hi) {   // 32 floats -> 32 bfloat16 (nearest even), lo first
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// Row n's columns k0..k0+kn (multiples of 32) as bfloat16 into out[kn].
+static void dequant_row(const AmxWeight& w, int n, int k0, int kn, uint16_t* out) {
+  const int K = w.K;
+  if (w.format == 1) {                      // int4: (q - 8) * scale + zero per group, nibbles 2j | 2j+1 << 4
+    const int groups = K / w.G;
+    const uint8_t* nib = (const uint8_t*)w.a + (size_t)n * (K / 2);
+    const uint16_t* srow = (const uint16_t*)w.b + (size_t)n * 2 * groups;
+    const __m512 iota = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512i m4 = _mm512_set1_epi32(15), m4h = _mm512_set1_epi32(0xF0);
+    for (int c = 0; c < kn; c += 32) {
+      const int g = (k0 + c) / w.G;
+      // the group's 16 values as a bfloat16 table, each weight looked up by its nibble (vpermw)
+      const __m512 vals = _mm512_fmadd_ps(iota, _mm512_set1_ps(bf16f(srow[g])), _mm512_set1_ps(bf16f(srow[groups + g])));
+      const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(vals));
+      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(nib + (k0 + c) / 2)));
+      // 16-bit lanes in weight order: lane 2j the low nibble of byte j, lane 2j+1 its high nibble
+      const __m512i idx = _mm512_or_si512(_mm512_and_si512(bytes, m4), _mm512_slli_epi32(_mm512_and_si512(bytes, m4h), 12));
+      _mm512_storeu_si512((void*)(out + c), _mm512_permutexvar_epi16(idx, table));
+    }
+  } else if (w.format == 2 || w.format == 3) {   // int8: q * scale[n]; Q8_0: q * d[n, k / 32]
+    const int8_t* q = (const int8_t*)w.a + (size_t)n * K;
+    for (int c = 0; c < kn; c += 32) {
+      const float s = w.format == 2 ? bf16f(((const uint16_t*)w.b)[n]) : ((const float*)w.b)[(size_t)n * (K / 32) + (k0 + c) / 32];
+      const __m512 sv = _mm512_set1_ps(s);
+      const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + k0 + c)))), sv);
+      const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + k0 + c + 16)))), sv);
+      _mm512_storeu_si512((void*)(out + c), bf16x32(lo, hi));
+    }
+  } else {                                   // dense bfloat16
+    const uint16_t* r = (const uint16_t*)w.a + (size_t)n * K + k0;
+    for (int c = 0; c < kn; c += 32) _mm512_storeu_si512((void*)(out + c), _mm512_loadu_si512((const void*)(r + c)));
+  }
+}
+
+// C tiles 0..G-1 += A (tile 4) x B (tile 5, x group g) for one 32-column step; tile ids are immediates.
+#define KV_DP(g)                                                                           \
+  if (G > g) {                                                                             \
+    _tile_loadd(5, xb + (size_t)(g) * (K / 2) * 32 + (size_t)(k0 + kk) / 2 * 32, 64);      \
+    _tile_dpbf16ps(g, 4, 5);                                                               \
+  }
+
+template <int G>
+static void rows16(const uint16_t* xb, int T, const AmxWeight& w, float* y, int n0, int rn, uint16_t* slab,
+                   float* cbuf) {
+  const int K = w.K;
+  const bool direct = w.format == 0 && rn == 16;     // dense bfloat16, a whole tile: read the matrix
+  if (G > 0) _tile_zero(0);
+  if (G > 1) _tile_zero(1);
+  if (G > 2) _tile_zero(2);
+  if (G > 3) _tile_zero(3);
+  for (int k0 = 0; k0 < K; k0 += SLAB) {
+    const int kn = K - k0 < SLAB ? K - k0 : SLAB;
+    if (!direct) {
+      for (int r = 0; r < rn; ++r) dequant_row(w, n0 + r, k0, kn, slab + (size_t)r * SLAB);
+      for (int r = rn; r < 16; ++r)
+        for (int c = 0; c < kn; c += 32) _mm512_storeu_si512((void*)(slab + (size_t)r * SLAB + c), _mm512_setzero_si512());
+    }
+    for (int kk = 0; kk < kn; kk += 32) {
+      if (direct) _tile_loadd(4, (const uint16_t*)w.a + (size_t)n0 * K + k0 + kk, K * 2);
+      else _tile_loadd(4, slab + kk, SLAB * 2);
+      KV_DP(0) KV_DP(1) KV_DP(2) KV_DP(3)
+    }
+  }
+  if (G > 0) _tile_stored(0, cbuf, 64);
+  if (G > 1) _tile_stored(1, cbuf + 256, 64);
+  if (G > 2) _tile_stored(2, cbuf + 512, 64);
+  if (G > 3) _tile_stored(3, cbuf + 768, 64);
+  for (int g = 0; g < G; ++g)
+    for (int t = 0; t < 16 && g * 16 + t < T; ++t)
+      for (int r = 0; r < rn; ++r) y[(size_t)(g * 16 + t) * w.N + n0 + r] = cbuf[g * 256 + r * 16 + t];
+}
+#undef KV_DP
+
+}  // namespace isa_amx
+
+void amx_linear(const uint16_t* xb, int T, const AmxWeight& w, float* y, int n0, int n1) {
+  using namespace isa_amx;
+  TileConfig cfg = {};
+  cfg.palette = 1;
+  for (int i = 0; i < 6; ++i) {
+    cfg.rows[i] = 16;
+    cfg.colsb[i] = 64;
+  }
+  _tile_loadconfig(&cfg);
+  alignas(64) uint16_t slab[16 * SLAB];
+  alignas(64) float cbuf[4 * 256];
+  const int G = (T + 15) / 16;
+  for (int n = n0; n < n1; n += 16) {
+    const int rn = n1 - n < 16 ? n1 - n : 16;
+    switch (G) {
+      case 1: rows16<1>(xb, T, w, y, n, rn, slab, cbuf); break;
+      case 2: rows16<2>(xb, T, w, y, n, rn, slab, cbuf); break;
+      case 3: rows16<3>(xb, T, w, y, n, rn, slab, cbuf); break;
+      default: rows16<4>(xb, T, w, y, n, rn, slab, cbuf); break;
+    }
+  }
+  _tile_release();
+}
+
+#pragma GCC pop_options
+
+}  // namespace kvk
