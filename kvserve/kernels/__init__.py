@@ -120,6 +120,13 @@ def available(device="cpu") -> bool:
     return torch.device(device).type == "cpu" and load()
 
 
+@functools.cache
+def amx() -> bool:
+    """The CPU runs kvserve's AMX tiles (csrc/isa_amx.cpp: AMX-BF16, granted by the OS) and
+    torch's capability allows AVX-512 (`ATEN_CPU_CAPABILITY` below it turns them off)."""
+    return load() and torch.ops.kvserve.amx_rows() > 0
+
+
 def isa() -> str:
     """The ISA the ops run on ("avx512", "avx2", "scalar")."""
     bits = CAPABILITY_BITS.get(torch.backends.cpu.get_cpu_capability(), 0)
