@@ -34,8 +34,21 @@ static void attn_part(const kvk::AttnArgs& a, int b, int kvh, int t0, int t1, fl
     l[g] = 0.0f;
     for (int d = 0; d < D; ++d) out[g * D + d] = 0.0f;
   }
+  const int esize = a.kv_kind == 0 ? 4 : (a.kv_kind == 1 ? 2 : 1);
   for (int c = t0; c < t1; c += CH) {
     const int n = imin(CH, t1 - c);
+    // this chunk's V rows and the next chunk's K rows requested now (the cache is read once,
+    // token by token through the block table: the hardware prefetcher sees short runs)
+    for (int i = 0; i < CH && c + CH + i < t1; ++i) {
+      const int t = c + CH + i;
+      const int64_t row = (table[t / bs] * a.num_kv_heads + kvh) * bs + t % bs;
+      for (int o = 0; o < D * esize; o += 64) __builtin_prefetch((const char*)a.k_cache + row * D * esize + o, 0, 3);
+    }
+    for (int i = 0; i < n; ++i) {
+      const int t = c + i;
+      const int64_t row = (table[t / bs] * a.num_kv_heads + kvh) * bs + t % bs;
+      for (int o = 0; o < D * esize; o += 64) __builtin_prefetch((const char*)a.v_cache + row * D * esize + o, 0, 3);
+    }
     for (int i = 0; i < n; ++i) {
       const int t = c + i;
       const int64_t row = (table[t / bs] * a.num_kv_heads + kvh) * bs + t % bs;  // [blocks, KV, bs]

@@ -38,6 +38,7 @@ bool amx_ready() {
 namespace isa_amx {
 
 constexpr int SLAB = 1024;       // columns of a 16-row weight slab dequantized at a time (32 KB)
+constexpr int AHEAD = 4096;      // bytes of a weight row prefetched ahead (vec.h's KV_AHEAD: the same reason)
 
 struct TileConfig {
   uint8_t palette, start_row, reserved[14];
@@ -66,6 +67,7 @@ static void dequant_row(const AmxWeight& w, int n, int k0, int kn, uint16_t* out
     const __m512 iota = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
     const __m512i m4 = _mm512_set1_epi32(15), m4h = _mm512_set1_epi32(0xF0);
     for (int c = 0; c < kn; c += 32) {
+      if (!(c & 127)) __builtin_prefetch(nib + (k0 + c) / 2 + AHEAD, 0, 3);
       const int g = (k0 + c) / w.G;
       // the group's 16 values as a bfloat16 table, each weight looked up by its nibble (vpermw)
       const __m512 vals = _mm512_fmadd_ps(iota, _mm512_set1_ps(bf16f(srow[g])), _mm512_set1_ps(bf16f(srow[groups + g])));
@@ -78,6 +80,7 @@ static void dequant_row(const AmxWeight& w, int n, int k0, int kn, uint16_t* out
   } else if (w.format == 2 || w.format == 3) {   // int8: q * scale[n]; Q8_0: q * d[n, k / 32]
     const int8_t* q = (const int8_t*)w.a + (size_t)n * K;
     for (int c = 0; c < kn; c += 32) {
+      if (!(c & 63)) __builtin_prefetch(q + k0 + c + AHEAD, 0, 3);
       const float s = w.format == 2 ? bf16f(((const uint16_t*)w.b)[n]) : ((const float*)w.b)[(size_t)n * (K / 32) + (k0 + c) / 32];
       const __m512 sv = _mm512_set1_ps(s);
       const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + k0 + c)))), sv);
@@ -86,7 +89,10 @@ static void dequant_row(const AmxWeight& w, int n, int k0, int kn, uint16_t* out
     }
   } else {                                   // dense bfloat16
     const uint16_t* r = (const uint16_t*)w.a + (size_t)n * K + k0;
-    for (int c = 0; c < kn; c += 32) _mm512_storeu_si512((void*)(out + c), _mm512_loadu_si512((const void*)(r + c)));
+    for (int c = 0; c < kn; c += 32) {
+      __builtin_prefetch(r + c + AHEAD / 2, 0, 3);
+      _mm512_storeu_si512((void*)(out + c), _mm512_loadu_si512((const void*)(r + c)));
+    }
   }
 }
 
