@@ -89,6 +89,8 @@ def q16_rounding(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
 @example(seed=2, group=32, blocks=3, N=20, T=2, few=True, zeros=True, n_threads=1)     # K % 64: float
 @example(seed=3, group=128, blocks=2, N=17, T=3, few=True, zeros=False, n_threads=2)
 @example(seed=4, group=32, blocks=40, N=35, T=40, few=False, zeros=True, n_threads=2)  # 1,280 wide: slabs
+@example(seed=9, group=64, blocks=9, N=20, T=150, few=False, zeros=True, n_threads=2)  # AMX: 150 rows, 576 wide
+@example(seed=10, group=256, blocks=9, N=17, T=130, few=False, zeros=False, n_threads=1)  # AMX: 2,304 wide
 def test_linear_int4(bits, seed, group, blocks, N, T, few, zeros, n_threads):
     """Every route (int16 for <= KERNEL_ROWS rows, float blocks to 8 rows, float tiles past
     that) against the float64 product of the dequantized weight."""

@@ -64,7 +64,7 @@ struct AmxWeight {
 };
 // The CPU has AMX-BF16 (and AVX512-BF16) and the OS granted this process the tile state.
 bool amx_ready();
-// y rows n0..n1 (a multiple of 16 from n0) of x @ W.T, T <= 64 activation rows, x as bfloat16
+// y rows n0..n1 (a multiple of 16 from n0) of x @ W.T, any T activation rows, x as bfloat16
 // VNNI pairs xb [ceil(T/16)][K/2][16][2] (ops.cpp pack_amx), y [T, N] float32.
 void amx_linear(const uint16_t* xb, int T, const AmxWeight& w, float* y, int n0, int n1);
 

@@ -103,9 +103,64 @@ static void dequant_row(const AmxWeight& w, int n, int k0, int kn, uint16_t* out
     _tile_dpbf16ps(g, 4, 5);                                                               \
   }
 
+// Rows n0..n0+rn of y for activation rows t0..t0+16G, the weight rows already in `a` (16 rows of
+// K bfloat16, row stride lda elements; a dense weight's own rows when direct).
+template <int G>
+static void chunk16(const uint16_t* xb, int T, int t0, const AmxWeight& w, const uint16_t* a, int lda, float* y,
+                    int n0, int rn, float* cbuf) {
+  const int K = w.K, k0 = 0;
+  const uint16_t* xg = xb + (size_t)(t0 / 16) * (K / 2) * 32;
+  if (G > 0) _tile_zero(0);
+  if (G > 1) _tile_zero(1);
+  if (G > 2) _tile_zero(2);
+  if (G > 3) _tile_zero(3);
+  for (int kk = 0; kk < K; kk += 32) {
+    _tile_loadd(4, a + kk, lda * 2);
+#define KV_DPX(g)                                                                       \
+    if (G > g) {                                                                        \
+      _tile_loadd(5, xg + (size_t)(g) * (K / 2) * 32 + (size_t)(k0 + kk) / 2 * 32, 64); \
+      _tile_dpbf16ps(g, 4, 5);                                                          \
+    }
+    KV_DPX(0) KV_DPX(1) KV_DPX(2) KV_DPX(3)
+#undef KV_DPX
+  }
+  if (G > 0) _tile_stored(0, cbuf, 64);
+  if (G > 1) _tile_stored(1, cbuf + 256, 64);
+  if (G > 2) _tile_stored(2, cbuf + 512, 64);
+  if (G > 3) _tile_stored(3, cbuf + 768, 64);
+  for (int g = 0; g < G; ++g)
+    for (int t = 0; t < 16 && t0 + g * 16 + t < T; ++t)
+      for (int r = 0; r < rn; ++r) y[(size_t)(t0 + g * 16 + t) * w.N + n0 + r] = cbuf[g * 256 + r * 16 + t];
+}
+
+// Weight rows of at most WHOLE columns: dequantized once, then every 64 activation rows.
+constexpr int WHOLE = 2048;
+
+static void rows16_whole(const uint16_t* xb, int T, const AmxWeight& w, float* y, int n0, int rn, uint16_t* slab,
+                         float* cbuf) {
+  const int K = w.K;
+  const uint16_t* a = slab;
+  int lda = K;
+  if (w.format == 0 && rn == 16) {
+    a = (const uint16_t*)w.a + (size_t)n0 * K;        // dense bfloat16, a whole tile: the matrix itself
+  } else {
+    for (int r = 0; r < rn; ++r) dequant_row(w, n0 + r, 0, K, slab + (size_t)r * K);
+    for (int r = rn; r < 16; ++r)
+      for (int c = 0; c < K; c += 32) _mm512_storeu_si512((void*)(slab + (size_t)r * K + c), _mm512_setzero_si512());
+  }
+  for (int t0 = 0; t0 < T; t0 += 64) {
+    switch ((T - t0 + 15) / 16) {
+      case 1: chunk16<1>(xb, T, t0, w, a, lda, y, n0, rn, cbuf); break;
+      case 2: chunk16<2>(xb, T, t0, w, a, lda, y, n0, rn, cbuf); break;
+      case 3: chunk16<3>(xb, T, t0, w, a, lda, y, n0, rn, cbuf); break;
+      default: chunk16<4>(xb, T, t0, w, a, lda, y, n0, rn, cbuf); break;
+    }
+  }
+}
+
 template <int G>
 static void rows16(const uint16_t* xb, int T, const AmxWeight& w, float* y, int n0, int rn, uint16_t* slab,
-                   float* cbuf) {
+                   float* cbuf) {   // T <= 64 here; wider rows a 1,024-column slab at a time
   const int K = w.K;
   const bool direct = w.format == 0 && rn == 16;     // dense bfloat16, a whole tile: read the matrix
   if (G > 0) _tile_zero(0);
@@ -146,16 +201,24 @@ void amx_linear(const uint16_t* xb, int T, const AmxWeight& w, float* y, int n0,
     cfg.colsb[i] = 64;
   }
   _tile_loadconfig(&cfg);
-  alignas(64) uint16_t slab[16 * SLAB];
+  alignas(64) uint16_t slab[16 * WHOLE];
   alignas(64) float cbuf[4 * 256];
-  const int G = (T + 15) / 16;
   for (int n = n0; n < n1; n += 16) {
     const int rn = n1 - n < 16 ? n1 - n : 16;
-    switch (G) {
-      case 1: rows16<1>(xb, T, w, y, n, rn, slab, cbuf); break;
-      case 2: rows16<2>(xb, T, w, y, n, rn, slab, cbuf); break;
-      case 3: rows16<3>(xb, T, w, y, n, rn, slab, cbuf); break;
-      default: rows16<4>(xb, T, w, y, n, rn, slab, cbuf); break;
+    if (w.K <= WHOLE) {
+      rows16_whole(xb, T, w, y, n, rn, slab, cbuf);
+      continue;
+    }
+    for (int t0 = 0; t0 < T; t0 += 64) {     // 64 activation rows at a time, the weights per slab again
+      const int tn = T - t0 < 64 ? T - t0 : 64;
+      const uint16_t* xc = xb + (size_t)(t0 / 16) * (w.K / 2) * 32;
+      float* yc = y + (size_t)t0 * w.N;
+      switch ((tn + 15) / 16) {
+        case 1: rows16<1>(xc, tn, w, yc, n, rn, slab, cbuf); break;
+        case 2: rows16<2>(xc, tn, w, yc, n, rn, slab, cbuf); break;
+        case 3: rows16<3>(xc, tn, w, yc, n, rn, slab, cbuf); break;
+        default: rows16<4>(xc, tn, w, yc, n, rn, slab, cbuf); break;
+      }
     }
   }
   _tile_release();

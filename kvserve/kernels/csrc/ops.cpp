@@ -178,8 +178,8 @@ static inline uint16_t to_bf16(float f) {     // nearest even, as vcvtneps2bf16 
   return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-// x [tn <= 64, K] -> xb [ceil(tn/16)][K/2][16][2] bfloat16: per 16 rows, each pair of columns of
-// each row side by side (the B tile's VNNI layout), rows past tn zero.
+// x [tn, K] -> xb [ceil(tn/16)][K/2][16][2] bfloat16: per 16 rows, each pair of columns of each
+// row side by side (the B tile's VNNI layout), rows past tn zero.
 static void pack_amx(const float* x, int tn, int K, uint16_t* xb) {
   const int G = (tn + 15) / 16;
   for (int g = 0; g < G; ++g)
@@ -198,13 +198,9 @@ void linear_into(const float* x, int T, const Linear& w, float* y, float* xp) {
   const int N = w.N, K = w.K;
   if (amx_route(w, T)) {
     const AmxWeight aw{w.format, N, K, w.G, w.a.data_ptr(), w.b.defined() ? w.b.data_ptr() : nullptr};
-    std::vector<uint16_t> xb;
-    for (int t0 = 0; t0 < T; t0 += 64) {
-      const int tn = std::min(64, T - t0);
-      xb.resize((size_t)(tn + 15) / 16 * 16 * K);
-      pack_amx(x + (size_t)t0 * K, tn, K, xb.data());
-      parallel_rows(N, K, tn, [&](int n0, int n1) { amx_linear(xb.data(), tn, aw, y + (size_t)t0 * N, n0, n1); });
-    }
+    std::vector<uint16_t> xb((size_t)(T + 15) / 16 * 16 * K);
+    pack_amx(x, T, K, xb.data());
+    parallel_rows(N, K, T, [&](int n0, int n1) { amx_linear(xb.data(), T, aw, y, n0, n1); });
   } else if (w.format == DENSE) {
     at::Tensor xt = at::from_blob(const_cast<float*>(x), {T, K}, at::kFloat);
     at::Tensor yt = at::from_blob(y, {T, N}, at::kFloat);
