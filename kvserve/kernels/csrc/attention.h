@@ -35,25 +35,30 @@ static void attn_part(const kvk::AttnArgs& a, int b, int kvh, int t0, int t1, fl
     for (int d = 0; d < D; ++d) out[g * D + d] = 0.0f;
   }
   const int esize = a.kv_kind == 0 ? 4 : (a.kv_kind == 1 ? 2 : 1);
-  for (int c = t0; c < t1; c += CH) {
+  // each token's row of the cache [blocks, KV, bs], a chunk at a time: this chunk's, the next's
+  int64_t slot[2][CH];
+  auto slots_of = [&](int c, int64_t* out) {
+    for (int i = 0; i < CH && c + i < t1; ++i) {
+      const int t = c + i;
+      out[i] = (table[t / bs] * a.num_kv_heads + kvh) * bs + t % bs;
+    }
+  };
+  auto prefetch = [&](const void* cache, const int64_t* rows_of, int count) {
+    for (int i = 0; i < count; ++i)
+      for (int o = 0; o < D * esize; o += 64) __builtin_prefetch((const char*)cache + rows_of[i] * D * esize + o, 0, 3);
+  };
+  slots_of(t0, slot[0]);
+  for (int c = t0, cur = 0; c < t1; c += CH, cur ^= 1) {
     const int n = imin(CH, t1 - c);
-    // this chunk's V rows and the next chunk's K rows requested now (the cache is read once,
+    const int64_t* row = slot[cur];
+    // the next chunk's K rows and this chunk's V rows requested now (the cache is read once,
     // token by token through the block table: the hardware prefetcher sees short runs)
-    for (int i = 0; i < CH && c + CH + i < t1; ++i) {
-      const int t = c + CH + i;
-      const int64_t row = (table[t / bs] * a.num_kv_heads + kvh) * bs + t % bs;
-      for (int o = 0; o < D * esize; o += 64) __builtin_prefetch((const char*)a.k_cache + row * D * esize + o, 0, 3);
+    if (c + CH < t1) {
+      slots_of(c + CH, slot[cur ^ 1]);
+      prefetch(a.k_cache, slot[cur ^ 1], imin(CH, t1 - c - CH));
     }
-    for (int i = 0; i < n; ++i) {
-      const int t = c + i;
-      const int64_t row = (table[t / bs] * a.num_kv_heads + kvh) * bs + t % bs;
-      for (int o = 0; o < D * esize; o += 64) __builtin_prefetch((const char*)a.v_cache + row * D * esize + o, 0, 3);
-    }
-    for (int i = 0; i < n; ++i) {
-      const int t = c + i;
-      const int64_t row = (table[t / bs] * a.num_kv_heads + kvh) * bs + t % bs;  // [blocks, KV, bs]
-      rows[i] = kv_row(a, a.k_cache, a.k_scale, row, kbuf[i]);
-    }
+    prefetch(a.v_cache, row, n);
+    for (int i = 0; i < n; ++i) rows[i] = kv_row(a, a.k_cache, a.k_scale, row[i], kbuf[i]);
     for (int g = 0; g < G; ++g) {
       const float* qg = q + g * D;
       float mx = m[g];
@@ -77,9 +82,7 @@ static void attn_part(const kvk::AttnArgs& a, int b, int kvh, int t0, int t1, fl
       }
     }
     for (int i = 0; i < n; ++i) {
-      const int t = c + i;
-      const int64_t row = (table[t / bs] * a.num_kv_heads + kvh) * bs + t % bs;
-      const float* vr = kv_row(a, a.v_cache, a.v_scale, row, vbuf);
+      const float* vr = kv_row(a, a.v_cache, a.v_scale, row[i], vbuf);
       for (int g = 0; g < G; ++g) {
         VF p = vset(sc[g][i]);
         for (int d = 0; d < D; d += KV_W) vstore(out + g * D + d, vfma(p, vload(vr + d), vload(out + g * D + d)));

@@ -6,6 +6,20 @@
 
 namespace kvk {
 
+// bfloat16 bits <-> float32 (to bfloat16: nearest even, as torch's .to(torch.bfloat16) and
+// vcvtneps2bf16 round).
+static inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+static inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 // One decode-attention call over the paged KV cache (seed 003): q [B, H, D] float32; the caches
 // [num_blocks, KV, block_size, D] in float32, bfloat16 or int8 (then one float32 scale per token
 // and KV head, [num_blocks, KV, block_size]); block_tables [B, max_blocks] int64.

@@ -1,9 +1,10 @@
 // Batched GEMMs on Intel AMX (AMX-BF16 tiles; Sapphire Rapids and later): y = x @ W.T for a step
-// of a few to 64 activation rows, W in any of kvserve's formats (ops.h Format: int4, int8, Q8_0,
-// or a dense bfloat16 matrix). Per 16 weight rows: the rows dequantized, 32 weights at a time, to
-// bfloat16 (each weight's exact value rounded once to float32, then to bfloat16 -- what
-// dequantize_int4 / dequantize_q8_0 give) in a slab of 1,024 columns that stays in L1; then per
-// 32 columns one tile of weights (A: 16 rows x 32 bfloat16) against up to four tiles of x
+// of a few or more activation rows (64 at a time), W in any of kvserve's formats (ops.h Format:
+// int4, int8, Q8_0, or a dense bfloat16 matrix). Per 16 weight rows: the rows dequantized, 32
+// weights at a time, to bfloat16 (each weight's exact value rounded once to float32, then to
+// bfloat16 -- what dequantize_int4 / dequantize_q8_0 give) into a slab that stays in L1/L2 (rows
+// of up to 2,048 columns once for all activation rows, wider ones 1,024 columns at a time for
+// each 64); then per 32 columns one tile of weights (A: 16 rows x 32 bfloat16) against up to four tiles of x
 // (B: 32 columns x 16 activation rows, in the VNNI pair layout ops.cpp packs) into four float32
 // accumulator tiles (C: 16 weight rows x 16 activation rows each). A dense bfloat16 weight's
 // tiles are loaded from the matrix itself. One tdpbf16ps is 8,192 multiply-adds, so the step
@@ -46,13 +47,6 @@ struct TileConfig {
   uint8_t rows[16];
 };
 
-static inline float bf16f(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  __builtin_memcpy(&f, &u, 4);
-  return f;
-}
-
 static inline __m512i bf16x32(__m512 lo, __m512 hi) {   // 32 floats -> 32 bfloat16 (nearest even), lo first
   return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
@@ -70,7 +64,7 @@ static void dequant_row(const AmxWeight& w, int n, int k0, int kn, uint16_t* out
       if (!(c & 127)) __builtin_prefetch(nib + (k0 + c) / 2 + AHEAD, 0, 3);
       const int g = (k0 + c) / w.G;
       // the group's 16 values as a bfloat16 table, each weight looked up by its nibble (vpermw)
-      const __m512 vals = _mm512_fmadd_ps(iota, _mm512_set1_ps(bf16f(srow[g])), _mm512_set1_ps(bf16f(srow[groups + g])));
+      const __m512 vals = _mm512_fmadd_ps(iota, _mm512_set1_ps(bf16_to_f32(srow[g])), _mm512_set1_ps(bf16_to_f32(srow[groups + g])));
       const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(vals));
       const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(nib + (k0 + c) / 2)));
       // 16-bit lanes in weight order: lane 2j the low nibble of byte j, lane 2j+1 its high nibble
@@ -81,7 +75,7 @@ static void dequant_row(const AmxWeight& w, int n, int k0, int kn, uint16_t* out
     const int8_t* q = (const int8_t*)w.a + (size_t)n * K;
     for (int c = 0; c < kn; c += 32) {
       if (!(c & 63)) __builtin_prefetch(q + k0 + c + AHEAD, 0, 3);
-      const float s = w.format == 2 ? bf16f(((const uint16_t*)w.b)[n]) : ((const float*)w.b)[(size_t)n * (K / 32) + (k0 + c) / 32];
+      const float s = w.format == 2 ? bf16_to_f32(((const uint16_t*)w.b)[n]) : ((const float*)w.b)[(size_t)n * (K / 32) + (k0 + c) / 32];
       const __m512 sv = _mm512_set1_ps(s);
       const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + k0 + c)))), sv);
       const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + k0 + c + 16)))), sv);
@@ -96,33 +90,47 @@ static void dequant_row(const AmxWeight& w, int n, int k0, int kn, uint16_t* out
   }
 }
 
-// C tiles 0..G-1 += A (tile 4) x B (tile 5, x group g) for one 32-column step; tile ids are immediates.
-#define KV_DP(g)                                                                           \
-  if (G > g) {                                                                             \
-    _tile_loadd(5, xb + (size_t)(g) * (K / 2) * 32 + (size_t)(k0 + kk) / 2 * 32, 64);      \
-    _tile_dpbf16ps(g, 4, 5);                                                               \
-  }
+// Weight rows n0..n0+rn, columns k0..k0+kn, dequantized into `slab` (row stride ld), the rows
+// past rn zero.
+static void fill_slab(const AmxWeight& w, int n0, int rn, int k0, int kn, uint16_t* slab, int ld) {
+  for (int r = 0; r < rn; ++r) dequant_row(w, n0 + r, k0, kn, slab + (size_t)r * ld);
+  for (int r = rn; r < 16; ++r)
+    for (int c = 0; c < kn; c += 32) _mm512_storeu_si512((void*)(slab + (size_t)r * ld + c), _mm512_setzero_si512());
+}
 
-// Rows n0..n0+rn of y for activation rows t0..t0+16G, the weight rows already in `a` (16 rows of
-// K bfloat16, row stride lda elements; a dense weight's own rows when direct).
+// Weight rows of at most WHOLE columns are dequantized once for every 64 activation rows;
+// wider ones a SLAB at a time for each 64.
+constexpr int WHOLE = 2048;
+
+// y rows t0..t0+16G (at most T), columns n0..n0+rn: C tiles 0..G-1 += A (tile 4, 16 weight rows
+// x 32 columns) x B (tile 5, x group g) over K, then stored. A comes from the matrix itself (a
+// dense bfloat16 weight's whole tile), from `slab` filled once by the caller (`ready`: K <=
+// WHOLE), or from `slab` filled here SLAB columns at a time. Tile ids are immediates.
 template <int G>
-static void chunk16(const uint16_t* xb, int T, int t0, const AmxWeight& w, const uint16_t* a, int lda, float* y,
-                    int n0, int rn, float* cbuf) {
-  const int K = w.K, k0 = 0;
+static void chunk(const uint16_t* xb, int T, int t0, const AmxWeight& w, int n0, int rn, bool ready,
+                  uint16_t* slab, float* cbuf, float* y) {
+  const int K = w.K;
+  const bool direct = w.format == 0 && rn == 16;
+  const int width = direct || ready ? K : SLAB;        // columns a pass over A covers
   const uint16_t* xg = xb + (size_t)(t0 / 16) * (K / 2) * 32;
   if (G > 0) _tile_zero(0);
   if (G > 1) _tile_zero(1);
   if (G > 2) _tile_zero(2);
   if (G > 3) _tile_zero(3);
-  for (int kk = 0; kk < K; kk += 32) {
-    _tile_loadd(4, a + kk, lda * 2);
-#define KV_DPX(g)                                                                       \
-    if (G > g) {                                                                        \
-      _tile_loadd(5, xg + (size_t)(g) * (K / 2) * 32 + (size_t)(k0 + kk) / 2 * 32, 64); \
-      _tile_dpbf16ps(g, 4, 5);                                                          \
+  for (int k0 = 0; k0 < K; k0 += width) {
+    const int kn = K - k0 < width ? K - k0 : width;
+    if (!direct && !ready) fill_slab(w, n0, rn, k0, kn, slab, SLAB);
+    const uint16_t* a = direct ? (const uint16_t*)w.a + (size_t)n0 * K + k0 : slab;
+    for (int kk = 0; kk < kn; kk += 32) {
+      _tile_loadd(4, a + kk, width * 2);
+#define KV_DP(g)                                                                       \
+      if (G > g) {                                                                     \
+        _tile_loadd(5, xg + (size_t)(g) * (K / 2) * 32 + (size_t)(k0 + kk) / 2 * 32, 64); \
+        _tile_dpbf16ps(g, 4, 5);                                                       \
+      }
+      KV_DP(0) KV_DP(1) KV_DP(2) KV_DP(3)
+#undef KV_DP
     }
-    KV_DPX(0) KV_DPX(1) KV_DPX(2) KV_DPX(3)
-#undef KV_DPX
   }
   if (G > 0) _tile_stored(0, cbuf, 64);
   if (G > 1) _tile_stored(1, cbuf + 256, 64);
@@ -132,63 +140,6 @@ static void chunk16(const uint16_t* xb, int T, int t0, const AmxWeight& w, const
     for (int t = 0; t < 16 && t0 + g * 16 + t < T; ++t)
       for (int r = 0; r < rn; ++r) y[(size_t)(t0 + g * 16 + t) * w.N + n0 + r] = cbuf[g * 256 + r * 16 + t];
 }
-
-// Weight rows of at most WHOLE columns: dequantized once, then every 64 activation rows.
-constexpr int WHOLE = 2048;
-
-static void rows16_whole(const uint16_t* xb, int T, const AmxWeight& w, float* y, int n0, int rn, uint16_t* slab,
-                         float* cbuf) {
-  const int K = w.K;
-  const uint16_t* a = slab;
-  int lda = K;
-  if (w.format == 0 && rn == 16) {
-    a = (const uint16_t*)w.a + (size_t)n0 * K;        // dense bfloat16, a whole tile: the matrix itself
-  } else {
-    for (int r = 0; r < rn; ++r) dequant_row(w, n0 + r, 0, K, slab + (size_t)r * K);
-    for (int r = rn; r < 16; ++r)
-      for (int c = 0; c < K; c += 32) _mm512_storeu_si512((void*)(slab + (size_t)r * K + c), _mm512_setzero_si512());
-  }
-  for (int t0 = 0; t0 < T; t0 += 64) {
-    switch ((T - t0 + 15) / 16) {
-      case 1: chunk16<1>(xb, T, t0, w, a, lda, y, n0, rn, cbuf); break;
-      case 2: chunk16<2>(xb, T, t0, w, a, lda, y, n0, rn, cbuf); break;
-      case 3: chunk16<3>(xb, T, t0, w, a, lda, y, n0, rn, cbuf); break;
-      default: chunk16<4>(xb, T, t0, w, a, lda, y, n0, rn, cbuf); break;
-    }
-  }
-}
-
-template <int G>
-static void rows16(const uint16_t* xb, int T, const AmxWeight& w, float* y, int n0, int rn, uint16_t* slab,
-                   float* cbuf) {   // T <= 64 here; wider rows a 1,024-column slab at a time
-  const int K = w.K;
-  const bool direct = w.format == 0 && rn == 16;     // dense bfloat16, a whole tile: read the matrix
-  if (G > 0) _tile_zero(0);
-  if (G > 1) _tile_zero(1);
-  if (G > 2) _tile_zero(2);
-  if (G > 3) _tile_zero(3);
-  for (int k0 = 0; k0 < K; k0 += SLAB) {
-    const int kn = K - k0 < SLAB ? K - k0 : SLAB;
-    if (!direct) {
-      for (int r = 0; r < rn; ++r) dequant_row(w, n0 + r, k0, kn, slab + (size_t)r * SLAB);
-      for (int r = rn; r < 16; ++r)
-        for (int c = 0; c < kn; c += 32) _mm512_storeu_si512((void*)(slab + (size_t)r * SLAB + c), _mm512_setzero_si512());
-    }
-    for (int kk = 0; kk < kn; kk += 32) {
-      if (direct) _tile_loadd(4, (const uint16_t*)w.a + (size_t)n0 * K + k0 + kk, K * 2);
-      else _tile_loadd(4, slab + kk, SLAB * 2);
-      KV_DP(0) KV_DP(1) KV_DP(2) KV_DP(3)
-    }
-  }
-  if (G > 0) _tile_stored(0, cbuf, 64);
-  if (G > 1) _tile_stored(1, cbuf + 256, 64);
-  if (G > 2) _tile_stored(2, cbuf + 512, 64);
-  if (G > 3) _tile_stored(3, cbuf + 768, 64);
-  for (int g = 0; g < G; ++g)
-    for (int t = 0; t < 16 && g * 16 + t < T; ++t)
-      for (int r = 0; r < rn; ++r) y[(size_t)(g * 16 + t) * w.N + n0 + r] = cbuf[g * 256 + r * 16 + t];
-}
-#undef KV_DP
 
 }  // namespace isa_amx
 
@@ -205,19 +156,14 @@ void amx_linear(const uint16_t* xb, int T, const AmxWeight& w, float* y, int n0,
   alignas(64) float cbuf[4 * 256];
   for (int n = n0; n < n1; n += 16) {
     const int rn = n1 - n < 16 ? n1 - n : 16;
-    if (w.K <= WHOLE) {
-      rows16_whole(xb, T, w, y, n, rn, slab, cbuf);
-      continue;
-    }
-    for (int t0 = 0; t0 < T; t0 += 64) {     // 64 activation rows at a time, the weights per slab again
-      const int tn = T - t0 < 64 ? T - t0 : 64;
-      const uint16_t* xc = xb + (size_t)(t0 / 16) * (w.K / 2) * 32;
-      float* yc = y + (size_t)t0 * w.N;
-      switch ((tn + 15) / 16) {
-        case 1: rows16<1>(xc, tn, w, yc, n, rn, slab, cbuf); break;
-        case 2: rows16<2>(xc, tn, w, yc, n, rn, slab, cbuf); break;
-        case 3: rows16<3>(xc, tn, w, yc, n, rn, slab, cbuf); break;
-        default: rows16<4>(xc, tn, w, yc, n, rn, slab, cbuf); break;
+    const bool ready = w.K <= WHOLE && !(w.format == 0 && rn == 16);
+    if (ready) fill_slab(w, n, rn, 0, w.K, slab, w.K);
+    for (int t0 = 0; t0 < T; t0 += 64) {
+      switch ((T - t0 + 15) / 16) {
+        case 1: chunk<1>(xb, T, t0, w, n, rn, ready, slab, cbuf, y); break;
+        case 2: chunk<2>(xb, T, t0, w, n, rn, ready, slab, cbuf, y); break;
+        case 3: chunk<3>(xb, T, t0, w, n, rn, ready, slab, cbuf, y); break;
+        default: chunk<4>(xb, T, t0, w, n, rn, ready, slab, cbuf, y); break;
       }
     }
   }

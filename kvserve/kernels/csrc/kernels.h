@@ -3,13 +3,6 @@
 // instantiated inside an ISA region (it would be merged with other regions' copies at link time).
 // Each function of one ISA is reached through kvk::IsaKernels (common.h).
 
-static inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  __builtin_memcpy(&f, &u, 4);
-  return f;
-}
-
 static inline int imin(int a, int b) { return a < b ? a : b; }
 
 // exp(x) for x <= 0 in place (Cephes' polynomial, about 2 ulp), a loop the compiler vectorises.
@@ -542,12 +535,7 @@ static void gemv_q8_0_q16(const int16_t* xq, const uint8_t* xl, const int8_t* xh
 // ---- dequantization: rows of a weight into a dense float32 or bfloat16 matrix --------------
 // (bigger steps than the kernels take: prefill chunks, mixed steps; the dense GEMM follows.)
 // Each weight is its exact value ((q - 8) * s + zero, q * d) rounded once to float32, then to
-// bfloat16 (nearest even, as torch's .to(torch.bfloat16) rounds) when asked.
-static inline uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  __builtin_memcpy(&u, &f, 4);
-  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
+// bfloat16 (common.h f32_to_bf16) when asked.
 
 static inline void store_row(const float* w, int n, float* f, uint16_t* b) {
   if (f) {

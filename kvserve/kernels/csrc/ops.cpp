@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <vector>
 
 #include "ops.h"
@@ -156,26 +155,13 @@ static void quantize_q16(const float* x, int T, int K, int16_t* xq, uint8_t* xl,
 
 bool q8_0_q16_route(const Linear& w, int T) { return w.format == Q8_0 && T <= Q8_ROWS; }
 
-static int g_amx_rows = AMX_ROWS;     // set_amx_rows
+// The fewest rows a quantized step runs on AMX with the ISA now allowed (0: it does not).
+static int64_t amx_rows() { return allowed_bits() >= 512 && amx_ready() ? AMX_ROWS : 0; }
 
 bool amx_route(const Linear& w, int T) {
-  if (g_amx_rows <= 0 || w.K % 32 || allowed_bits() < 512 || !amx_ready()) return false;
+  if (w.K % 32 || amx_rows() == 0) return false;
   if (w.format == DENSE) return w.a.scalar_type() == at::kBFloat16 && T >= 1;   // A tiles read from W itself
-  return T >= g_amx_rows;
-}
-
-// The fewest rows a step runs on AMX with the ISA now allowed (0: it does not).
-static int64_t amx_rows() { return g_amx_rows > 0 && allowed_bits() >= 512 && amx_ready() ? g_amx_rows : 0; }
-
-static int64_t set_amx_rows(int64_t rows) {
-  g_amx_rows = (int)rows;
-  return amx_rows();
-}
-
-static inline uint16_t to_bf16(float f) {     // nearest even, as vcvtneps2bf16 and torch's .to() round
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  return T >= AMX_ROWS;
 }
 
 // x [tn, K] -> xb [ceil(tn/16)][K/2][16][2] bfloat16: per 16 rows, each pair of columns of each
@@ -187,8 +173,8 @@ static void pack_amx(const float* x, int tn, int K, uint16_t* xb) {
       const int row = g * 16 + t;
       uint16_t* o = xb + (size_t)g * (K / 2) * 32 + (size_t)t * 2;
       for (int i = 0; i < K / 2; ++i) {
-        o[(size_t)i * 32] = row < tn ? to_bf16(x[(size_t)row * K + 2 * i]) : 0;
-        o[(size_t)i * 32 + 1] = row < tn ? to_bf16(x[(size_t)row * K + 2 * i + 1]) : 0;
+        o[(size_t)i * 32] = row < tn ? f32_to_bf16(x[(size_t)row * K + 2 * i]) : 0;
+        o[(size_t)i * 32 + 1] = row < tn ? f32_to_bf16(x[(size_t)row * K + 2 * i + 1]) : 0;
       }
     }
 }
@@ -418,7 +404,6 @@ static at::Tensor dequantize_q8_0(const at::Tensor& q, const at::Tensor& d, at::
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("set_isa(int bits) -> str", &kvk::set_isa);
-  m.def("set_amx_rows(int rows) -> int", &kvk::set_amx_rows);
   m.def("amx_rows() -> int", &kvk::amx_rows);
   m.def("linear_int4(Tensor x, Tensor nibbles, Tensor scales, int group_size) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor q, Tensor scale) -> Tensor");

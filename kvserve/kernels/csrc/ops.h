@@ -25,7 +25,7 @@ struct Linear {
 };
 constexpr int Q8_ROWS = 3;      // kvserve/kernels/__init__.py: KERNEL_ROWS
 // Steps of at least AMX_ROWS rows run on AMX tiles where the CPU has them (isa_amx.cpp; int4,
-// int8 and Q8_0 weights; a bfloat16 weight at any row count; set_amx_rows changes it, 0: never).
+// int8 and Q8_0 weights; a bfloat16 weight at any row count; the `amx_rows` op says which apply).
 // Measured (3072 x 576 and 576 x 1536, 2 threads): kvserve's float route wins at 4 rows, they
 // tie at 6, AMX is 1.6x at 8, 2-3.5x at 16-64.
 constexpr int AMX_ROWS = 6;

@@ -12,8 +12,8 @@
 
 // ahead(p): the cache line KV_AHEAD bytes past p requested into L1 (software prefetch). The
 // integer GEMVs read a weight stream with a few instructions per 64 bytes; the hardware
-// prefetcher alone keeps too few lines in flight for them on 2 cores (Q8_0 at one row: 96 ->
-// 130 tokens/s with it, benchmarks/profile_decode.py).
+// prefetcher alone keeps too few lines in flight for them on 2 cores (SmolLM2 Q8_0 at one row,
+// benchmarks/profile_decode.py: 96-102 tokens/s without it, 133-140 with it, 2026-12-06, AVX512).
 #ifndef KV_AHEAD
 #define KV_AHEAD 4096
 #endif
