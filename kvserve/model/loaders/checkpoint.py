@@ -61,8 +61,9 @@ def _locate(path: str) -> tuple[str, tuple]:
 
 def checkpoint_dtype(path: str) -> torch.dtype:
     """The floating-point dtype a checkpoint stores its weights in, read from its headers: the
-    float type (F32, BF16, F16) holding the most elements -- of every safetensors tensor, of a
-    GGUF file's non-quantized tensors (float32 when there are none) -- and float32 for llama2.c."""
+    float type (F32, BF16, F16) holding the most elements of every safetensors tensor; of a GGUF
+    file's tensors the type holding the most elements, float32 when that is a quantized type
+    (a quantized file computes in float32, as llama.cpp does); float32 for llama2.c."""
     kind, files = _locate(path)
     counts: Counter = Counter()
     if kind == "hf":
@@ -76,6 +77,8 @@ def checkpoint_dtype(path: str) -> torch.dtype:
         from kvserve.model.loaders.gguf import open_gguf
         for t in open_gguf(files[0]).tensors:
             counts[t.tensor_type.name] += int(t.n_elements)
+    if kind == "gguf" and counts and counts.most_common(1)[0][0] not in FLOAT_TYPES:
+        return torch.float32
     floats = [(n, t) for t, n in counts.most_common() if t in FLOAT_TYPES]
     return FLOAT_TYPES[floats[0][1]] if floats else torch.float32
 
