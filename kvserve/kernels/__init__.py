@@ -37,13 +37,18 @@ CAPABILITY_BITS = {"AVX512": 512, "AVX2": 256}
 # to 8 rows, dequantized tiles past them: faster than torch's int4 kernel from 5 rows,
 # benchmarks/bench_decode_kernels.py) and torch's int8 kernel. csrc/ops.h's Q8_ROWS is the same.
 KERNEL_ROWS = 3
+# -fno-trapping-math: no kernel reads floating-point exception flags, and without it gcc keeps
+# every loop that calls floorf scalar (kernels.h's exp_inplace: the softmax of decode attention,
+# SwiGLU, sampling's draws); it changes no result.
+CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 
 
 def _build_dir() -> Path:
-    """A cache directory per source text, torch version, compiler and CPU flags -- not per
+    """A cache directory per source text, torch version, compiler, its flags and CPU flags -- not per
     checkout: any copy of kvserve with the same sources and torch on this machine finds the same
     build (torch's own path counts: the build links against that install's headers and libraries)."""
-    h = hashlib.sha256(f"{torch.__version__} {Path(torch.__file__).parent} {os.environ.get('CXX', 'c++')}".encode())
+    h = hashlib.sha256(f"{torch.__version__} {Path(torch.__file__).parent} {os.environ.get('CXX', 'c++')} "
+                       f"{' '.join(CFLAGS)}".encode())
     for p in sorted(CSRC.iterdir()):
         h.update(p.name.encode() + p.read_bytes())
     try:
@@ -89,7 +94,7 @@ def load() -> bool:
             start = time.monotonic()
             cpp_extension.load(
                 name="kvserve_kernels", sources=[str(src / s) for s in SOURCES], build_directory=str(build),
-                extra_cflags=["-O3", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"],
+                extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                 is_python_module=False, verbose=False)
             if fresh:
                 logger.info("built kvserve's CPU kernels in %.0f s", time.monotonic() - start)

@@ -59,3 +59,13 @@ def test_concurrent_first_starts_build_once(tmp_path):
     logs = [p.communicate(timeout=600)[1] for p in procs]
     assert all(p.returncode == 0 for p in procs), logs
     assert sum("building kvserve's CPU kernels" in log for log in logs) == 1, logs
+
+
+def test_the_compiler_flags_are_part_of_the_key(monkeypatch, tmp_path):
+    """A build made with other flags (kernels.CFLAGS: -fno-trapping-math is what lets gcc
+    vectorise exp) is never loaded for these."""
+    import kvserve.kernels as k
+    monkeypatch.setenv("KVSERVE_KERNEL_CACHE", str(tmp_path))
+    now = k._build_dir()
+    monkeypatch.setattr(k, "CFLAGS", [f for f in k.CFLAGS if f != "-fno-trapping-math"])
+    assert k._build_dir() != now and k._build_dir().parent == now.parent
