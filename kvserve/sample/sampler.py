@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from kvserve import kernels
 from kvserve.sample.metadata import SamplingMetadata
 from kvserve.sample.params import Sampled  # noqa: F401 (the sampler's record of a position)
 
@@ -37,12 +38,14 @@ def process_logits(logits: torch.Tensor, reqs: Sequence[Request], meta: Sampling
     if meta is None:
         meta = SamplingMetadata.build([r.params for r in reqs], logits.shape[1], logits.device)
     short = [i for i in meta.min_tokens_rows if reqs[i].num_output_tokens < reqs[i].params.min_tokens]
-    x = logits.clone() if meta.changes_logits or short else logits
+    rows = meta.random_rows
+    # a copy where a row is written in place (sampled rows of every row are new tensors anyway)
+    edits = meta.vocab_rows or meta.bias_rows or meta.penalty_rows or short
+    x = logits.clone() if edits or (rows and len(rows) != logits.shape[0]) else logits
     _apply_vocabulary_masks(x, reqs, meta.vocab_rows)
     _apply_logit_bias(x, reqs, meta.bias_rows)
     _apply_penalties(x, reqs, meta.penalty_rows)
     _mask_early_stops(x, reqs, short)
-    rows = meta.random_rows
     if rows:
         if len(rows) == x.shape[0]:
             idx, sub = None, x
@@ -239,34 +242,51 @@ class Sampler:
 
     def _choose(self, x: torch.Tensor, reqs: list[Request], meta: SamplingMetadata) -> torch.Tensor:
         """x: `process_logits` of the step. Greedy rows take the argmax, sampled rows a draw."""
-        greedy = x.argmax(dim=-1)                                    # [S]
         rows = meta.random_rows
         if not rows:
-            return greedy
+            return x.argmax(dim=-1)                                  # [S]
         gens = [request_generator(reqs[i], x.device) if reqs[i].seed is not None else None for i in rows]
-        sampled = draw(torch.softmax(x[rows], dim=-1), gens, self.generator)     # [R]
-        out = greedy.clone()
+        u = uniforms(gens, self.generator, x.dtype, x.device)        # [R, 1]
+        if x.dtype == torch.float32 and kernels.available(x.device):
+            # the same inverse CDF in one op over the rows in place (csrc/sampling.h): at 64 rows
+            # of a 49,152-token vocabulary, softmax + cumsum wrote 25 MB a step
+            sampled = torch.ops.kvserve.draw_rows(x, torch.tensor(rows, device=x.device), u.squeeze(1))
+        else:
+            sampled = draw_at(torch.softmax(x[rows], dim=-1), u)    # [R]
+        if len(rows) == x.shape[0]:
+            return sampled
+        out = x.argmax(dim=-1)
         out[torch.tensor(rows, device=x.device)] = sampled
         return out
 
 
-def draw(probs: torch.Tensor, gens: list, default: torch.Generator) -> torch.Tensor:
-    """One token per row of `probs` [R, V], drawn by inverse CDF: u ~ U[0, 1) from the row's own
-    generator (`gens[j]`, a seeded request's) or, for rows whose entry is None, from `default`;
-    the token is the first whose cumulative probability passes u times the row's total. One
-    uniform a token, not one random number per vocabulary entry (an exponential race over a
-    49,152-token vocabulary cost 13.5 ms a step at 16 rows, this 0.5 ms). A token of probability
-    0 is never drawn: the cumulative sum only rises at tokens of positive probability (and the
-    rare u that rounds onto the total takes the row's most likely token)."""
-    R, V = probs.shape
-    u = torch.empty(R, 1, dtype=probs.dtype, device=probs.device)
+def uniforms(gens: list, default: torch.Generator, dtype: torch.dtype, device) -> torch.Tensor:
+    """u ~ U[0, 1) [R, 1], one per row: from the row's own generator (`gens[j]`, a seeded
+    request's) or, for rows whose entry is None, from `default`."""
+    u = torch.empty(len(gens), 1, dtype=dtype, device=device)
     unseeded = [j for j, g in enumerate(gens) if g is None]
     for j, g in enumerate(gens):
         if g is not None:
             u[j].uniform_(generator=g)
     if unseeded:
-        u[torch.tensor(unseeded, device=probs.device)] = torch.rand(
-            len(unseeded), 1, generator=default, dtype=probs.dtype, device=probs.device)
+        u[torch.tensor(unseeded, device=device)] = torch.rand(len(unseeded), 1, generator=default,
+                                                             dtype=dtype, device=device)
+    return u
+
+
+def draw(probs: torch.Tensor, gens: list, default: torch.Generator) -> torch.Tensor:
+    """One token per row of `probs` [R, V], at a uniform from each row's generator (`uniforms`)."""
+    return draw_at(probs, uniforms(gens, default, probs.dtype, probs.device))
+
+
+def draw_at(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of `probs` [R, V] by inverse CDF at u [R, 1]: the first token whose
+    cumulative probability passes u times the row's total. One uniform a token, not one random
+    number per vocabulary entry (an exponential race over a 49,152-token vocabulary cost 13.5 ms
+    a step at 16 rows, this 0.5 ms). A token of probability 0 is never drawn: the cumulative sum
+    only rises at tokens of positive probability (and the rare u that rounds onto the total takes
+    the row's most likely token). csrc/sampling.h's `draw_row` is the same rule on logits."""
+    V = probs.shape[1]
     cdf = probs.cumsum(dim=-1)                                        # [R, V]
     tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)   # [R]
     return torch.where(tokens < V, tokens, probs.argmax(dim=-1))

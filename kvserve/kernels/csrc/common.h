@@ -50,6 +50,7 @@ struct AttnArgs {
 //   silu_mul:  [T, 2I] (gate, up) -> [T, I] silu(gate) * up.
 //   dequant_int4 / dequant_q8_0: rows n0..n1 of a weight as a dense matrix [n1 - n0, K], float32
 //              (f) or bfloat16 (b, rounded to nearest even), for steps the kernels do not take.
+//   draw_row:  a token drawn from logits x [V] by inverse CDF at u in [0, 1) (sampling.h), e [V] scratch.
 struct IsaKernels {
   const char* name;
   int width;      // floats per vector: head dims must be a multiple for attn_part
@@ -67,6 +68,7 @@ struct IsaKernels {
   void (*silu_mul)(const float* gu, int T, int I, float* out);
   void (*dequant_int4)(const uint8_t* nib, const uint16_t* sz, int K, int G, int n0, int n1, float* f, uint16_t* b);
   void (*dequant_q8_0)(const int8_t* q, const float* d, int K, int n0, int n1, float* f, uint16_t* b);
+  int64_t (*draw_row)(const float* x, int V, float u, float* e);
 };
 
 // A weight as isa_amx.cpp reads it: `format` as ops.h's Format (dense: bfloat16 only), `a` / `b`

@@ -373,6 +373,30 @@ static at::Tensor silu_mul_op(const at::Tensor& gate_up) {
   return out;
 }
 
+// One token per listed row of logits x [S, V] float32 (rows [R] int64 into S, u [R] float32 in
+// [0, 1)), drawn by inverse CDF (sampling.h): no probabilities, cumulative sums or row copies
+// written, rows over ATen's threads.
+static at::Tensor draw_rows(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& u) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0,
+              "kvserve: draw_rows takes float32 logits [S, V] with contiguous rows");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && u.scalar_type() == at::kFloat &&
+                  u.dim() == 1 && u.size(0) == rows.size(0), "kvserve: rows [R] int64 and u [R] float32");
+  const at::Tensor r = rows.contiguous(), uc = u.contiguous();
+  const int64_t R = r.size(0), S = x.size(0), V = x.size(1), ld = x.stride(0);
+  const int64_t* ri = r.data_ptr<int64_t>();
+  for (int64_t j = 0; j < R; ++j) TORCH_CHECK(ri[j] >= 0 && ri[j] < S, "kvserve: row ", ri[j], " outside 0..", S - 1);
+  at::Tensor out = at::empty({R}, r.options());
+  int64_t* o = out.data_ptr<int64_t>();
+  const float* xp = x.data_ptr<float>();
+  const float* up = uc.data_ptr<float>();
+  const IsaKernels& k = isa();
+  at::parallel_for(0, R, 1, [&](int64_t j0, int64_t j1) {
+    std::vector<float> e(V);
+    for (int64_t j = j0; j < j1; ++j) o[j] = k.draw_row(xp + ri[j] * ld, (int)V, up[j], e.data());
+  });
+  return out;
+}
+
 // Rows of an int4 or Q8_0 weight as a dense float32 or bfloat16 matrix [N, K] (over ATen's threads).
 static at::Tensor dequantize_op(const Linear& w, at::ScalarType dtype) {
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "kvserve: dequantizes to float32 or bfloat16");
@@ -412,6 +436,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
         "Tensor block_tables, Tensor context_lens, float scale, int window) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("draw_rows(Tensor x, Tensor rows, Tensor u) -> Tensor");
   m.def("dequantize_int4(Tensor nibbles, Tensor scales, int group_size, ScalarType dtype) -> Tensor");
   m.def("dequantize_q8_0(Tensor q, Tensor d, ScalarType dtype) -> Tensor");
 }
@@ -423,6 +448,7 @@ TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("linear_bf16", &kvk::linear_bf16);
   m.impl("decode_attention", &kvk::decode_attention);
   m.impl("silu_mul", &kvk::silu_mul_op);
+  m.impl("draw_rows", &kvk::draw_rows);
   m.impl("dequantize_int4", &kvk::dequantize_int4);
   m.impl("dequantize_q8_0", &kvk::dequantize_q8_0);
 }
