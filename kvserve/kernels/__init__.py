@@ -6,6 +6,7 @@ step reads every weight byte once; its host work is a few calls, not thousands).
   linear_bf16                               a bfloat16 weight (AMX tiles where the CPU has them, else torch's GEMM)
   decode_attention                          paged decode attention, split along the context
   silu_mul                                  SwiGLU
+  draw_rows                                 sampled tokens drawn from logits rows (inverse CDF)
   decode_layers                             every decoder layer of a pure-decode step, one call
 
 The ISA is chosen at run time: the widest of AVX-512, AVX2 and portable C++ that both the CPU and
@@ -118,6 +119,7 @@ def _register_fakes() -> None:
         torch.library.register_fake(f"kvserve::{name}")(linear)
     torch.library.register_fake("kvserve::decode_attention")(lambda q, *rest: torch.empty_like(q))
     torch.library.register_fake("kvserve::silu_mul")(lambda gu: gu.new_empty(gu.shape[0], gu.shape[1] // 2))
+    torch.library.register_fake("kvserve::draw_rows")(lambda x, rows, u: rows.new_empty(rows.shape))
 
 
 def available(device="cpu") -> bool:
