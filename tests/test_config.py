@@ -60,7 +60,7 @@ def test_resolve_refuses_a_context_longer_than_the_model():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"dtype": "int3"}, "dtype must be one of float32, bfloat16, float16, got 'int3'."),
+    ({"dtype": "int3"}, "dtype must be one of auto, float32, bfloat16, float16, got 'int3'."),
     ({"block_size": 0}, "block_size must be >= 1, got 0."),
     ({"max_num_seqs": 16, "max_num_batched_tokens": 8}, "max_num_batched_tokens (8) must be >= max_num_seqs (16)"),
     ({"prefix_cache": "lru"}, "prefix_cache must be 'hash' or 'radix', got 'lru'."),

@@ -133,7 +133,7 @@ def test_api_key_default_follows_the_environment(monkeypatch):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--dtype", "auto"], "invalid choice"),          # the CLI offers the three dtypes only
+    (["--dtype", "int8"], "invalid choice"),          # the CLI offers auto and the three dtypes only
     (["--kv-role", "both", "--prefix-cache", "lru"], "invalid choice"),
     (["--block-size", "x"], "invalid int"),
 ])
