@@ -224,9 +224,12 @@ def test_a_killed_replica_loses_no_request_that_had_not_started_streaming(dp):
     router, backends, pids = dp
     victim, survivor = backends[1], backends[0]
     prompts = [f"Story {i}: once upon a time there was a {ANIMALS[i % 8]} who" for i in range(12)]
+    # long enough that the poll below sees them in flight on a loaded host (150 tokens of
+    # stories260K were over before it looked, now and then)
+    n = 400
 
     def one(i: int):
-        body = {"model": MODEL, "prompt": prompts[i], "max_tokens": 150, "temperature": 0,
+        body = {"model": MODEL, "prompt": prompts[i], "max_tokens": n, "temperature": 0,
                 "ignore_eos": True}
         if i % 3:                   # unstreamed: nothing reaches the client before the answer
             r = post(router, "/v1/completions", body)
@@ -257,7 +260,7 @@ def test_a_killed_replica_loses_no_request_that_had_not_started_streaming(dp):
         results = [f.result(timeout=90) for f in futures]
     metrics = httpx.get(router + "/router/replicas", trust_env=False).json()
     assert not {r["url"]: r for r in metrics["replicas"]}[victim]["healthy"]
-    want = {i: post(survivor, "/v1/completions", {"model": MODEL, "prompt": prompts[i], "max_tokens": 150,
+    want = {i: post(survivor, "/v1/completions", {"model": MODEL, "prompt": prompts[i], "max_tokens": n,
                                                   "temperature": 0, "ignore_eos": True}).json()["choices"][0]["text"]
             for i in range(12)}
     for i, (kind, a, b) in enumerate(results):
