@@ -1,4 +1,5 @@
-"""kvserve's SwiGLU (torch.ops.kvserve.silu_mul) against F.silu(gate) * up in float64, on every
+"""kvserve's SwiGLU (torch.ops.kvserve.silu_mul; float32 and bfloat16 rows) and bfloat16 RMSNorm
+(rms_norm_bf16) against float64 / torch references, on every
 ISA allowed here: rows 1-8, widths across the kernel's 256-wide chunks, gates far into both
 tails of exp. Tolerance: 1e-5 relative plus 1e-30 (measured a few float32 ulp)."""
 from __future__ import annotations
@@ -27,3 +28,49 @@ def test_silu_mul(bits, seed, T, inter, spread):
     ref = F.silu(gate) * up
     assert out.shape == (T, inter)
     assert bool(((out.double() - ref).abs() <= 1e-5 * ref.abs() + 1e-30).all())
+
+
+@pytest.mark.parametrize("bits", ISA_BITS)
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31), T=st.integers(1, 40), inter=st.integers(1, 700))
+def test_silu_mul_of_bfloat16_rows(bits, seed, T, inter):
+    """bfloat16 rows (a bfloat16 model's prefill): silu(gate) rounded to bfloat16, times up,
+    rounded again, as torch's F.silu(gate) * up on bfloat16: equal to torch's but where the two
+    exps' last bits put silu(gate) across a rounding boundary (one bfloat16 step, rarely)."""
+    g = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(T, 2 * inter, generator=g) * 4).bfloat16()
+    with on_isa(bits):
+        out = torch.ops.kvserve.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    ref = (F.silu(gate) * up).float()
+    diff = (out.float() - ref).abs()
+    assert out.dtype == torch.bfloat16 and out.shape == (T, inter)
+    assert bool((diff <= 2 ** -6 * ref.abs() + 1e-30).all())
+    assert (diff > 0).float().mean() <= 0.01
+
+
+@pytest.mark.parametrize("bits", ISA_BITS)
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31), T=st.integers(1, 40), H=st.integers(1, 700), scale=st.sampled_from([1e-3, 1.0, 50.0]))
+def test_rms_norm_of_bfloat16_rows(bits, seed, T, H, scale):
+    """layers.rms_norm's bfloat16 formula (normalise in float32, round, times the weight, round):
+    the op gives the same bfloat16 values but where float32 rounding of the sum of squares
+    moves a value across a bfloat16 rounding boundary (a step or two after the weight, rarely)."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(T, H, generator=g) * scale).bfloat16()
+    w = (torch.rand(H, generator=g) + 0.5).bfloat16()
+    with on_isa(bits):
+        out = torch.ops.kvserve.rms_norm_bf16(x, w, 1e-5)
+    ref = w * F.rms_norm(x.float(), (H,), None, 1e-5).to(torch.bfloat16)
+    diff = (out.float() - ref.float()).abs()
+    assert bool((diff <= 2 ** -6 * ref.float().abs() + 1e-30).all())
+    assert (diff > 0).float().mean() <= 0.01
+
+
+def test_bfloat16_row_ops_refuse_what_they_do_not_take():
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.kvserve.silu_mul(torch.zeros(2, 8, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="rms_norm_bf16 takes"):
+        torch.ops.kvserve.rms_norm_bf16(torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(7, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(RuntimeError, match="rms_norm_bf16 takes"):
+        torch.ops.kvserve.rms_norm_bf16(torch.zeros(2, 8), torch.zeros(8), 1e-5)

@@ -51,6 +51,7 @@ struct AttnArgs {
 //   dequant_int4 / dequant_q8_0: rows n0..n1 of a weight as a dense matrix [n1 - n0, K], float32
 //              (f) or bfloat16 (b, rounded to nearest even), for steps the kernels do not take.
 //   draw_row:  a token drawn from logits x [V] by inverse CDF at u in [0, 1) (sampling.h), e [V] scratch.
+//   silu_mul_bf16 / rms_norm_bf16: silu_mul and RMSNorm (weight w [H]) over bfloat16 rows (rows_bf16.h).
 struct IsaKernels {
   const char* name;
   int width;      // floats per vector: head dims must be a multiple for attn_part
@@ -69,6 +70,8 @@ struct IsaKernels {
   void (*dequant_int4)(const uint8_t* nib, const uint16_t* sz, int K, int G, int n0, int n1, float* f, uint16_t* b);
   void (*dequant_q8_0)(const int8_t* q, const float* d, int K, int n0, int n1, float* f, uint16_t* b);
   int64_t (*draw_row)(const float* x, int V, float u, float* e);
+  void (*silu_mul_bf16)(const uint16_t* gu, int T, int I, uint16_t* out);
+  void (*rms_norm_bf16)(const uint16_t* x, const uint16_t* w, int T, int H, float eps, uint16_t* out);
 };
 
 // A weight as isa_amx.cpp reads it: `format` as ops.h's Format (dense: bfloat16 only), `a` / `b`

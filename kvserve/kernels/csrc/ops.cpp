@@ -364,12 +364,39 @@ static at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cach
   return out;
 }
 
+// SwiGLU over float32 or bfloat16 rows [T, 2I] -> [T, I] in the same dtype, rows over ATen's threads.
 static at::Tensor silu_mul_op(const at::Tensor& gate_up) {
-  TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
-              "kvserve: gate_up is float32 [T, 2I]");
+  TORCH_CHECK((gate_up.scalar_type() == at::kFloat || gate_up.scalar_type() == at::kBFloat16) &&
+                  gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
+              "kvserve: gate_up is float32 or bfloat16 [T, 2I]");
   at::Tensor g = gate_up.contiguous();
-  at::Tensor out = at::empty({g.size(0), g.size(1) / 2}, g.options());
-  isa().silu_mul(g.data_ptr<float>(), (int)g.size(0), (int)out.size(1), out.data_ptr<float>());
+  const int64_t T = g.size(0), I = g.size(1) / 2;
+  at::Tensor out = at::empty({T, I}, g.options());
+  const IsaKernels& k = isa();
+  const bool bf16 = g.scalar_type() == at::kBFloat16;
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t t0, int64_t t1) {
+    if (bf16)
+      k.silu_mul_bf16((const uint16_t*)g.data_ptr<at::BFloat16>() + t0 * 2 * I, (int)(t1 - t0), (int)I,
+                      (uint16_t*)out.data_ptr<at::BFloat16>() + t0 * I);
+    else
+      k.silu_mul(g.data_ptr<float>() + t0 * 2 * I, (int)(t1 - t0), (int)I, out.data_ptr<float>() + t0 * I);
+  });
+  return out;
+}
+
+// RMSNorm of bfloat16 rows x [T, H] with a bfloat16 weight [H] (rows_bf16.h), rows over ATen's threads.
+static at::Tensor rms_norm_bf16_op(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
+                  weight.dim() == 1 && weight.size(0) == x.size(1),
+              "kvserve: rms_norm_bf16 takes bfloat16 x [T, H] and weight [H]");
+  at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  const int64_t T = xc.size(0), H = xc.size(1);
+  at::Tensor out = at::empty_like(xc);
+  const IsaKernels& k = isa();
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(H, 1)), [&](int64_t t0, int64_t t1) {
+    k.rms_norm_bf16((const uint16_t*)xc.data_ptr<at::BFloat16>() + t0 * H, (const uint16_t*)wc.data_ptr<at::BFloat16>(),
+                    (int)(t1 - t0), (int)H, (float)eps, (uint16_t*)out.data_ptr<at::BFloat16>() + t0 * H);
+  });
   return out;
 }
 
@@ -437,6 +464,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
         "Tensor block_tables, Tensor context_lens, float scale, int window) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("draw_rows(Tensor x, Tensor rows, Tensor u) -> Tensor");
+  m.def("rms_norm_bf16(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("dequantize_int4(Tensor nibbles, Tensor scales, int group_size, ScalarType dtype) -> Tensor");
   m.def("dequantize_q8_0(Tensor q, Tensor d, ScalarType dtype) -> Tensor");
 }
@@ -449,6 +477,7 @@ TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("decode_attention", &kvk::decode_attention);
   m.impl("silu_mul", &kvk::silu_mul_op);
   m.impl("draw_rows", &kvk::draw_rows);
+  m.impl("rms_norm_bf16", &kvk::rms_norm_bf16_op);
   m.impl("dequantize_int4", &kvk::dequantize_int4);
   m.impl("dequantize_q8_0", &kvk::dequantize_q8_0);
 }

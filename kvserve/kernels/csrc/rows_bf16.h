@@ -1,0 +1,53 @@
+// A bfloat16 model's layer-by-layer steps (prefill and mixed prefill + decode; decode steps run
+// layers.cpp): SwiGLU and RMSNorm over bfloat16 rows, computed in float32 a chunk at a time in
+// L1, rounded to bfloat16 where torch's bfloat16 ops round (so the layer-by-layer path's numbers
+// stay torch's), without torch's conversions and temporaries between ops. Compiled once per ISA
+// region after kernels.h (exp_inplace), in loops the compiler vectorises.
+
+static inline void rows_to_f32(const uint16_t* p, int n, float* out) {
+#pragma omp simd
+  for (int i = 0; i < n; ++i) out[i] = bf16_to_f32(p[i]);
+}
+
+// gu [T, 2I] (gate, then up) -> out [T, I]: silu(gate), rounded, times up (torch's F.silu(gate) * up).
+static void silu_mul_bf16(const uint16_t* gu, int T, int I, uint16_t* out) {
+  float g[256], u[256], e[256];
+  for (int t = 0; t < T; ++t) {
+    const uint16_t* gr = gu + (size_t)t * 2 * I;
+    uint16_t* o = out + (size_t)t * I;
+    for (int a = 0; a < I; a += 256) {
+      const int n = imin(256, I - a);
+      rows_to_f32(gr + a, n, g);
+      rows_to_f32(gr + I + a, n, u);
+#pragma omp simd
+      for (int i = 0; i < n; ++i) e[i] = -g[i] > 88.0f ? 88.0f : -g[i];
+      exp_inplace(e, n);
+#pragma omp simd
+      for (int i = 0; i < n; ++i) o[a + i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(g[i] / (1.0f + e[i]))) * u[i]);
+    }
+  }
+}
+
+// x [T, H] -> out [T, H]: w * (x / sqrt(mean(x^2) + eps)), the normalised row rounded to bfloat16
+// before the weight (bfloat16 [H]) multiplies it, as `layers.rms_norm` computes a bfloat16 row.
+static void rms_norm_bf16(const uint16_t* x, const uint16_t* w, int T, int H, float eps, uint16_t* out) {
+  float v[256];
+  for (int t = 0; t < T; ++t) {
+    const uint16_t* xr = x + (size_t)t * H;
+    uint16_t* o = out + (size_t)t * H;
+    float ss = 0.0f;
+    for (int a = 0; a < H; a += 256) {
+      const int n = imin(256, H - a);
+      rows_to_f32(xr + a, n, v);
+#pragma omp simd reduction(+ : ss)
+      for (int i = 0; i < n; ++i) ss += v[i] * v[i];
+    }
+    const float r = 1.0f / __builtin_sqrtf(ss / (float)H + eps);
+    for (int a = 0; a < H; a += 256) {
+      const int n = imin(256, H - a);
+      rows_to_f32(xr + a, n, v);
+#pragma omp simd
+      for (int i = 0; i < n; ++i) o[a + i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(v[i] * r)) * bf16_to_f32(w[a + i]));
+    }
+  }
+}
