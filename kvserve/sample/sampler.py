@@ -52,11 +52,14 @@ def process_logits(logits: torch.Tensor, reqs: Sequence[Request], meta: Sampling
         else:
             idx = torch.tensor(rows, device=x.device)
             sub = x[idx]
-        sub = apply_top_k_top_p_min_p(sub / meta.temperature[rows].unsqueeze(1), meta.top_k[rows],
-                                      meta.top_p[rows], meta.min_p[rows], meta.vocab_size)
+        temperature = meta.temperature[rows]
+        if not bool((temperature == 1.0).all()):        # (at 1 a pass over [R, V] saved)
+            sub = sub / temperature.unsqueeze(1)
+        sub = apply_top_k_top_p_min_p(sub, meta.top_k[rows], meta.top_p[rows], meta.min_p[rows], meta.vocab_size)
         typical = meta.typical_p[rows]
         wanted = (typical < 1.0).nonzero().squeeze(1)
         if len(wanted):
+            sub = sub.clone() if sub is logits else sub    # never written: the caller's logits
             sub[wanted] = apply_typical_p(sub[wanted], typical[wanted])
         if idx is None:
             x = sub

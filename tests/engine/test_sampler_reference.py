@@ -289,3 +289,18 @@ def test_logprobs_are_raw_model_logprobs_with_ranks():
     assert results[0].top[0][1] == pytest.approx(ref[0, raw_best].item(), abs=1e-5)
     assert processed[0, raw_best] < ref[0, raw_best] - 1.0, "raw and processed should differ here"
     assert results[5].rank == 1 and results[5].top[0][0] == results[5].token_id
+
+
+@pytest.mark.parametrize("params", [
+    [SamplingParams(temperature=1.0, typical_p=0.9), SamplingParams(temperature=1.0)],   # every row samples at 1
+    [SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=0.0)],
+    [SamplingParams(temperature=0.7, min_p=0.1)] * 2])
+def test_the_callers_logits_are_never_written(params):
+    """process_logits may return the logits themselves (nothing to change at temperature 1), but
+    never writes into them: typical-p, top-k and min-p work on copies."""
+    logits = make_logits(3, len(params))
+    before = logits.clone()
+    reqs = [make_request(i, p, [1, 5], [7]) for i, p in enumerate(params)]
+    process_logits(logits, reqs)
+    Sampler(V, torch.device("cpu"), seed=0)(logits, reqs)
+    assert torch.equal(logits, before)
