@@ -20,21 +20,19 @@ static int64_t draw_row(const float* x, int V, float u, float* e) {
 #pragma omp simd
   for (int i = 0; i < V; ++i) e[i] = x[i] >= -3.4e38f ? e[i] : 0.0f;  // -inf is exactly 0
   constexpr int B = 64;                                               // tokens summed per block
-  double total = 0.0;
-  for (int b = 0; b < V; b += B) {
-    const int n = imin(B, V - b);
+  auto block_sum = [e](int b, int n) {
     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
     for (int i = 0; i < n; ++i) s += e[b + i];
-    total += s;
-  }
+    return s;
+  };
+  double total = 0.0;
+  for (int b = 0; b < V; b += B) total += block_sum(b, imin(B, V - b));
   const double target = (double)(u * (float)total);
   double run = 0.0;
   for (int b = 0; b < V; b += B) {
     const int n = imin(B, V - b);
-    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-    for (int i = 0; i < n; ++i) s += e[b + i];
+    const float s = block_sum(b, n);
     if (run + s > target) {                                           // the token is in this block
       for (int i = 0; i < n; ++i) {
         run += e[b + i];
