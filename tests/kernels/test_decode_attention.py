@@ -105,3 +105,15 @@ def test_decode_attention_long_contexts_split_along_the_tokens(bits, lens, **cas
 def test_one_long_sequence_of_block_size_one(bits):
     run_case(seed=7, D=64, KV=1, G=8, bs=1, lens=[4096], window=None, kv="bfloat16", pad=1, q_scale=4.0,
              bits=bits, n_threads=2)
+
+
+@pytest.mark.parametrize("bits", ISA_BITS)
+@pytest.mark.parametrize("kv", ["float32", "bfloat16"])
+@pytest.mark.parametrize("G", [1, 2, 3, 4])
+def test_the_register_route_head_dim_64(bits, kv, G):
+    """Head dim 64 with up to 4 query heads per KV head over a float32 or bfloat16 cache takes the
+    register-resident loop (attention.h `attn_part_regs`): block sizes that do and do not divide
+    the 32-token chunks, windows, contexts across several chunks, FlashDecoding's splits."""
+    for seed, (bs, lens, window) in enumerate([(16, [1, 33, 200], None), (7, [64, 65], 40), (1, [95], None),
+                                               (32, [300, 17], 100), (16, [1500], None), (5, [700], 333)]):
+        run_case(seed, 64, 2, G, bs, lens, window, kv, pad=1, q_scale=4.0, bits=bits, n_threads=2)

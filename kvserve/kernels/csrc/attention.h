@@ -20,8 +20,120 @@ static inline const float* kv_row(const kvk::AttnArgs& a, const void* cache, con
   return buf;
 }
 
-static void attn_part(const kvk::AttnArgs& a, int b, int kvh, int t0, int t1, float* out,
-                      float* ml) {
+#if KV_ISA != 0
+// A float32 or bfloat16 cache row's NV vectors (bfloat16 widened in registers).
+template <int NV>
+static inline void kv_vecs(const void* cache, int kind, int64_t slot_row, VF* v) {
+  constexpr int D = NV * KV_W;
+  if (kind == 0) {
+    const float* p = (const float*)cache + slot_row * D;
+    for (int j = 0; j < NV; ++j) v[j] = vload(p + j * KV_W);
+  } else {
+    const uint16_t* p = (const uint16_t*)cache + slot_row * D;
+    for (int j = 0; j < NV; ++j) v[j] = vload_bf16(p + j * KV_W);
+  }
+}
+
+// attn_part for G query heads of NV vectors each over a float32 or bfloat16 cache, the G output
+// rows held in registers across the whole token range, K and V rows read straight from the cache
+// (no row buffers), each token's slot found by walking the block table (no division a token).
+template <int G, int NV>
+static void attn_part_regs(const kvk::AttnArgs& a, int b, int kvh, int t0, int t1, float* out, float* ml) {
+  constexpr int CH = 32, D = NV * KV_W;
+  const int bs = a.block_size, kind = a.kv_kind, lines = D * (kind == 0 ? 4 : 2) / 64;
+  const int64_t esize = kind == 0 ? 4 : 2;
+  const float* q = a.q + ((size_t)b * a.num_heads + (size_t)kvh * G) * D;
+  const int64_t* table = a.block_tables + (size_t)b * a.table_stride;
+  VF o[G][NV];
+  float m[G], l[G], sc[G][CH];
+  for (int g = 0; g < G; ++g) {
+    m[g] = -3.0e38f;
+    l[g] = 0.0f;
+    for (int j = 0; j < NV; ++j) o[g][j] = vzero();
+  }
+  int blk = t0 / bs, off = t0 % bs;                  // the walker: the next token's block and offset
+  int64_t slot[2][CH];
+  auto next_slots = [&](int count, int64_t* dst) {
+    for (int i = 0; i < count; ++i) {
+      dst[i] = (table[blk] * a.num_kv_heads + kvh) * bs + off;
+      if (++off == bs) off = 0, ++blk;
+    }
+  };
+  auto fetch = [&](const void* cache, int64_t row) {
+    for (int x = 0; x < lines; ++x) __builtin_prefetch((const char*)cache + (row * D * esize) + x * 64, 0, 3);
+  };
+  next_slots(imin(CH, t1 - t0), slot[0]);
+  for (int c = t0, cur = 0; c < t1; c += CH, cur ^= 1) {
+    const int n = imin(CH, t1 - c), nn = imin(CH, t1 - c - CH);
+    const int64_t* row = slot[cur];
+    if (nn > 0) next_slots(nn, slot[cur ^ 1]);
+    for (int i = 0; i < n; ++i) {                   // scores; the next chunk's K, this chunk's V requested
+      if (i < nn) fetch(a.k_cache, slot[cur ^ 1][i]);
+      fetch(a.v_cache, row[i]);
+      VF k[NV];
+      kv_vecs<NV>(a.k_cache, kind, row[i], k);
+      for (int g = 0; g < G; ++g) {
+        VF acc = vmul(vload(q + g * D), k[0]);
+        for (int j = 1; j < NV; ++j) acc = vfma(vload(q + g * D + j * KV_W), k[j], acc);
+        sc[g][i] = vsum(acc) * a.scale;
+      }
+    }
+    for (int g = 0; g < G; ++g) {                   // online softmax over the chunk
+      float mx = m[g];
+      for (int i = 0; i < n; ++i) mx = sc[g][i] > mx ? sc[g][i] : mx;
+      float alpha[1] = {m[g] - mx};
+      exp_inplace(alpha, 1);
+      for (int i = 0; i < n; ++i) sc[g][i] -= mx;
+      exp_inplace(sc[g], n);
+      float sum = 0.0f;
+      for (int i = 0; i < n; ++i) sum += sc[g][i];
+      l[g] = l[g] * alpha[0] + sum;
+      m[g] = mx;
+      if (alpha[0] != 1.0f) {
+        const VF av = vset(alpha[0]);
+        for (int j = 0; j < NV; ++j) o[g][j] = vmul(o[g][j], av);
+      }
+    }
+    for (int i = 0; i < n; ++i) {
+      VF v[NV];
+      kv_vecs<NV>(a.v_cache, kind, row[i], v);
+      for (int g = 0; g < G; ++g) {
+        const VF p = vset(sc[g][i]);
+        for (int j = 0; j < NV; ++j) o[g][j] = vfma(p, v[j], o[g][j]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    for (int j = 0; j < NV; ++j) vstore(out + g * D + j * KV_W, o[g][j]);
+    ml[2 * g] = m[g];
+    ml[2 * g + 1] = l[g];
+  }
+}
+#endif
+
+static void attn_part_rows(const kvk::AttnArgs& a, int b, int kvh, int t0, int t1, float* out, float* ml);
+
+// One (sequence, KV head, token range) part: the register-resident loop where the head dim and
+// GQA ratio fit the registers (float32 / bfloat16 caches), else the row-buffer loop below.
+static void attn_part(const kvk::AttnArgs& a, int b, int kvh, int t0, int t1, float* out, float* ml) {
+#if KV_ISA != 0
+  const int G = a.num_heads / a.num_kv_heads;
+  if (a.kv_kind != 2 && a.head_dim == 64) {
+    constexpr int NV = 64 / KV_W;                    // head dim 64: 4 zmm or 8 ymm a row
+    switch (G) {
+      case 1: return attn_part_regs<1, NV>(a, b, kvh, t0, t1, out, ml);
+      case 2: return attn_part_regs<2, NV>(a, b, kvh, t0, t1, out, ml);
+      case 3: return attn_part_regs<3, NV>(a, b, kvh, t0, t1, out, ml);
+      case 4: return attn_part_regs<4, NV>(a, b, kvh, t0, t1, out, ml);
+      default: break;
+    }
+  }
+#endif
+  attn_part_rows(a, b, kvh, t0, t1, out, ml);
+}
+
+static void attn_part_rows(const kvk::AttnArgs& a, int b, int kvh, int t0, int t1, float* out,
+                           float* ml) {
   constexpr int CH = 32;   // tokens scored together: one softmax rescale per chunk
   const int D = a.head_dim, G = a.num_heads / a.num_kv_heads, bs = a.block_size;
   const float* q = a.q + ((size_t)b * a.num_heads + (size_t)kvh * G) * D;

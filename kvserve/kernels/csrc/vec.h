@@ -8,6 +8,7 @@
 //                 of byte j) -> 32 weights q * s + z, as [the 16 even weights, the 16 odd ones]
 //                 in 32 / KV_W vectors
 //   i8f(p)        KV_W int8 -> KV_W floats  vmul(a, b)
+//   vload_bf16(p) KV_W bfloat16 -> KV_W floats
 #pragma once
 
 // ahead(p): the cache line KV_AHEAD bytes past p requested into L1 (software prefetch). The
@@ -40,6 +41,9 @@ static inline VF vmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
 static inline VF i8f(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
 }
+static inline VF vload_bf16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
 #elif KV_ISA == 256
 #define KV_W 8
 typedef __m256 VF;
@@ -66,6 +70,9 @@ static inline void nib32(const uint8_t* p, VF s, VF z, VF* out) {
 static inline VF vmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
 static inline VF i8f(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+static inline VF vload_bf16(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 #else
 #define KV_W 1
