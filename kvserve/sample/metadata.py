@@ -81,12 +81,6 @@ class SamplingMetadata:
     def all_greedy(self) -> bool:
         return not self.random_rows
 
-    @property
-    def changes_logits(self) -> bool:
-        """Whether any row's logits change before the choice, leaving min_tokens aside (it
-        depends on the output's length: the sampler checks it row by row)."""
-        return bool(self.random_rows or self.penalty_rows or self.vocab_rows or self.bias_rows)
-
 
 class SamplingTable:
     """Every live sequence's sampling parameters as one row of persistent numpy columns,

@@ -39,7 +39,8 @@ def process_logits(logits: torch.Tensor, reqs: Sequence[Request], meta: Sampling
         meta = SamplingMetadata.build([r.params for r in reqs], logits.shape[1], logits.device)
     short = [i for i in meta.min_tokens_rows if reqs[i].num_output_tokens < reqs[i].params.min_tokens]
     rows = meta.random_rows
-    # a copy where a row is written in place (sampled rows of every row are new tensors anyway)
+    # copied only where rows are written in place: masks, biases, penalties, min_tokens, or sampled
+    # rows written back beside greedy ones (the filters below make new tensors of their own)
     edits = meta.vocab_rows or meta.bias_rows or meta.penalty_rows or short
     x = logits.clone() if edits or (rows and len(rows) != logits.shape[0]) else logits
     _apply_vocabulary_masks(x, reqs, meta.vocab_rows)
