@@ -20,6 +20,21 @@ static inline const float* kv_row(const kvk::AttnArgs& a, const void* cache, con
   return buf;
 }
 
+// One chunk's step of the online softmax for one query head: scores s [n] (mx: their max, or the
+// running max if larger) become exp(s - mx) in place, the running max m and sum l move to the
+// chunk; returns alpha = exp(old m - mx), the factor the head's output accumulated so far takes.
+static inline float softmax_chunk(float* s, int n, float mx, float& m, float& l) {
+  float alpha[1] = {m - mx};
+  exp_inplace(alpha, 1);
+  for (int i = 0; i < n; ++i) s[i] -= mx;
+  exp_inplace(s, n);
+  float sum = 0.0f;
+  for (int i = 0; i < n; ++i) sum += s[i];
+  l = l * alpha[0] + sum;
+  m = mx;
+  return alpha[0];
+}
+
 #if KV_ISA != 0
 // A float32 or bfloat16 cache row's NV vectors (bfloat16 widened in registers).
 template <int NV>
@@ -81,16 +96,9 @@ static void attn_part_regs(const kvk::AttnArgs& a, int b, int kvh, int t0, int t
     for (int g = 0; g < G; ++g) {                   // online softmax over the chunk
       float mx = m[g];
       for (int i = 0; i < n; ++i) mx = sc[g][i] > mx ? sc[g][i] : mx;
-      float alpha[1] = {m[g] - mx};
-      exp_inplace(alpha, 1);
-      for (int i = 0; i < n; ++i) sc[g][i] -= mx;
-      exp_inplace(sc[g], n);
-      float sum = 0.0f;
-      for (int i = 0; i < n; ++i) sum += sc[g][i];
-      l[g] = l[g] * alpha[0] + sum;
-      m[g] = mx;
-      if (alpha[0] != 1.0f) {
-        const VF av = vset(alpha[0]);
+      const float alpha = softmax_chunk(sc[g], n, mx, m[g], l[g]);
+      if (alpha != 1.0f) {
+        const VF av = vset(alpha);
         for (int j = 0; j < NV; ++j) o[g][j] = vmul(o[g][j], av);
       }
     }
@@ -180,16 +188,9 @@ static void attn_part_rows(const kvk::AttnArgs& a, int b, int kvh, int t0, int t
         sc[g][i] = vsum(acc) * a.scale;
         mx = sc[g][i] > mx ? sc[g][i] : mx;
       }
-      float alpha[1] = {m[g] - mx};
-      exp_inplace(alpha, 1);
-      for (int i = 0; i < n; ++i) sc[g][i] -= mx;
-      exp_inplace(sc[g], n);
-      float sum = 0.0f;
-      for (int i = 0; i < n; ++i) sum += sc[g][i];
-      l[g] = l[g] * alpha[0] + sum;
-      m[g] = mx;
-      if (alpha[0] != 1.0f) {
-        VF av = vset(alpha[0]);
+      const float alpha = softmax_chunk(sc[g], n, mx, m[g], l[g]);
+      if (alpha != 1.0f) {
+        VF av = vset(alpha);
         for (int d = 0; d < D; d += KV_W) vstore(out + g * D + d, vmul(vload(out + g * D + d), av));
       }
     }
