@@ -84,8 +84,11 @@ struct AmxWeight {
 // The CPU has AMX-BF16 (and AVX512-BF16) and the OS granted this process the tile state.
 bool amx_ready();
 // y rows n0..n1 (a multiple of 16 from n0) of x @ W.T, any T activation rows, x as bfloat16
-// VNNI pairs xb [ceil(T/16)][K/2][16][2] (ops.cpp pack_amx), y [T, N] float32.
+// VNNI pairs xb [ceil(T/16)][K/2][16][2] (amx_pack), y [T, N] float32.
 void amx_linear(const uint16_t* xb, int T, const AmxWeight& w, float* y, int n0, int n1);
+// x [T, K] float32 (K a multiple of 32) -> xb as amx_linear reads it, each value rounded to
+// bfloat16 (nearest even), the rows past T of the last 16 zero.
+void amx_pack(const float* x, int T, int K, uint16_t* xb);
 
 const IsaKernels& avx512_kernels();
 const IsaKernels& avx2_kernels();

@@ -51,6 +51,31 @@ static inline __m512i bf16x32(__m512 lo, __m512 hi) {   // 32 floats -> 32 bfloa
   return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
+// A 16 x 16 matrix of 32-bit elements, one row a register, transposed in place (unpacks, then
+// in-lane and cross-lane shuffles: 64 instructions for 256 elements).
+static inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {                 // t[2i] lane L: r2i[4L], r2i+1[4L], r2i[4L+1], r2i+1[4L+1]
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int m = 0; m < 4; ++m) {                 // r[4m + c] lane L: rows 4m..4m+3 at column 4L + c
+    r[4 * m] = _mm512_shuffle_ps(t[4 * m], t[4 * m + 2], 0x44);
+    r[4 * m + 1] = _mm512_shuffle_ps(t[4 * m], t[4 * m + 2], 0xEE);
+    r[4 * m + 2] = _mm512_shuffle_ps(t[4 * m + 1], t[4 * m + 3], 0x44);
+    r[4 * m + 3] = _mm512_shuffle_ps(t[4 * m + 1], t[4 * m + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {                 // column 4L + c gathers lane L of r[c], r[4+c], r[8+c], r[12+c]
+    const __m512 v0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88), v1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
+    const __m512 w0 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88), w1 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
+    t[c] = _mm512_shuffle_f32x4(v0, w0, 0x88);
+    t[8 + c] = _mm512_shuffle_f32x4(v0, w0, 0xDD);
+    t[4 + c] = _mm512_shuffle_f32x4(v1, w1, 0x88);
+    t[12 + c] = _mm512_shuffle_f32x4(v1, w1, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
 // Row n's columns k0..k0+kn (multiples of 32) as bfloat16 into out[kn].
 static void dequant_row(const AmxWeight& w, int n, int k0, int kn, uint16_t* out) {
   const int K = w.K;
@@ -102,10 +127,15 @@ static void fill_slab(const AmxWeight& w, int n0, int rn, int k0, int kn, uint16
 // wider ones a SLAB at a time for each 64.
 constexpr int WHOLE = 2048;
 
-// y rows t0..t0+16G (at most T), columns n0..n0+rn: C tiles 0..G-1 += A (tile 4, 16 weight rows
-// x 32 columns) x B (tile 5, x group g) over K, then stored. A comes from the matrix itself (a
-// dense bfloat16 weight's whole tile), from `slab` filled once by the caller (`ready`: K <=
-// WHOLE), or from `slab` filled here SLAB columns at a time. Tile ids are immediates.
+// y rows t0..t0+16G (at most T), columns n0..n0+rn: C tiles 0..G-1 += A (16 weight rows x 32
+// columns) x B (x group g) over K, then stored. A comes from the matrix itself (a dense bfloat16
+// weight's whole tile), from `slab` filled once by the caller (`ready`: K <= WHOLE), or from
+// `slab` filled here SLAB columns at a time. A alternates between tiles 4 and 6 and B between 5
+// and 7, so a tile load need not wait for the multiply still reading that tile. A dense weight's
+// tiles are read straight from memory, 16 rows at once, left to the hardware prefetcher: asking
+// for the next block's rows as this one's are multiplied (16 prefetches a tile, into L1, L2 or
+// L3) made every bfloat16 GEMM of a SmolLM2 step 10-20% slower at 16 and 64 rows. Tile ids are
+// immediates.
 template <int G>
 static void chunk(const uint16_t* xb, int T, int t0, const AmxWeight& w, int n0, int rn, bool ready,
                   uint16_t* slab, float* cbuf, float* y) {
@@ -121,33 +151,69 @@ static void chunk(const uint16_t* xb, int T, int t0, const AmxWeight& w, int n0,
     const int kn = K - k0 < width ? K - k0 : width;
     if (!direct && !ready) fill_slab(w, n0, rn, k0, kn, slab, SLAB);
     const uint16_t* a = direct ? (const uint16_t*)w.a + (size_t)n0 * K + k0 : slab;
-    for (int kk = 0; kk < kn; kk += 32) {
-      _tile_loadd(4, a + kk, width * 2);
-#define KV_DP(g)                                                                       \
+    const uint16_t* bx = xg + (size_t)k0 / 2 * 32;
+#define KV_DP(g, A, B)                                                                 \
       if (G > g) {                                                                     \
-        _tile_loadd(5, xg + (size_t)(g) * (K / 2) * 32 + (size_t)(k0 + kk) / 2 * 32, 64); \
-        _tile_dpbf16ps(g, 4, 5);                                                       \
+        _tile_loadd(B, bx + (size_t)(g) * (K / 2) * 32 + (size_t)kk / 2 * 32, 64);      \
+        _tile_dpbf16ps(g, A, B);                                                       \
       }
-      KV_DP(0) KV_DP(1) KV_DP(2) KV_DP(3)
-#undef KV_DP
+#define KV_STEP(A)                                                                     \
+      _tile_loadd(A, a + kk, width * 2);                                               \
+      KV_DP(0, A, 5) KV_DP(1, A, 7) KV_DP(2, A, 5) KV_DP(3, A, 7)
+    int kk = 0;
+    for (; kk + 32 < kn; kk += 32) {
+      KV_STEP(4)
+      kk += 32;
+      KV_STEP(6)
     }
+    if (kk < kn) {
+      KV_STEP(4)
+    }
+#undef KV_STEP
+#undef KV_DP
   }
   if (G > 0) _tile_stored(0, cbuf, 64);
   if (G > 1) _tile_stored(1, cbuf + 256, 64);
   if (G > 2) _tile_stored(2, cbuf + 512, 64);
   if (G > 3) _tile_stored(3, cbuf + 768, 64);
-  for (int g = 0; g < G; ++g)
+  // each C tile is [16 weight rows][16 activation rows]: transposed in registers into y's rows
+  const __mmask16 cols = rn == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << rn) - 1);
+  for (int g = 0; g < G; ++g) {
+    __m512 c[16];
+    for (int r = 0; r < 16; ++r) c[r] = _mm512_load_ps(cbuf + g * 256 + r * 16);
+    transpose16(c);
     for (int t = 0; t < 16 && t0 + g * 16 + t < T; ++t)
-      for (int r = 0; r < rn; ++r) y[(size_t)(t0 + g * 16 + t) * w.N + n0 + r] = cbuf[g * 256 + r * 16 + t];
+      _mm512_mask_storeu_ps(y + (size_t)(t0 + g * 16 + t) * w.N + n0, cols, c[t]);
+  }
 }
 
 }  // namespace isa_amx
+
+void amx_pack(const float* x, int T, int K, uint16_t* xb) {
+  using namespace isa_amx;
+  for (int g = 0; g < (T + 15) / 16; ++g)
+    for (int i0 = 0; i0 < K / 2; i0 += 16) {            // 16 column pairs of 16 rows: one transpose
+      __m512 r[16];
+      for (int t = 0; t < 16; ++t) {
+        const int row = g * 16 + t;
+        if (row >= T) {
+          r[t] = _mm512_setzero_ps();
+          continue;
+        }
+        const float* p = x + (size_t)row * K + 2 * i0;   // 32 floats -> 16 pairs of bfloat16
+        r[t] = _mm512_castsi512_ps(bf16x32(_mm512_loadu_ps(p), _mm512_loadu_ps(p + 16)));
+      }
+      transpose16(r);                                     // r[j]: pair i0 + j of the 16 rows
+      uint16_t* o = xb + (size_t)g * (K / 2) * 32 + (size_t)i0 * 32;
+      for (int j = 0; j < 16; ++j) _mm512_storeu_ps((float*)(o + (size_t)j * 32), r[j]);
+    }
+}
 
 void amx_linear(const uint16_t* xb, int T, const AmxWeight& w, float* y, int n0, int n1) {
   using namespace isa_amx;
   TileConfig cfg = {};
   cfg.palette = 1;
-  for (int i = 0; i < 6; ++i) {
+  for (int i = 0; i < 8; ++i) {
     cfg.rows[i] = 16;
     cfg.colsb[i] = 64;
   }

@@ -164,28 +164,13 @@ bool amx_route(const Linear& w, int T) {
   return T >= AMX_ROWS;
 }
 
-// x [tn, K] -> xb [ceil(tn/16)][K/2][16][2] bfloat16: per 16 rows, each pair of columns of each
-// row side by side (the B tile's VNNI layout), rows past tn zero.
-static void pack_amx(const float* x, int tn, int K, uint16_t* xb) {
-  const int G = (tn + 15) / 16;
-  for (int g = 0; g < G; ++g)
-    for (int t = 0; t < 16; ++t) {
-      const int row = g * 16 + t;
-      uint16_t* o = xb + (size_t)g * (K / 2) * 32 + (size_t)t * 2;
-      for (int i = 0; i < K / 2; ++i) {
-        o[(size_t)i * 32] = row < tn ? f32_to_bf16(x[(size_t)row * K + 2 * i]) : 0;
-        o[(size_t)i * 32 + 1] = row < tn ? f32_to_bf16(x[(size_t)row * K + 2 * i + 1]) : 0;
-      }
-    }
-}
-
 void linear_into(const float* x, int T, const Linear& w, float* y, float* xp) {
   const IsaKernels& k = isa();
   const int N = w.N, K = w.K;
   if (amx_route(w, T)) {
     const AmxWeight aw{w.format, N, K, w.G, w.a.data_ptr(), w.b.defined() ? w.b.data_ptr() : nullptr};
     std::vector<uint16_t> xb((size_t)(T + 15) / 16 * 16 * K);
-    pack_amx(x, T, K, xb.data());
+    amx_pack(x, T, K, xb.data());
     parallel_rows(N, K, T, [&](int n0, int n1) { amx_linear(xb.data(), T, aw, y, n0, n1); });
   } else if (w.format == DENSE) {
     at::Tensor xt = at::from_blob(const_cast<float*>(x), {T, K}, at::kFloat);
