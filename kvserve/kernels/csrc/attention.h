@@ -20,23 +20,35 @@ static inline const float* kv_row(const kvk::AttnArgs& a, const void* cache, con
   return buf;
 }
 
-// One chunk's step of the online softmax for one query head: scores s [n] (mx: their max, or the
-// running max if larger) become exp(s - mx) in place, the running max m and sum l move to the
-// chunk; returns alpha = exp(old m - mx), the factor the head's output accumulated so far takes.
-static inline float softmax_chunk(float* s, int n, float mx, float& m, float& l) {
+// One chunk's step of the online softmax for one query head: scores s [CH] (n of them real;
+// s has room for CH) become exp(s - mx) in place, mx the larger of their max and the running max
+// m, zero past n; m and the running sum l move to the chunk. Returns alpha = exp(old m - mx), the
+// factor the head's output accumulated so far takes. Max and sum run over whole vectors (as
+// scalar loops they were chains of dependent compares and adds, 32 a chunk and head).
+template <int CH>
+static inline float softmax_chunk(float* s, int n, float& m, float& l) {
+  static_assert(CH % KV_W == 0, "a chunk is whole vectors");
+  for (int i = n; i < CH; ++i) s[i] = -3.0e38f;
+  VF mv = vset(m);
+  for (int c = 0; c < CH; c += KV_W) mv = vmax(mv, vload(s + c));
+  const float mx = vhmax(mv);
   float alpha[1] = {m - mx};
   exp_inplace(alpha, 1);
-  for (int i = 0; i < n; ++i) s[i] -= mx;
+  const VF mxv = vset(mx);
+  for (int c = 0; c < CH; c += KV_W) vstore(s + c, vfma(vset(-1.0f), mxv, vload(s + c)));
   exp_inplace(s, n);
-  float sum = 0.0f;
-  for (int i = 0; i < n; ++i) sum += s[i];
-  l = l * alpha[0] + sum;
+  for (int i = n; i < CH; ++i) s[i] = 0.0f;
+  VF sv = vzero();
+  for (int c = 0; c < CH; c += KV_W) sv = vfma(vset(1.0f), vload(s + c), sv);
+  l = l * alpha[0] + vsum(sv);
   m = mx;
   return alpha[0];
 }
 
 #if KV_ISA != 0
-// A float32 or bfloat16 cache row's NV vectors (bfloat16 widened in registers).
+// A float32 or bfloat16 cache row's NV vectors. bfloat16 rows are split as they are loaded:
+// vectors 2c and 2c + 1 hold dims 2 KV_W c + (0, 2, 4, ...) and + (1, 3, 5, ...) (a shift and a
+// mask, where widening in order costs a shuffle a vector); `row_dim` maps a lane back to its dim.
 template <int NV>
 static inline void kv_vecs(const void* cache, int kind, int64_t slot_row, VF* v) {
   constexpr int D = NV * KV_W;
@@ -45,22 +57,34 @@ static inline void kv_vecs(const void* cache, int kind, int64_t slot_row, VF* v)
     for (int j = 0; j < NV; ++j) v[j] = vload(p + j * KV_W);
   } else {
     const uint16_t* p = (const uint16_t*)cache + slot_row * D;
-    for (int j = 0; j < NV; ++j) v[j] = vload_bf16(p + j * KV_W);
+    for (int j = 0; j < NV; j += 2) vload_bf16_split(p + j * KV_W, v[j], v[j + 1]);
   }
 }
 
+// The head dim held by lane `lane` of vector `j` of a row as kv_vecs loads it.
+static inline int row_dim(int kind, int j, int lane) {
+  return kind == 0 ? j * KV_W + lane : (j / 2) * 2 * KV_W + 2 * lane + (j % 2);
+}
+
 // attn_part for G query heads of NV vectors each over a float32 or bfloat16 cache, the G output
-// rows held in registers across the whole token range, K and V rows read straight from the cache
-// (no row buffers), each token's slot found by walking the block table (no division a token).
+// rows held in registers across the whole token range (in kv_vecs' lane order, as q is read),
+// K and V rows read straight from the cache (no row buffers), each token's slot found by walking
+// the block table (no division a token).
 template <int G, int NV>
 static void attn_part_regs(const kvk::AttnArgs& a, int b, int kvh, int t0, int t1, float* out, float* ml) {
   constexpr int CH = 32, D = NV * KV_W;
+  static_assert(NV % 2 == 0, "bfloat16 rows split in pairs of vectors");
   const int bs = a.block_size, kind = a.kv_kind, lines = D * (kind == 0 ? 4 : 2) / 64;
   const int64_t esize = kind == 0 ? 4 : 2;
-  const float* q = a.q + ((size_t)b * a.num_heads + (size_t)kvh * G) * D;
+  const float* qh = a.q + ((size_t)b * a.num_heads + (size_t)kvh * G) * D;
+  float q[G * D];                                    // q in kv_vecs' lane order
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < NV; ++j)
+      for (int x = 0; x < KV_W; ++x) q[g * D + j * KV_W + x] = qh[g * D + row_dim(kind, j, x)];
   const int64_t* table = a.block_tables + (size_t)b * a.table_stride;
   VF o[G][NV];
-  float m[G], l[G], sc[G][CH];
+  alignas(64) float sc[G][CH];
+  float m[G], l[G];
   for (int g = 0; g < G; ++g) {
     m[g] = -3.0e38f;
     l[g] = 0.0f;
@@ -94,9 +118,7 @@ static void attn_part_regs(const kvk::AttnArgs& a, int b, int kvh, int t0, int t
       }
     }
     for (int g = 0; g < G; ++g) {                   // online softmax over the chunk
-      float mx = m[g];
-      for (int i = 0; i < n; ++i) mx = sc[g][i] > mx ? sc[g][i] : mx;
-      const float alpha = softmax_chunk(sc[g], n, mx, m[g], l[g]);
+      const float alpha = softmax_chunk<CH>(sc[g], n, m[g], l[g]);
       if (alpha != 1.0f) {
         const VF av = vset(alpha);
         for (int j = 0; j < NV; ++j) o[g][j] = vmul(o[g][j], av);
@@ -112,7 +134,10 @@ static void attn_part_regs(const kvk::AttnArgs& a, int b, int kvh, int t0, int t
     }
   }
   for (int g = 0; g < G; ++g) {
-    for (int j = 0; j < NV; ++j) vstore(out + g * D + j * KV_W, o[g][j]);
+    alignas(64) float row_out[D];
+    for (int j = 0; j < NV; ++j) vstore(row_out + j * KV_W, o[g][j]);
+    for (int j = 0; j < NV; ++j)
+      for (int x = 0; x < KV_W; ++x) out[g * D + row_dim(kind, j, x)] = row_out[j * KV_W + x];
     ml[2 * g] = m[g];
     ml[2 * g + 1] = l[g];
   }
@@ -181,14 +206,12 @@ static void attn_part_rows(const kvk::AttnArgs& a, int b, int kvh, int t0, int t
     for (int i = 0; i < n; ++i) rows[i] = kv_row(a, a.k_cache, a.k_scale, row[i], kbuf[i]);
     for (int g = 0; g < G; ++g) {
       const float* qg = q + g * D;
-      float mx = m[g];
       for (int i = 0; i < n; ++i) {
         VF acc = vzero();
         for (int d = 0; d < D; d += KV_W) acc = vfma(vload(qg + d), vload(rows[i] + d), acc);
         sc[g][i] = vsum(acc) * a.scale;
-        mx = sc[g][i] > mx ? sc[g][i] : mx;
       }
-      const float alpha = softmax_chunk(sc[g], n, mx, m[g], l[g]);
+      const float alpha = softmax_chunk<CH>(sc[g], n, m[g], l[g]);
       if (alpha != 1.0f) {
         VF av = vset(alpha);
         for (int d = 0; d < D; d += KV_W) vstore(out + g * D + d, vmul(vload(out + g * D + d), av));

@@ -303,25 +303,47 @@ void attention_into(const AttnArgs& a, const int64_t* lens, int B, int64_t windo
   int splits = 1;
   if (B * KV < 4 * threads && longest >= 256)
     splits = (int)std::min<int64_t>((4 * threads + B * KV - 1) / (B * KV), longest / 128);
+  auto range = [&](int b, int s, int& t0, int& t1) {     // split s of sequence b's window
+    const int64_t len = lens[b], start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    const int64_t per = ((len - start + splits - 1) / splits + 31) / 32 * 32;
+    t0 = (int)std::min(len, start + s * per);
+    t1 = (int)std::min(len, start + (s + 1) * per);
+  };
+  if (splits == 1) {            // each part normalised into `out` by the thread that ran it
+    at::parallel_for(0, B * KV, 1, [&](int64_t i0, int64_t i1) {
+      alignas(64) float part[MAX_GQA * MAX_HEAD_DIM];
+      float pml[2 * MAX_GQA];
+      for (int64_t i = i0; i < i1; ++i) {
+        const int b = (int)(i / KV), kvh = (int)(i % KV);
+        int t0, t1;
+        range(b, 0, t0, t1);
+        k.attn_part(a, b, kvh, t0, t1, part, pml);
+        float* o = out + ((size_t)b * a.num_heads + (size_t)kvh * G) * D;
+        for (int g = 0; g < G; ++g) {
+          const float l = pml[2 * g + 1];
+          for (int d = 0; d < D; ++d) o[g * D + d] = part[g * D + d] / l;
+        }
+      }
+    });
+    return;
+  }
   const int items = B * KV * splits;
-  std::vector<float> acc((size_t)items * G * D), ml((size_t)items * G * 2);
+  std::vector<float> acc((size_t)items * G * D), ml((size_t)items * G * 2), wts(splits);
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int b = (int)(i / (KV * splits)), kvh = (int)(i / splits % KV), s = (int)(i % splits);
-      const int64_t len = lens[b], start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t per = ((len - start + splits - 1) / splits + 31) / 32 * 32;
-      const int t0 = (int)std::min(len, start + s * per), t1 = (int)std::min(len, start + (s + 1) * per);
+      int t0, t1;
+      range(b, s, t0, t1);
       k.attn_part(a, b, kvh, t0, t1, &acc[(size_t)i * G * D], &ml[(size_t)i * G * 2]);
     }
   });
-  for (int b = 0; b < B; ++b)
+  for (int b = 0; b < B; ++b)                       // the splits combined (few items: B * KV is small)
     for (int kvh = 0; kvh < KV; ++kvh)
       for (int g = 0; g < G; ++g) {
         const size_t first = ((size_t)b * KV + kvh) * splits;
         float m = -3.0e38f;
         for (int s = 0; s < splits; ++s) m = std::max(m, ml[((first + s) * G + g) * 2]);
         float l = 0.0f;
-        std::vector<float> wts(splits);
         for (int s = 0; s < splits; ++s) {
           wts[s] = std::exp(ml[((first + s) * G + g) * 2] - m);
           l += wts[s] * ml[((first + s) * G + g) * 2 + 1];

@@ -9,6 +9,9 @@
 //                 in 32 / KV_W vectors
 //   i8f(p)        KV_W int8 -> KV_W floats  vmul(a, b)
 //   vload_bf16(p) KV_W bfloat16 -> KV_W floats
+//   vload_bf16_split(p, even, odd)  2 KV_W bfloat16 -> their even-indexed values and their odd
+//                 ones as floats (a shift and a mask: no shuffle, unlike vload_bf16's widening)
+//   vmax(a, b), vhmax(v) (horizontal max)
 #pragma once
 
 // ahead(p): the cache line KV_AHEAD bytes past p requested into L1 (software prefetch). The
@@ -44,6 +47,13 @@ static inline VF i8f(const int8_t* p) {
 static inline VF vload_bf16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
+static inline void vload_bf16_split(const uint16_t* p, VF& even, VF& odd) {
+  const __m512i u = _mm512_loadu_si512((const void*)p);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+static inline VF vmax(VF a, VF b) { return _mm512_max_ps(a, b); }
+static inline float vhmax(VF v) { return _mm512_reduce_max_ps(v); }
 #elif KV_ISA == 256
 #define KV_W 8
 typedef __m256 VF;
@@ -74,6 +84,18 @@ static inline VF i8f(const int8_t* p) {
 static inline VF vload_bf16(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
+static inline void vload_bf16_split(const uint16_t* p, VF& even, VF& odd) {
+  const __m256i u = _mm256_loadu_si256((const __m256i*)p);
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+static inline VF vmax(VF a, VF b) { return _mm256_max_ps(a, b); }
+static inline float vhmax(VF v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
 #else
 #define KV_W 1
 typedef float VF;
@@ -91,4 +113,6 @@ static inline void nib32(const uint8_t* p, VF s, VF z, VF* out) {
 }
 static inline VF vmul(VF a, VF b) { return a * b; }
 static inline VF i8f(const int8_t* p) { return (float)p[0]; }
+static inline VF vmax(VF a, VF b) { return a > b ? a : b; }
+static inline float vhmax(VF v) { return v; }
 #endif
