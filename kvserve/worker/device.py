@@ -3,9 +3,18 @@ and whether device "auto" finds a GPU. The configuration keeps names (config/nam
 worker, which owns the tensors, maps them."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import logging
+
 import torch
 
 from kvserve.config.names import DTYPE_NAMES
+
+logger = logging.getLogger(__name__)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3              # glibc's mallopt parameters
+STEP_MMAP_THRESHOLD = 32 << 20           # glibc's largest: what a step allocates comes from the heap
+STEP_TRIM_THRESHOLD = 256 << 20          # and stays there, up to this much free at the heap's top
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -28,6 +37,29 @@ def set_num_threads(num_threads: int | None) -> int:
     if num_threads:
         torch.set_num_threads(num_threads)
     return torch.get_num_threads()
+
+
+def keep_step_memory(device) -> bool:
+    """On a CPU `device`: glibc's malloc set to keep the memory a step frees (CPU tensors are
+    malloc'd). With its defaults, a bfloat16 SmolLM2 step of 64 decode rows took ~6,000 fresh
+    pages from the kernel (logits and scratch freed at the heap's top, trimmed, faulted in again):
+    620-780 thousand minor faults in 132 steps, 1.1-1.3 s of system time. With a 32 MB mmap
+    threshold and a 256 MB trim threshold: 400-3,400 faults and 7% less time (what preloading
+    tcmalloc does for vLLM-CPU). Called once the engine is built; what loading freed is returned
+    first (malloc_trim), so the memory a load leaves behind does not grow. Returns False off the
+    CPU, or where the C library has no mallopt (not glibc)."""
+    if torch.device(device).type != "cpu":
+        return False
+    path = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(path)
+        mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return False
+    malloc_trim(0)
+    ok = mallopt(M_MMAP_THRESHOLD, STEP_MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, STEP_TRIM_THRESHOLD) == 1
+    logger.debug("malloc keeps step memory: %s", ok)
+    return ok
 
 
 def cuda_memory(device) -> tuple[int, int]:
