@@ -1,5 +1,5 @@
-"""kvserve's SwiGLU (torch.ops.kvserve.silu_mul; float32 and bfloat16 rows) and bfloat16 RMSNorm
-(rms_norm_bf16) against float64 / torch references, on every
+"""kvserve's SwiGLU (torch.ops.kvserve.silu_mul; float32 and bfloat16 rows), bfloat16 RMSNorm
+(rms_norm_bf16) and bfloat16 RoPE (rope_bf16) against float64 / torch references, on every
 ISA allowed here: rows 1-8, widths across the kernel's 256-wide chunks, gates far into both
 tails of exp. Tolerance: 1e-5 relative plus 1e-30 (measured a few float32 ulp)."""
 from __future__ import annotations
@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvserve.model.layers import apply_rope, rope_cos_sin, rope_inv_freq
 from tests.kernels.isa import ISA_BITS, needs_kernels, on_isa
 
 pytestmark = needs_kernels
@@ -67,7 +68,33 @@ def test_rms_norm_of_bfloat16_rows(bits, seed, T, H, scale):
     assert (diff > 0).float().mean() <= 0.01
 
 
+@pytest.mark.parametrize("bits", ISA_BITS)
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31), T=st.integers(1, 40), heads=st.integers(1, 12),
+       D=st.sampled_from([2, 8, 64, 96, 128, 256]), extra=st.integers(0, 3))
+def test_rope_of_bfloat16_heads(bits, seed, T, heads, D, extra):
+    """bfloat16 heads (a bfloat16 model's prefill), viewed in a wider fused-QKV row as the model
+    passes them: bit for bit torch's addcmul(x * cos, roll(x, D/2), sin) in bfloat16 (both
+    products are exact in float32, and both sides round the same sums the same way)."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(T, (heads + extra) * D, generator=g) * 3).bfloat16()
+    x = qkv[:, :heads * D].view(T, heads, D)                            # rows (heads + extra) * D apart
+    cos, sin = rope_cos_sin(rope_inv_freq(D, 10000.0, None), 4096)
+    pos = torch.randint(0, 4096, (T,), generator=g)
+    c, s = cos[pos].bfloat16().unsqueeze(1), sin[pos].bfloat16().unsqueeze(1)     # [T, 1, D]
+    with on_isa(bits):
+        out = torch.ops.kvserve.rope_bf16(x, c.view(T, D), s.view(T, D))
+        via_layers = apply_rope(x, c, s)
+    ref = torch.addcmul(x * c, x.roll(D // 2, dims=-1), s)
+    assert out.shape == (T, heads, D) and torch.equal(out, ref) and torch.equal(via_layers, ref)
+
+
 def test_bfloat16_row_ops_refuse_what_they_do_not_take():
+    with pytest.raises(RuntimeError, match="rope_bf16 takes"):
+        torch.ops.kvserve.rope_bf16(torch.zeros(2, 3, 8, dtype=torch.bfloat16), torch.zeros(2, 7, dtype=torch.bfloat16),
+                                    torch.zeros(2, 7, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="rope_bf16 takes"):
+        torch.ops.kvserve.rope_bf16(torch.zeros(2, 3, 8), torch.zeros(2, 8), torch.zeros(2, 8))
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         torch.ops.kvserve.silu_mul(torch.zeros(2, 8, dtype=torch.float16))
     with pytest.raises(RuntimeError, match="rms_norm_bf16 takes"):

@@ -52,6 +52,8 @@ struct AttnArgs {
 //              (f) or bfloat16 (b, rounded to nearest even), for steps the kernels do not take.
 //   draw_row:  a token drawn from logits x [V] by inverse CDF at u in [0, 1) (sampling.h), e [V] scratch.
 //   silu_mul_bf16 / rms_norm_bf16: silu_mul and RMSNorm (weight w [H]) over bfloat16 rows (rows_bf16.h).
+//   rope_bf16: RoPE (rotate_half) of bfloat16 heads x [T][heads][D] (row stride `stride`) with
+//              bfloat16 cos / signed sin [T, D] -> out [T, heads, D] (rows_bf16.h).
 struct IsaKernels {
   const char* name;
   int width;      // floats per vector: head dims must be a multiple for attn_part
@@ -72,6 +74,8 @@ struct IsaKernels {
   int64_t (*draw_row)(const float* x, int V, float u, float* e);
   void (*silu_mul_bf16)(const uint16_t* gu, int T, int I, uint16_t* out);
   void (*rms_norm_bf16)(const uint16_t* x, const uint16_t* w, int T, int H, float eps, uint16_t* out);
+  void (*rope_bf16)(const uint16_t* x, int64_t stride, int T, int heads, int D, const uint16_t* cos,
+                    const uint16_t* sin, uint16_t* out);
 };
 
 // A weight as isa_amx.cpp reads it: `format` as ops.h's Format (dense: bfloat16 only), `a` / `b`

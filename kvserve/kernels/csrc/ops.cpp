@@ -407,6 +407,29 @@ static at::Tensor rms_norm_bf16_op(const at::Tensor& x, const at::Tensor& weight
   return out;
 }
 
+// RoPE of bfloat16 heads x [T, heads, D] (rows may be strided: q and k heads viewed in the fused
+// QKV output) with bfloat16 cos / signed sin [T, D] -> a new [T, heads, D], rows over ATen's threads.
+static at::Tensor rope_bf16_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && cos.scalar_type() == at::kBFloat16 &&
+                  sin.scalar_type() == at::kBFloat16 && x.dim() == 3 && cos.dim() == 2 && sin.sizes() == cos.sizes(),
+              "kvserve: rope_bf16 takes bfloat16 x [T, heads, D], cos and sin [T, D]");
+  const int64_t T = x.size(0), heads = x.size(1), D = x.size(2);
+  TORCH_CHECK(cos.size(0) == T && cos.size(1) == D && D % 2 == 0 && D <= MAX_HEAD_DIM && x.stride(2) == 1 &&
+                  (heads == 1 || x.stride(1) == D) && x.stride(0) >= heads * D,
+              "kvserve: rope_bf16 takes heads of an even dim up to ", MAX_HEAD_DIM,
+              " side by side in each row, and cos / sin of one row a token");
+  at::Tensor c = cos.contiguous(), s = sin.contiguous();
+  at::Tensor out = at::empty({T, heads, D}, x.options());
+  const IsaKernels& k = isa();
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(heads * D, 1)), [&](int64_t t0, int64_t t1) {
+    k.rope_bf16((const uint16_t*)x.data_ptr<at::BFloat16>() + t0 * x.stride(0), x.stride(0), (int)(t1 - t0),
+                (int)heads, (int)D, (const uint16_t*)c.data_ptr<at::BFloat16>() + t0 * D,
+                (const uint16_t*)s.data_ptr<at::BFloat16>() + t0 * D,
+                (uint16_t*)out.data_ptr<at::BFloat16>() + t0 * heads * D);
+  });
+  return out;
+}
+
 // One token per listed row of logits x [S, V] float32 (rows [R] int64 into S, u [R] float32 in
 // [0, 1)), drawn by inverse CDF (sampling.h): no probabilities, cumulative sums or row copies
 // written, rows over ATen's threads.
@@ -472,6 +495,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("draw_rows(Tensor x, Tensor rows, Tensor u) -> Tensor");
   m.def("rms_norm_bf16(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rope_bf16(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("dequantize_int4(Tensor nibbles, Tensor scales, int group_size, ScalarType dtype) -> Tensor");
   m.def("dequantize_q8_0(Tensor q, Tensor d, ScalarType dtype) -> Tensor");
 }
@@ -485,6 +509,7 @@ TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("silu_mul", &kvk::silu_mul_op);
   m.impl("draw_rows", &kvk::draw_rows);
   m.impl("rms_norm_bf16", &kvk::rms_norm_bf16_op);
+  m.impl("rope_bf16", &kvk::rope_bf16_op);
   m.impl("dequantize_int4", &kvk::dequantize_int4);
   m.impl("dequantize_q8_0", &kvk::dequantize_q8_0);
 }

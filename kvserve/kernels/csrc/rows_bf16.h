@@ -1,5 +1,5 @@
 // A bfloat16 model's layer-by-layer steps (prefill and mixed prefill + decode; decode steps run
-// layers.cpp): SwiGLU and RMSNorm over bfloat16 rows, computed in float32 a chunk at a time in
+// layers.cpp): SwiGLU, RMSNorm and RoPE over bfloat16 rows, computed in float32 a chunk at a time in
 // L1, rounded to bfloat16 where torch's bfloat16 ops round (so the layer-by-layer path's numbers
 // stay torch's), without torch's conversions and temporaries between ops. Compiled once per ISA
 // region after kernels.h (exp_inplace), in loops the compiler vectorises.
@@ -48,6 +48,30 @@ static void rms_norm_bf16(const uint16_t* x, const uint16_t* w, int T, int H, fl
       rows_to_f32(xr + a, n, v);
 #pragma omp simd
       for (int i = 0; i < n; ++i) o[a + i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(v[i] * r)) * bf16_to_f32(w[a + i]));
+    }
+  }
+}
+
+// RoPE of x [T][heads][D] (token rows `stride` elements apart, heads D apart) with bfloat16
+// cos / signed sin [T, D] (layers.rope_cos_sin's tables, gathered and rounded as `run_layers`
+// rounds them) -> out [T, heads, D]: torch.addcmul(x * cos, roll(x, D/2), sin) in bfloat16 --
+// x * cos rounded, plus the float32 product roll(x) * sin, rounded once (addcmul's arithmetic).
+static void rope_bf16(const uint16_t* x, int64_t stride, int T, int heads, int D, const uint16_t* cos,
+                      const uint16_t* sin, uint16_t* out) {
+  const int half = D / 2;
+  float c[kvk::MAX_HEAD_DIM], s[kvk::MAX_HEAD_DIM], a[kvk::MAX_HEAD_DIM];
+  for (int t = 0; t < T; ++t) {
+    rows_to_f32(cos + (size_t)t * D, D, c);
+    rows_to_f32(sin + (size_t)t * D, D, s);
+    for (int h = 0; h < heads; ++h) {
+      const uint16_t* xr = x + (size_t)t * stride + (size_t)h * D;
+      uint16_t* o = out + ((size_t)t * heads + h) * D;
+      rows_to_f32(xr, D, a);
+#pragma omp simd
+      for (int j = 0; j < half; ++j) {
+        o[j] = f32_to_bf16(bf16_to_f32(f32_to_bf16(a[j] * c[j])) + a[j + half] * s[j]);
+        o[j + half] = f32_to_bf16(bf16_to_f32(f32_to_bf16(a[j + half] * c[j + half])) + a[j] * s[j + half]);
+      }
     }
   }
 }
