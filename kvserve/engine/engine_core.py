@@ -56,7 +56,6 @@ from kvserve.spec_decode.draft import DraftTarget
 from kvserve.structured.compiler import GrammarCompiler
 from kvserve.structured.waiting import GrammarWaitList
 from kvserve.worker.build import build_model, load_and_resolve
-from kvserve.worker.device import keep_step_memory
 from kvserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -144,7 +143,6 @@ class EngineCore:
                                   kv_cache_dtype=r.cache.kv_cache_dtype,
                                   kv_bytes_per_token=per_block // r.cache.block_size,
                                   num_kv_tokens=num_blocks * r.cache.block_size)
-        keep_step_memory(self.device)      # from here on, what a step frees stays for the next
 
     @property
     def limits(self) -> CoreLimits:

@@ -22,7 +22,7 @@ import torch
 from kvserve.attention import kv_quant
 from kvserve.model.llama import LlamaModel
 from kvserve.worker import kv_blocks
-from kvserve.worker.device import torch_dtype
+from kvserve.worker.device import keep_step_memory, torch_dtype
 from kvserve.sample.sampler import Sampler
 from kvserve.worker.input_batch import InputBatch
 from kvserve.worker.output import ModelRunnerOutput
@@ -62,6 +62,7 @@ class ModelRunner:
         self.micro_batches = getattr(model, "micro_batches", 1)
         self.input_batches = [InputBatch(self.device, block_size) for _ in range(self.micro_batches)]
         self.states: dict[str, SequenceState] = {}   # every live sequence, by id (execute_model)
+        keep_step_memory(self.device)    # the model and pools are in: what a step frees stays for the next
 
     # -- block moves for sharing and swapping (kv/manager.py queues them; run before execute) --
     def init_swap_space(self, num_cpu_blocks: int) -> None:
