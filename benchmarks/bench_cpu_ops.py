@@ -6,6 +6,9 @@ SmolLM2-135M served at 64 streams (issue 33), and optionally one kvserve tree ag
   portable backend's batched matmuls over gathered blocks (`TorchPagedAttention._decode`).
 - `draw_rows`: a token from each of 64 rows of [64, 49,152] logits at temperature 1, against the
   torch path (softmax, then `draw_at`'s inverse CDF).
+- `linear_bf16` (kvserve's AMX tiles where the CPU has them): every GEMM of a SmolLM2 decode step
+  at 16 and 64 rows (30 layers of qkv, o, gate_up and down, and the 49,152-row lm_head: 269 MB of
+  bfloat16 weights, read from memory), against torch's bfloat16 GEMM (`torch.mm`).
 - `rms_norm_bf16` and `silu_mul` on 2,048 bfloat16 rows (a 2,048-token prefill step), against
   torch's ops (`F.rms_norm` in float32 around conversions; `F.silu(gate) * up`).
 
@@ -66,6 +69,20 @@ def attention_case(dtype, B=64, ctx=200, layers=30, KV=3, H=9, D=64, bs=16):
             backend._decode(qd, k, v, Meta)
     return ours, theirs, 1
 
+def gemm_case(T):
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+    ws = [torch.randn(N, K, generator=g).bfloat16() for _ in range(30) for N, K in shapes]
+    ws.append(torch.randn(49152, 576, generator=g).bfloat16())
+    xs = {{K: torch.randn(T, K, generator=g) for K in (576, 1536)}}
+    xb = {{K: x.bfloat16() for K, x in xs.items()}}
+    def ours():
+        for w in ws:
+            torch.ops.kvserve.linear_bf16(xs[w.shape[1]], w)
+    def theirs():
+        for w in ws:
+            torch.mm(xb[w.shape[1]], w.t())
+    return ours, theirs, 1
+
 def draw_case(R=64, V=49152):
     x = torch.randn(R, V, generator=g) * 3
     u = torch.rand(R, generator=g)
@@ -88,6 +105,8 @@ def silu_case(T=2048, I=1536):
 
 cases = {{"decode_attention bf16 cache": lambda: attention_case(torch.bfloat16),
          "decode_attention f32 cache": lambda: attention_case(torch.float32),
+         "linear_bf16 step GEMMs, 16 rows": lambda: gemm_case(16),
+         "linear_bf16 step GEMMs, 64 rows": lambda: gemm_case(64),
          "draw_rows 64 x 49152": draw_case, "rms_norm_bf16 2048 x 576": rms_case,
          "silu_mul 2048 x 2x1536": silu_case}}
 out = {{"capability": torch.backends.cpu.get_cpu_capability(), "isa": kernels.isa(), "ops": {{}}}}

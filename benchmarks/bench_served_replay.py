@@ -1,6 +1,7 @@
 """The served workload of `vllm bench serve` (random 128-token prompts, 128 output tokens,
 `--ignore-eos`, temperature 1, at most C requests at once) replayed offline through `LLM.generate`,
-each step timed by kind (pure decode, or mixed with prefill chunks): where a served run's time goes
+each step timed by kind (pure decode, or mixed with prefill chunks), with the run's minor page
+faults and system time: where a served run's time goes
 without HTTP, and the offline figure a served one is held to (issue 33). One kvserve tree against
 another, interleaved (a fresh subprocess a run, the order flipping every repeat), medians.
 
@@ -19,7 +20,7 @@ import sys
 from pathlib import Path
 
 CHILD = r"""
-import collections, json, random, time, torch
+import collections, json, random, resource, time, torch
 from kvserve import LLM, SamplingParams
 from kvserve.config.default_model import default_model_path
 from kvserve.worker import model_runner as mr
@@ -41,11 +42,14 @@ prompts = [{{"prompt_token_ids": [rng.randrange(100, vocab - 100) for _ in range
            for _ in range({n})]
 llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True))
 steps.clear()
+r0 = resource.getrusage(resource.RUSAGE_SELF)
 t = time.perf_counter()
 outs = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens={out_len}, ignore_eos=True, seed=1))
 wall = time.perf_counter() - t
+r1 = resource.getrusage(resource.RUSAGE_SELF)
 tokens = sum(len(o.outputs[0].token_ids) for o in outs)
 print(json.dumps({{"capability": torch.backends.cpu.get_cpu_capability(), "tok_s": tokens / wall, "wall": wall,
+                  "minor_faults": r1.ru_minflt - r0.ru_minflt, "system_s": r1.ru_stime - r0.ru_stime,
                   "steps": {{k: {{"steps": v[0], "ms_per_step": 1e3 * v[1] / v[0], "seconds": v[1]}}
                             for k, v in steps.items()}}}}))
 """
@@ -83,7 +87,8 @@ def main() -> None:
             run = runs[name]
             run.append(measure(trees[name], args))
             kinds = ", ".join(f"{k} {v['steps']} x {v['ms_per_step']:.1f} ms" for k, v in sorted(run[-1]["steps"].items()))
-            print(f"repeat {r} {name}: {run[-1]['tok_s']:.1f} tok/s ({kinds})", flush=True)
+            print(f"repeat {r} {name}: {run[-1]['tok_s']:.1f} tok/s ({kinds}; {run[-1]['minor_faults']} minor "
+                  f"page faults, {run[-1]['system_s']:.2f} s system time)", flush=True)
     print(f"\ncapability {runs['tree'][0]['capability']}, {args.threads} threads, load {min(loads):.1f}-{max(loads):.1f}; "
           f"concurrency {args.concurrency}, {args.prompts} prompts of {args.prompt_len}, {args.output_len} out; "
           f"medians of {args.repeats}")
