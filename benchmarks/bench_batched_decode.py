@@ -18,9 +18,9 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
+
+from common import run_in_tree
 
 CHILD = r"""
 import json, random, time, torch
@@ -50,11 +50,7 @@ print(json.dumps(out))
 def measure(tree: Path, args) -> dict:
     code = CHILD.format(threads=args.threads, model=args.model, batches=args.batches, prompt=args.prompt_len,
                         new=args.new_tokens, kwargs=json.loads(args.kwargs))
-    env = dict(os.environ, PYTHONPATH=str(tree.resolve()))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tree)
-    if out.returncode != 0:
-        raise RuntimeError(f"{tree}: {out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_in_tree(tree, code)
 
 
 def main() -> None:

@@ -20,12 +20,11 @@ With `--baseline-tree`, each tree runs the kvserve ops in its own subprocess, al
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
+
+from common import run_in_tree
 
 CHILD = r"""
 import json, statistics, time, torch
@@ -124,11 +123,7 @@ print(json.dumps(out))
 
 def measure(tree: Path, args, with_torch: bool) -> dict:
     code = CHILD.format(threads=args.threads, repeats=args.repeats, with_torch=with_torch)
-    env = dict(os.environ, PYTHONPATH=str(tree.resolve()))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tree)
-    if out.returncode != 0:
-        raise RuntimeError(f"{tree}: {out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_in_tree(tree, code)
 
 
 def main() -> None:

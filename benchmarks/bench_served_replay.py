@@ -15,9 +15,9 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
+
+from common import run_in_tree
 
 CHILD = r"""
 import collections, json, random, resource, time, torch
@@ -58,11 +58,7 @@ print(json.dumps({{"capability": torch.backends.cpu.get_cpu_capability(), "tok_s
 def measure(tree: Path, args) -> dict:
     code = CHILD.format(threads=args.threads, model=args.model, conc=args.concurrency, n=args.prompts,
                         prompt_len=args.prompt_len, out_len=args.output_len, kwargs=json.loads(args.kwargs))
-    env = dict(os.environ, PYTHONPATH=str(tree.resolve()))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tree)
-    if out.returncode != 0:
-        raise RuntimeError(f"{tree}: {out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_in_tree(tree, code)
 
 
 def main() -> None:

@@ -8,6 +8,8 @@ import os
 import random
 import shutil
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -81,6 +83,17 @@ def make_workload(n: int, prompt_len: tuple[int, int], output_len: tuple[int, in
         n_in, n_out = rng.randint(*prompt_len), rng.randint(*output_len)
         work.append(([rng.randrange(3, vocab) for _ in range(n_in)], n_out))
     return work
+
+
+def run_in_tree(tree: Path, code: str) -> dict:
+    """`python -c code` in a fresh process importing kvserve from `tree` (PYTHONPATH, and run in
+    it: `-c` puts the working folder first on sys.path): the JSON its last stdout line prints.
+    How the tree-against-tree benchmarks measure each side."""
+    env = dict(os.environ, PYTHONPATH=str(tree.resolve()))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tree)
+    if out.returncode != 0:
+        raise RuntimeError(f"{tree}: {out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def summary(runs: list[float]) -> dict:

@@ -46,8 +46,8 @@ def keep_step_memory(device) -> bool:
     620-780 thousand minor faults in 132 steps, 1.1-1.3 s of system time. With a 32 MB mmap
     threshold and a 256 MB trim threshold: 400-3,400 faults and 7% less time (what preloading
     tcmalloc does for vLLM-CPU). Called once the runner holds the model and KV pools; what loading
-    freed is returned first (malloc_trim), so the memory a load leaves behind does not grow. Returns False off the
-    CPU, or where the C library has no mallopt (not glibc)."""
+    freed is returned first (malloc_trim), so the memory a load leaves behind does not grow.
+    Returns False off the CPU, or where the C library has no mallopt (not glibc)."""
     if torch.device(device).type != "cpu":
         return False
     path = ctypes.util.find_library("c")
