@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -41,6 +42,20 @@ def openai_client(server: "LiveServer"):
                          http_client=httpx.Client(trust_env=False, timeout=120))
 
 
+def long_stories(out_dir: Path, max_positions: int = 4096) -> Path:
+    """stories260K with its position limit raised from 512 (same weights, RoPE runs past its
+    training length): a request that holds a seat for seconds, not the ~0.4 s that 480 tokens
+    take, so a test that must act while a request runs has that long to do it."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in STORIES_HF.iterdir():
+        if f.is_file():
+            shutil.copy(f, out_dir / f.name)
+    cfg = json.loads((STORIES_HF / "config.json").read_text())
+    cfg["max_position_embeddings"] = max_positions
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out_dir
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -63,11 +78,12 @@ def _server_key(args: tuple, env: dict) -> str | None:
 
 
 class LiveServer:
-    def __init__(self, *extra_args: str, env: dict | None = None, startup_timeout: float = 90.0):
+    def __init__(self, *extra_args: str, env: dict | None = None, startup_timeout: float = 90.0,
+                 model: Path = STORIES_HF):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.api_key = _server_key(extra_args, {**os.environ, **(env or {})})   # for /metrics
-        cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(STORIES_HF),
+        cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(model),
                "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning", *extra_args]
         full_env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", NO_PROXY="*")
         full_env.update(env or {})

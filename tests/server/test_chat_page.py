@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.live import LiveServer
+from tests.server.live import LiveServer, long_stories
 
 CHROMIUM = "/usr/bin/chromium"
 KEY = "page-test-key"
@@ -29,8 +29,11 @@ STATS = re.compile(r"^TTFT \d+ ms · \d+\.\d tok/s · \d+ tokens · finish (leng
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = LiveServer("--api-key", KEY)
+def server(tmp_path_factory):
+    # stories260K with room for 4,000 tokens (tests/server/live.py): the stop test's answer runs
+    # for seconds, so the click never races its end. Same weights, same name, same answers.
+    model = long_stories(tmp_path_factory.mktemp("long") / "stories260K-hf")
+    srv = LiveServer("--api-key", KEY, model=model)
     yield srv
     srv.stop()
 
@@ -206,7 +209,7 @@ def abort_count(m: dict[str, float]) -> float:
 def test_stop_aborts_the_answer_on_the_server(browser, server, tmp_path):
     p = Page(browser, server, key=KEY)
     try:
-        p.settings(max_tokens="480")       # ~0.3 s of generation, stopped at its first delta
+        p.settings(max_tokens="4000")      # ~5 s of generation, stopped at its first delta
         server.wait_idle()
         before = abort_count(server.metrics())
         # Stop is clicked by the page itself the moment the first text is rendered (a mutation
