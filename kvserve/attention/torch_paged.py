@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvserve import kernels
 from kvserve.attention import kv_quant
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.metadata import AttentionMetadata, PrefillLayout
@@ -21,8 +22,12 @@ def write_slots(k, v, k_cache, v_cache, meta: AttentionMetadata, block_size: int
             k_cache[block, :, offset] = kc
             v_cache[block, :, offset] = vc
             return kc.to(k.dtype), vc.to(v.dtype)
-        k_cache[block, :, offset] = k
-        v_cache[block, :, offset] = v
+        if k.device.type == "cpu" and kernels.available():    # row copies, not torch's index kernel
+            torch.ops.kvserve.write_slots(k, k_cache, meta.slot_mapping)
+            torch.ops.kvserve.write_slots(v, v_cache, meta.slot_mapping)
+        else:
+            k_cache[block, :, offset] = k
+            v_cache[block, :, offset] = v
         return k, v
     out = []
     for x, (values, scales) in ((k, k_cache), (v, v_cache)):

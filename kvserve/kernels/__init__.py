@@ -6,7 +6,7 @@ step reads every weight byte once; its host work is a few calls, not thousands).
   linear_bf16                               a bfloat16 weight (AMX tiles where the CPU has them, else torch's GEMM)
   decode_attention                          paged decode attention, split along the context
   silu_mul                                  SwiGLU (float32 or bfloat16 rows)
-  rms_norm_bf16                             RMSNorm of bfloat16 rows
+  rms_norm_bf16 / add_rms_norm_bf16         RMSNorm of bfloat16 rows (after a residual add)
   draw_rows                                 sampled tokens drawn from logits rows (inverse CDF)
   decode_layers                             every decoder layer of a pure-decode step, one call
 
@@ -121,6 +121,8 @@ def _register_fakes() -> None:
     torch.library.register_fake("kvserve::decode_attention")(lambda q, *rest: torch.empty_like(q))
     torch.library.register_fake("kvserve::silu_mul")(lambda gu: gu.new_empty(gu.shape[0], gu.shape[1] // 2))
     torch.library.register_fake("kvserve::rms_norm_bf16")(lambda x, w, eps: torch.empty_like(x))
+    torch.library.register_fake("kvserve::add_rms_norm_bf16")(
+        lambda x, d, w, eps: (torch.empty_like(x), torch.empty_like(x)))
     torch.library.register_fake("kvserve::draw_rows")(lambda x, rows, u: rows.new_empty(rows.shape))
 
 

@@ -20,6 +20,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, rms_norm(x + delta)): a residual branch added to the stream and the next
+    norm of it. bfloat16 rows on the CPU: one pass of kvserve's op (torch's bfloat16 add and
+    `rms_norm`'s arithmetic, bit for bit); otherwise the two torch calls."""
+    if _bf16_rows(x) and _bf16_rows(delta) and weight.dtype == torch.bfloat16 and weight.dim() == 1:
+        s, h = torch.ops.kvserve.add_rms_norm_bf16(x.view(-1, x.shape[-1]), delta.view(-1, x.shape[-1]), weight, eps)
+        return s.view(x.shape), h.view(x.shape)
+    x = x + delta
+    return x, rms_norm(x, weight, eps)
+
+
 def _bf16_rows(x: torch.Tensor) -> bool:
     """x is contiguous bfloat16 on the CPU and kvserve's kernels run here (their row ops take it)."""
     return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.is_contiguous() and kernels.available()

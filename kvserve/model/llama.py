@@ -16,7 +16,7 @@ from kvserve.model.config import ModelConfig
 from kvserve.model.quant.cpu_paths import kernel_plan
 from kvserve.model.fused_decode import FusedDecode
 from kvserve.model.fusion import embedding_rows, embedding_weight, linear_weight
-from kvserve.model.layers import apply_rope, gated_activation, rms_norm, rope_tables
+from kvserve.model.layers import add_rms_norm, apply_rope, gated_activation, rms_norm, rope_tables
 from kvserve.config.names import parse_quantization
 from kvserve.model.quant.formats import Int8Weight, QuantizedWeight, linear
 
@@ -208,8 +208,10 @@ class LlamaModel:
             return x
         cos = self.rope_cos[positions].to(self.dtype).unsqueeze(1)   # [T, 1, D]
         sin = self.rope_sin[positions].to(self.dtype).unsqueeze(1)
+        h = None            # the next layer's normed input, when the last add computed it
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
-            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            if h is None:
+                h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = linear(h, layer.qkv, layer.qkv_bias)                # [T, (H + 2KV) * D]
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             qk, v = qk.view(T, H + KV, D), v.view(T, KV, D)
@@ -228,8 +230,12 @@ class LlamaModel:
             if meta.kv_written is not None:                           # this layer's K/V are in the pool
                 meta.kv_written(i)
             attn_out = linear(o.reshape(T, H * D), layer.o)           # [T, hidden] (partial if tp)
-            x = x + (attn_out if tp is None else tp.all_reduce(attn_out))
-            h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            x, h = add_rms_norm(x, attn_out if tp is None else tp.all_reduce(attn_out), layer.post_norm,
+                                cfg.rms_norm_eps)
             mlp_out = layer.mlp(h)
-            x = x + (mlp_out if tp is None else tp.all_reduce(mlp_out))
+            mlp_out = mlp_out if tp is None else tp.all_reduce(mlp_out)
+            if i + 1 < len(self.layers):        # the add and the next layer's first norm in one pass
+                x, h = add_rms_norm(x, mlp_out, self.layers[i + 1].input_norm, cfg.rms_norm_eps)
+            else:
+                x = x + mlp_out
         return x

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "ops.h"
@@ -392,19 +393,67 @@ static at::Tensor silu_mul_op(const at::Tensor& gate_up) {
 }
 
 // RMSNorm of bfloat16 rows x [T, H] with a bfloat16 weight [H] (rows_bf16.h), rows over ATen's threads.
-static at::Tensor rms_norm_bf16_op(const at::Tensor& x, const at::Tensor& weight, double eps) {
+// RMSNorm of bfloat16 rows x [T, H] (weight [H]); with `delta` [T, H], of x + delta (torch's
+// bfloat16 add) instead, also returned: (x + delta, its norm). Rows over ATen's threads.
+static std::tuple<at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, const at::Tensor* delta,
+                                                    const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
                   weight.dim() == 1 && weight.size(0) == x.size(1),
               "kvserve: rms_norm_bf16 takes bfloat16 x [T, H] and weight [H]");
+  TORCH_CHECK(!delta || (delta->scalar_type() == at::kBFloat16 && delta->sizes() == x.sizes()),
+              "kvserve: add_rms_norm_bf16 takes bfloat16 x and delta of one shape [T, H]");
   at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor dc = delta ? delta->contiguous() : at::Tensor();
   const int64_t T = xc.size(0), H = xc.size(1);
-  at::Tensor out = at::empty_like(xc);
+  at::Tensor out = at::empty_like(xc), sum = delta ? at::empty_like(xc) : at::Tensor();
+  const auto* xp = (const uint16_t*)xc.data_ptr<at::BFloat16>();
+  const auto* dp = delta ? (const uint16_t*)dc.data_ptr<at::BFloat16>() : nullptr;
+  auto* sp = delta ? (uint16_t*)sum.data_ptr<at::BFloat16>() : nullptr;
+  auto* op = (uint16_t*)out.data_ptr<at::BFloat16>();
   const IsaKernels& k = isa();
   at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(H, 1)), [&](int64_t t0, int64_t t1) {
-    k.rms_norm_bf16((const uint16_t*)xc.data_ptr<at::BFloat16>() + t0 * H, (const uint16_t*)wc.data_ptr<at::BFloat16>(),
-                    (int)(t1 - t0), (int)H, (float)eps, (uint16_t*)out.data_ptr<at::BFloat16>() + t0 * H);
+    k.rms_norm_bf16(xp + t0 * H, dp ? dp + t0 * H : nullptr, (const uint16_t*)wc.data_ptr<at::BFloat16>(),
+                    (int)(t1 - t0), (int)H, (float)eps, sp ? sp + t0 * H : nullptr, op + t0 * H);
   });
-  return out;
+  return {sum, out};
+}
+
+static at::Tensor rms_norm_bf16_op(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return std::get<1>(norm_rows(x, nullptr, weight, eps));
+}
+
+static std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16_op(const at::Tensor& x, const at::Tensor& delta,
+                                                               const at::Tensor& weight, double eps) {
+  return norm_rows(x, &delta, weight, eps);
+}
+
+// New tokens' K or V rows src [T, KV, D] into their slots of a paged pool [blocks, KV, block_size,
+// D] of the same dtype (float32 or bfloat16): slot s is block s / block_size, offset s %
+// block_size. Row copies over ATen's threads, every slot checked against the pool first (what
+// `cache[block, :, offset] = src` does through torch's generic index kernel).
+static void write_slots(const at::Tensor& src, at::Tensor& cache, const at::Tensor& slots) {
+  TORCH_CHECK(src.dim() == 3 && cache.dim() == 4 && src.scalar_type() == cache.scalar_type() &&
+                  (src.scalar_type() == at::kFloat || src.scalar_type() == at::kBFloat16) &&
+                  src.size(1) == cache.size(1) && src.size(2) == cache.size(3) && cache.is_contiguous() &&
+                  src.stride(2) == 1 && slots.scalar_type() == at::kLong && slots.dim() == 1 &&
+                  slots.size(0) == src.size(0),
+              "kvserve: write_slots takes rows [T, KV, D] and a pool [blocks, KV, block_size, D] of one "
+              "float32 or bfloat16 dtype, and T int64 slots");
+  const at::Tensor sl = slots.contiguous();
+  const int64_t T = src.size(0), KV = src.size(1), D = src.size(2), bs = cache.size(2);
+  const int64_t total = cache.size(0) * bs, esize = (int64_t)src.element_size();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < total, "kvserve: slot ", sp[t], " outside the cache");
+  const char* in = (const char*)src.data_ptr();
+  char* out = (char*)cache.data_ptr();
+  const int64_t s0 = src.stride(0) * esize, s1 = src.stride(1) * esize, row = D * esize;
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(KV * D, 1)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = sp[t] / bs, o = sp[t] % bs;
+      for (int64_t h = 0; h < KV; ++h)
+        std::memcpy(out + (((b * KV + h) * bs + o) * D) * esize, in + t * s0 + h * s1, (size_t)row);
+    }
+  });
 }
 
 // RoPE of bfloat16 heads x [T, heads, D] (rows may be strided: q and k heads viewed in the fused
@@ -495,6 +544,8 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("draw_rows(Tensor x, Tensor rows, Tensor u) -> Tensor");
   m.def("rms_norm_bf16(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm_bf16(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("write_slots(Tensor src, Tensor(a!) cache, Tensor slots) -> ()");
   m.def("rope_bf16(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("dequantize_int4(Tensor nibbles, Tensor scales, int group_size, ScalarType dtype) -> Tensor");
   m.def("dequantize_q8_0(Tensor q, Tensor d, ScalarType dtype) -> Tensor");
@@ -509,6 +560,8 @@ TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("silu_mul", &kvk::silu_mul_op);
   m.impl("draw_rows", &kvk::draw_rows);
   m.impl("rms_norm_bf16", &kvk::rms_norm_bf16_op);
+  m.impl("add_rms_norm_bf16", &kvk::add_rms_norm_bf16_op);
+  m.impl("write_slots", &kvk::write_slots);
   m.impl("rope_bf16", &kvk::rope_bf16_op);
   m.impl("dequantize_int4", &kvk::dequantize_int4);
   m.impl("dequantize_q8_0", &kvk::dequantize_q8_0);

@@ -30,11 +30,21 @@ static void silu_mul_bf16(const uint16_t* gu, int T, int I, uint16_t* out) {
 
 // x [T, H] -> out [T, H]: w * (x / sqrt(mean(x^2) + eps)), the normalised row rounded to bfloat16
 // before the weight (bfloat16 [H]) multiplies it, as `layers.rms_norm` computes a bfloat16 row.
-static void rms_norm_bf16(const uint16_t* x, const uint16_t* w, int T, int H, float eps, uint16_t* out) {
+// With d (a residual branch's output [T, H]): x + d first, rounded to bfloat16 as torch's
+// bfloat16 add rounds it, into xo [T, H], and the norm of that (`layers.add_rms_norm`).
+static void rms_norm_bf16(const uint16_t* x, const uint16_t* d, const uint16_t* w, int T, int H, float eps,
+                          uint16_t* xo, uint16_t* out) {
   float v[256];
   for (int t = 0; t < T; ++t) {
     const uint16_t* xr = x + (size_t)t * H;
     uint16_t* o = out + (size_t)t * H;
+    if (d) {
+      const uint16_t* dr = d + (size_t)t * H;
+      uint16_t* sr = xo + (size_t)t * H;
+#pragma omp simd
+      for (int i = 0; i < H; ++i) sr[i] = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(dr[i]));
+      xr = sr;
+    }
     float ss = 0.0f;
     for (int a = 0; a < H; a += 256) {
       const int n = imin(256, H - a);
