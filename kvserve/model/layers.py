@@ -36,6 +36,10 @@ def _bf16_rows(x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.is_contiguous() and kernels.available()
 
 
+def _f32_rows(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous() and kernels.available()
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """Inverse frequencies theta^(-2j/d), with Llama-3, linear or per-frequency (`freq_factors`,
     from GGUF) `rope_scaling` applied."""
@@ -169,9 +173,10 @@ def apply_rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up, from the fused [T, 2I] projection (bfloat16 rows on the CPU: kvserve's op,
-    rounding as torch's two ops do)."""
-    if gate_up.dim() == 2 and _bf16_rows(gate_up):
+    """silu(gate) * up, from the fused [T, 2I] projection. On the CPU kvserve's op, one pass:
+    bfloat16 rows rounding as torch's two ops do; float32 rows within a few ulp of them (its exp
+    is a polynomial, ~2 ulp: the fused decode step's SwiGLU, so prefill and decode agree)."""
+    if gate_up.dim() == 2 and (_bf16_rows(gate_up) or _f32_rows(gate_up)):
         return torch.ops.kvserve.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -1,6 +1,6 @@
 """kvserve's write_slots (the torch path's KV write on the CPU: new tokens' K or V rows into their
 paged slots) against torch's `cache[block, :, offset] = rows`: the same pool afterwards, bit for
-bit, for float32 and bfloat16, rows strided as the fused QKV output leaves them; slots outside
+bit, for float32, bfloat16 and float16, rows strided as the fused QKV output leaves them; slots outside
 the pool refused before anything is written."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ pytestmark = needs_kernels
 
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**31), T=st.integers(1, 70), KV=st.integers(1, 4), D=st.sampled_from([8, 64, 80]),
-       bs=st.sampled_from([1, 4, 16]), dtype=st.sampled_from([torch.float32, torch.bfloat16]), extra=st.integers(0, 2))
+       bs=st.sampled_from([1, 4, 16]), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), extra=st.integers(0, 2))
 def test_rows_land_in_their_slots(seed, T, KV, D, bs, dtype, extra):
     g = torch.Generator().manual_seed(seed)
     blocks = (T + bs - 1) // bs + 3

@@ -392,8 +392,7 @@ static at::Tensor silu_mul_op(const at::Tensor& gate_up) {
   return out;
 }
 
-// RMSNorm of bfloat16 rows x [T, H] with a bfloat16 weight [H] (rows_bf16.h), rows over ATen's threads.
-// RMSNorm of bfloat16 rows x [T, H] (weight [H]); with `delta` [T, H], of x + delta (torch's
+// RMSNorm of bfloat16 rows x [T, H] (weight [H], rows_bf16.h); with `delta` [T, H], of x + delta (torch's
 // bfloat16 add) instead, also returned: (x + delta, its norm). Rows over ATen's threads.
 static std::tuple<at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, const at::Tensor* delta,
                                                     const at::Tensor& weight, double eps) {
@@ -428,17 +427,18 @@ static std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16_op(const at::Tensor&
 }
 
 // New tokens' K or V rows src [T, KV, D] into their slots of a paged pool [blocks, KV, block_size,
-// D] of the same dtype (float32 or bfloat16): slot s is block s / block_size, offset s %
+// D] of the same dtype (float32, bfloat16 or float16): slot s is block s / block_size, offset s %
 // block_size. Row copies over ATen's threads, every slot checked against the pool first (what
 // `cache[block, :, offset] = src` does through torch's generic index kernel).
 static void write_slots(const at::Tensor& src, at::Tensor& cache, const at::Tensor& slots) {
   TORCH_CHECK(src.dim() == 3 && cache.dim() == 4 && src.scalar_type() == cache.scalar_type() &&
-                  (src.scalar_type() == at::kFloat || src.scalar_type() == at::kBFloat16) &&
+                  (src.scalar_type() == at::kFloat || src.scalar_type() == at::kBFloat16 ||
+                   src.scalar_type() == at::kHalf) &&
                   src.size(1) == cache.size(1) && src.size(2) == cache.size(3) && cache.is_contiguous() &&
                   src.stride(2) == 1 && slots.scalar_type() == at::kLong && slots.dim() == 1 &&
                   slots.size(0) == src.size(0),
               "kvserve: write_slots takes rows [T, KV, D] and a pool [blocks, KV, block_size, D] of one "
-              "float32 or bfloat16 dtype, and T int64 slots");
+              "float32, bfloat16 or float16 dtype, and T int64 slots");
   const at::Tensor sl = slots.contiguous();
   const int64_t T = src.size(0), KV = src.size(1), D = src.size(2), bs = cache.size(2);
   const int64_t total = cache.size(0) * bs, esize = (int64_t)src.element_size();
