@@ -15,7 +15,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     on the CPU: kvserve's op, the same arithmetic in one pass (4x torch's five ops at 2,048 x 576)."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    if _bf16_rows(x) and weight.dtype == torch.bfloat16 and weight.dim() == 1:
+    if _cpu_rows(x) and weight.dtype == torch.bfloat16 and weight.dim() == 1:
         return torch.ops.kvserve.rms_norm_bf16(x.view(-1, x.shape[-1]), weight, eps).view(x.shape)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
@@ -24,20 +24,17 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     """(x + delta, rms_norm(x + delta)): a residual branch added to the stream and the next
     norm of it. bfloat16 rows on the CPU: one pass of kvserve's op (torch's bfloat16 add and
     `rms_norm`'s arithmetic, bit for bit); otherwise the two torch calls."""
-    if _bf16_rows(x) and _bf16_rows(delta) and weight.dtype == torch.bfloat16 and weight.dim() == 1:
+    if _cpu_rows(x) and _cpu_rows(delta) and weight.dtype == torch.bfloat16 and weight.dim() == 1:
         s, h = torch.ops.kvserve.add_rms_norm_bf16(x.view(-1, x.shape[-1]), delta.view(-1, x.shape[-1]), weight, eps)
         return s.view(x.shape), h.view(x.shape)
     x = x + delta
     return x, rms_norm(x, weight, eps)
 
 
-def _bf16_rows(x: torch.Tensor) -> bool:
-    """x is contiguous bfloat16 on the CPU and kvserve's kernels run here (their row ops take it)."""
-    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.is_contiguous() and kernels.available()
-
-
-def _f32_rows(x: torch.Tensor) -> bool:
-    return x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous() and kernels.available()
+def _cpu_rows(x: torch.Tensor, dtypes: tuple = (torch.bfloat16,)) -> bool:
+    """x is contiguous, of one of `dtypes`, on the CPU, and kvserve's kernels run here (their row
+    ops take it)."""
+    return x.dtype in dtypes and x.device.type == "cpu" and x.is_contiguous() and kernels.available()
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -176,7 +173,7 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, from the fused [T, 2I] projection. On the CPU kvserve's op, one pass:
     bfloat16 rows rounding as torch's two ops do; float32 rows within a few ulp of them (its exp
     is a polynomial, ~2 ulp: the fused decode step's SwiGLU, so prefill and decode agree)."""
-    if gate_up.dim() == 2 and (_bf16_rows(gate_up) or _f32_rows(gate_up)):
+    if gate_up.dim() == 2 and _cpu_rows(gate_up, (torch.bfloat16, torch.float32)):
         return torch.ops.kvserve.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
