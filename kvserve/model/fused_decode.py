@@ -31,7 +31,7 @@ def linear_spec(w) -> tuple | None:
     if isinstance(w, torch.Tensor):
         return (DENSE, 0, w, EMPTY, EMPTY) if w.dtype in (torch.float32, torch.bfloat16) else None
     if isinstance(w, Int4Weight):
-        return INT4, w.group_size, w.nibbles, w.scales, EMPTY
+        return INT4, w.group_size, w.nibbles, w.scales, EMPTY if w.high is None else w.high
     if isinstance(w, Int8Weight) and w.shape[1] % 32 == 0:
         return INT8, 0, w.q, w.scale, EMPTY
     if isinstance(w, Int8BlockWeight) and w.q is not None:

@@ -3,7 +3,7 @@ torch.ops.kvserve.decode_layers call) against the layer-by-layer path on the sam
 greedy tokens equal and logprobs within 1e-4 in float32 (Llama, Llama 3's tied embeddings and
 RoPE scaling, Qwen2's qkv bias, Qwen3's per-head q/k norm, Mistral's sliding window, mixtures
 of experts: Mixtral, Qwen2-MoE's shared expert, a dense layer among MoE ones), and with
-int8 and int4 weights (int4 within 1e-3); a bfloat16 model within bfloat16's rounding; a step
+int8, int4 and int5 (GGUF Q5_0) weights (int4 and int5 within 1e-3); a bfloat16 model within bfloat16's rounding; a step
 with prefill chunks never takes it; a model it refuses logs why and runs layer by layer."""
 from __future__ import annotations
 
@@ -159,6 +159,16 @@ def test_fused_step_with_quantized_weights(quantization, tol, random_model_dir):
     fused, layered, steps = fused_and_layered(random_model_dir("llama"), prompts_for(3, 3),
                                               quantization=quantization, max_num_seqs=3)
     assert_same(fused, layered, tol)
+    assert any(f for _, _, f in steps)
+
+
+def test_fused_step_with_int5_weights(random_model_dir, tmp_path):
+    """A GGUF Q5_0 file (every matrix int5: nibbles and a fifth bit) through the fused step and
+    layer by layer: tokens equal, logprobs within int4's 1e-3."""
+    from tests.model.gguf_files import write_hf_as_gguf
+    path = write_hf_as_gguf(random_model_dir("llama"), tmp_path / "m.gguf", "Q5_0")
+    fused, layered, steps = fused_and_layered(path, prompts_for(4, 3), max_num_seqs=3)
+    assert_same(fused, layered, INT4_LOGPROB_TOL)
     assert any(f for _, _, f in steps)
 
 

@@ -53,8 +53,9 @@ def activations(g: torch.Generator, T: int, K: int) -> torch.Tensor:
     return x
 
 
-def int4_weight(g: torch.Generator, N: int, K: int, group: int, zeros: bool) -> Int4Weight:
-    q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+def int4_weight(g: torch.Generator, N: int, K: int, group: int, zeros: bool, fifth: bool = False) -> Int4Weight:
+    """`fifth`: int5 (q in 0..31, a GGUF Q5 type's; K a multiple of 32)."""
+    q = torch.randint(0, 32 if fifth else 16, (N, K), generator=g, dtype=torch.uint8)
     scale = torch.rand(N, K // group, generator=g) * 0.1 + 1e-3
     zero = torch.randn(N, K // group, generator=g) * 0.05 if zeros else None
     return Int4Weight(q, scale, zero, dtype=torch.float32)
@@ -76,7 +77,7 @@ def q16_rounding(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
     T = x.shape[0]
     amax = x.double().abs().view(T, K // 32, 32).amax(-1).repeat_interleave(32, dim=1)          # [T, K]
     scale = w.scales[:, 0].double().repeat_interleave(w.group_size, dim=1)                      # [N, K]
-    q = torch.stack([w.nibbles & 15, w.nibbles >> 4], -1).view(N, K).double()
+    q = w.q_values().double()
     return 1.01 * (amax @ ((q - 8).abs() * scale).T) / 65534
 
 
@@ -84,24 +85,29 @@ def q16_rounding(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
 @SETTINGS
 @given(seed=st.integers(0, 2**31), group=st.sampled_from([32, 64, 128, 256]), blocks=st.integers(1, 9),
        N=st.integers(1, 80), T=st.integers(1, 40), few=st.booleans(), zeros=st.booleans(),
-       n_threads=st.sampled_from([1, 2]))
-@example(seed=1, group=256, blocks=9, N=33, T=5, few=False, zeros=True, n_threads=1)   # two 1024 slabs
-@example(seed=2, group=32, blocks=3, N=20, T=2, few=True, zeros=True, n_threads=1)     # K % 64: float
-@example(seed=3, group=128, blocks=2, N=17, T=3, few=True, zeros=False, n_threads=2)
-@example(seed=4, group=32, blocks=40, N=35, T=40, few=False, zeros=True, n_threads=2)  # 1,280 wide: slabs
-@example(seed=9, group=64, blocks=9, N=20, T=150, few=False, zeros=True, n_threads=2)  # AMX: 150 rows, 576 wide
-@example(seed=10, group=256, blocks=9, N=17, T=130, few=False, zeros=False, n_threads=1)  # AMX: 2,304 wide
-def test_linear_int4(bits, seed, group, blocks, N, T, few, zeros, n_threads):
+       n_threads=st.sampled_from([1, 2]), fifth=st.booleans())
+@example(seed=1, group=256, blocks=9, N=33, T=5, few=False, zeros=True, n_threads=1, fifth=False)   # two 1024 slabs
+@example(seed=2, group=32, blocks=3, N=20, T=2, few=True, zeros=True, n_threads=1, fifth=False)     # K % 64: float
+@example(seed=3, group=128, blocks=2, N=17, T=3, few=True, zeros=False, n_threads=2, fifth=False)
+@example(seed=4, group=32, blocks=40, N=35, T=40, few=False, zeros=True, n_threads=2, fifth=False)  # 1,280 wide: slabs
+@example(seed=9, group=64, blocks=9, N=20, T=150, few=False, zeros=True, n_threads=2, fifth=False)  # AMX: 150 rows, 576 wide
+@example(seed=10, group=256, blocks=9, N=17, T=130, few=False, zeros=False, n_threads=1, fifth=False)  # AMX: 2,304 wide
+@example(seed=11, group=32, blocks=18, N=20, T=3, few=True, zeros=True, n_threads=1, fifth=True)    # int5: int16 route
+@example(seed=12, group=32, blocks=3, N=20, T=2, few=True, zeros=True, n_threads=1, fifth=True)     # int5: K % 64, float
+@example(seed=13, group=32, blocks=40, N=35, T=40, few=False, zeros=True, n_threads=2, fifth=True)  # int5: tiles
+@example(seed=14, group=64, blocks=9, N=20, T=150, few=False, zeros=True, n_threads=2, fifth=True)  # int5: AMX
+def test_linear_int4(bits, seed, group, blocks, N, T, few, zeros, n_threads, fifth):
     """Every route (int16 for <= KERNEL_ROWS rows, float blocks to 8 rows, float tiles past
-    that) against the float64 product of the dequantized weight."""
+    that) against the float64 product of the dequantized weight; int4 and int5 (a fifth bit)."""
     g = torch.Generator().manual_seed(seed)
     K = group * blocks
     if few:
         T = 1 + T % 8                                         # the int16 route's and the blocks' rows
-    w = int4_weight(g, N, K, group, zeros)
+    w = int4_weight(g, N, K, group, zeros, fifth)
+    assert (w.high is not None) == fifth
     x = activations(g, T, K)
     with on_isa(bits), threads(n_threads):
-        y = torch.ops.kvserve.linear_int4(x, w.nibbles, w.scales, group)
+        y = torch.ops.kvserve.linear_int4(x, w.nibbles, w.scales, group, w.high)
         amx = on_amx(T)
     int16_route = T <= kernels.KERNEL_ROWS and K % 64 == 0
     if amx:
@@ -203,14 +209,18 @@ def q16_activations(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("bits", ISA_BITS)
 @SETTINGS
 @given(seed=st.integers(0, 2**31), group=st.sampled_from([32, 64, 128]), blocks=st.integers(1, 6),
-       N=st.integers(1, 40), zeros=st.booleans())
-def test_dequantize_ops_round_each_exact_value_once(bits, seed, group, blocks, N, zeros):
+       N=st.integers(1, 40), zeros=st.booleans(), fifth=st.booleans())
+def test_dequantize_ops_round_each_exact_value_once(bits, seed, group, blocks, N, zeros, fifth):
     """`dequantize_int4` / `dequantize_q8_0`: every weight's exact value ((q - 8) * scale + zero,
-    q * d), rounded once to float32, and to bfloat16 from there (the dequantize path of big steps)."""
+    q * d; q 0..31 with a fifth bit), rounded once to float32, and to bfloat16 from there (the
+    dequantize path of big steps)."""
     g = torch.Generator().manual_seed(seed)
     K = group * blocks
-    w = int4_weight(g, N, K, group, zeros)
+    w = int4_weight(g, N, K, group, zeros, fifth)
     q = torch.stack([w.nibbles & 15, w.nibbles >> 4], -1).view(N, K).double()
+    if fifth:
+        q += 16 * ((w.high[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1).view(N, K // 32, 2, 16).transpose(
+            2, 3).reshape(N, K).double()
     scale, zero = (t.double().repeat_interleave(group, dim=1) for t in w.scales.unbind(1))     # [N, K]
     exact = (q - 8) * scale + zero
     q8 = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
@@ -218,7 +228,7 @@ def test_dequantize_ops_round_each_exact_value_once(bits, seed, group, blocks, N
     exact8 = q8.double() * d.double().repeat_interleave(32, dim=1)
     with on_isa(bits):
         for dtype in (torch.float32, torch.bfloat16):
-            got = torch.ops.kvserve.dequantize_int4(w.nibbles, w.scales, group, dtype)
+            got = torch.ops.kvserve.dequantize_int4(w.nibbles, w.scales, group, dtype, w.high)
             assert torch.equal(got, exact.float().to(dtype))
             assert torch.equal(torch.ops.kvserve.dequantize_q8_0(q8, d, dtype), exact8.float().to(dtype))
 

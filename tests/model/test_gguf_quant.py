@@ -1,5 +1,5 @@
 """A GGUF file's tensors in their own types (kvserve/model/quant/gguf_types.py, the default on a .gguf
-file): unpacked Q4_0/Q4_1/Q4_K/Q8_0 blocks give gguf's dequantized values bit for bit, on
+file): unpacked Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q8_0 blocks give gguf's dequantized values bit for bit, on
 written and real files; native loads hold the dequantized load's values; engines on both agree;
 resident bytes; SmolLM2 Q4_1 answers natively."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from kvserve import LLM, kernels
 from kvserve.config import EngineConfig
 from kvserve.model.loaders.gguf import load_gguf
-from kvserve.model.quant.gguf_types import UNPACK_INT4, unpack_q4_k, unpack_q8_0
+from kvserve.model.quant.gguf_types import UNPACK_INT4, UNPACK_INT5, unpack_q4_k, unpack_q5_k, unpack_q8_0
 from kvserve.model.quant import cpu_paths
 from kvserve.model.quant.cpu_paths import kernel_plan
 from kvserve.model.quant.formats import Int4Weight, Int8Weight, keeps_quantized
@@ -25,7 +25,9 @@ gguf = pytest.importorskip("gguf")
 
 
 def bits(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a, dtype=np.float32).view(np.int32)
+    """float32 bits, zeros as +0.0: Q5_0's d (q - 16) is -0.0 at q = 16 where d < 0, kvserve's
+    d (q - 8) - 8 d +0.0 (the same value)."""
+    return (np.ascontiguousarray(a, dtype=np.float32) + np.float32(0)).view(np.int32)
 
 
 def int4_values(q, scale, zero) -> np.ndarray:
@@ -57,17 +59,18 @@ def encode(a: np.ndarray, qtype: str) -> np.ndarray:
 def unpacked_values(raw: np.ndarray, qtype: str, N: int, K: int) -> np.ndarray:
     if qtype == "Q8_0":
         return q8_values(*unpack_q8_0(raw, N, K))
-    return int4_values(*UNPACK_INT4[qtype](raw, N, K))
+    return int4_values(*{**UNPACK_INT4, **UNPACK_INT5}[qtype](raw, N, K))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q8_0"])
 def test_unpacked_blocks_equal_gguf_dequantize_bit_for_bit(qtype):
     a = sample_weights()
     raw = encode(a, qtype)
     ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
     assert np.array_equal(bits(unpacked_values(raw, qtype, *a.shape)), bits(ref))
     if qtype != "Q8_0":   # Int4Values computes the same in torch
-        q, scale, zero = UNPACK_INT4[qtype](raw, *a.shape)
+        q, scale, zero = {**UNPACK_INT4, **UNPACK_INT5}[qtype](raw, *a.shape)
+        assert q.max() == (31 if qtype.startswith("Q5") else 15)
         values = Int4Values(*[None if x is None else torch.from_numpy(x) for x in (q, scale, zero)])
         assert np.array_equal(bits(values.dequantize().numpy()), bits(ref))
 
@@ -92,6 +95,28 @@ def test_q4_k_any_bits_and_the_zero_point_rounding():
         assert same.all() == exact
         ulp_zero = np.spacing(np.abs(zero)).repeat(32, axis=1)
         assert (np.abs(got - ref) <= ulp_zero + np.spacing(np.abs(ref))).all()
+
+
+def test_q5_k_any_bits():
+    """Q5_K from random bytes (every fifth bit, nibble, 6-bit scale and min), d and dmin within a
+    decade: the fifth bits of sub-block j are bit j of the 32 qh bytes, bit for bit gguf's values."""
+    rng = np.random.default_rng(2)
+    N, K = 32, 512
+    blocks = rng.integers(0, 256, size=(N * K // 256, 176), dtype=np.uint8)
+    blocks[:, 0:4] = (10.0 ** rng.uniform(-3, -2, size=(len(blocks), 2))).astype(np.float16).view(np.uint8)
+    raw = blocks.reshape(N, -1)
+    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q5_K)
+    q, scale, zero = unpack_q5_k(raw, N, K)
+    assert q.max() == 31 and np.array_equal(bits(int4_values(q, scale, zero)), bits(ref))
+
+
+def test_int5_needs_kvserves_kernels(monkeypatch):
+    """A fifth bit is read by kvserve's kernels only: without them an int5 weight is refused
+    (and a GGUF file's Q5 tensors are requantized to int8 instead: test_native_load_of_q5)."""
+    monkeypatch.setattr(kernels, "available", lambda device="cpu": False)
+    q = torch.randint(0, 32, (16, 64), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="5-bit weights run on kvserve's CPU kernels only"):
+        Int4Weight(q, torch.ones(16, 2), torch.zeros(16, 2))
 
 
 @needs_smollm2
@@ -128,6 +153,29 @@ def test_native_load_holds_the_dequantized_values(qtype, random_model_dir, tmp_p
             assert isinstance(w, Int4Values) and (w.values()[2] is None) == (qtype == "Q4_0"), name
             w = w.dequantize()
         assert torch.equal(w.view(torch.int32), ref[name].view(torch.int32)), name
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1"])
+@pytest.mark.parametrize("own", [True, False])
+def test_native_load_of_q5(qtype, own, random_model_dir, tmp_path, monkeypatch):
+    """With kvserve's kernels every Q5 matrix loads as Int4Values with q in 0..31, the dequantized
+    load's values bit for bit; packed, a fifth-bit plane of K / 8 bytes a row beside the nibbles.
+    Without them (monkeypatched off) each is requantized to per-row int8."""
+    if own and not kernels.available():
+        pytest.skip("kvserve's kernels are not built here")
+    monkeypatch.setattr(kernels, "available", lambda device="cpu": own)
+    path = write_hf_as_gguf(random_model_dir("llama"), tmp_path / "m.gguf", qtype)
+    _, native, _ = load_gguf(path, native=True)
+    _, ref, _ = load_gguf(path)
+    for name, w in linear_parts(native).items():
+        if not own:
+            assert isinstance(w, Int8Weight), name
+            continue
+        assert isinstance(w, Int4Values) and int(w.values()[0].max()) > 15, name
+        assert torch.equal((w.dequantize() + 0).view(torch.int32), (ref[name] + 0).view(torch.int32)), name   # bits.__doc__
+        packed = w.pack(torch.float32, "cpu")
+        N, K = w.shape
+        assert packed.high.shape == (N, K // 8) and torch.equal(packed.q_values(), w.values()[0])
 
 
 def test_native_q8_0(random_model_dir, tmp_path):
@@ -179,13 +227,14 @@ def test_int8_block_weight_computes_x_times_w(rows, own, monkeypatch):
 
 # Native against quantization="dequant" on the same file, teacher-forced over the dequantized
 # run's greedy tokens (6 prompts x 16): (min top-1 agreement, max mean KL). What differs: scales
-# and zeros in bfloat16 and bfloat16 matmuls (int4), per-row int8 (Q8_0 layers without kvserve's
-# kernels, and the mixed file's Q5/Q6/Q2/Q3_K), the mixed file's q/k/v fused as int8 (Q4_K + Q3_K + Q2_K).
+# and zeros in bfloat16 and bfloat16 matmuls (int4), per-row int8 (Q8_0 and Q5 layers without kvserve's
+# kernels, and the mixed file's Q6/Q2/Q3_K), the mixed file's q/k/v fused as int8 (Q4_K + Q3_K + Q2_K).
 # Measured (1 thread): Q4_0 top-1 0.979, KL 0.00014; Q4_1 0.969, 0.00016; Q8_0 0.969, 0.00041;
-# Q4_K 1.000, 0.00056; mixed 0.990, 0.00006. The random weights' top-1 margins are small (see
+# Q4_K 1.000, 0.00056; mixed 0.990, 0.00006. With the Q5 types held as int5 (gate Q5_0 + up Q5_1 no
+# longer int8): Q5_0 0.958, 0.00014; mixed 1.000, 0.00003 (2026-12-07). The random weights' top-1 margins are small (see
 # test_quant.py), so one flip changes the rest of a greedy run: whole runs are not compared.
 AGREEMENT = {"Q4_0": (0.9, 0.003), "Q4_1": (0.9, 0.003), "Q8_0": (0.9, 0.003), "Q4_K": (0.9, 0.003),
-             "mixed": (0.9, 0.003)}
+             "Q5_0": (0.9, 0.003), "mixed": (0.9, 0.003)}
 ALL_Q4_K = {name: "Q4_K" for name in ("token_embd.weight", "output.weight", "blk.0.attn_q.weight",
                                       "blk.0.attn_k.weight", "blk.0.attn_v.weight",
                                       "blk.0.attn_output.weight", "blk.0.ffn_gate.weight",
@@ -214,16 +263,19 @@ def test_native_engine_tracks_the_dequantized_one(qtype, random_model_dir, tmp_p
     assert top1 >= min_top1 and kl <= max_kl, (top1, kl)
     layer = llm.engine.model.layers[0]
     kinds = {name: type(getattr(layer, name)).__name__ for name in ("qkv", "o", "gate_up", "down")}
+    own = kernels.available()
     expect = {"Q4_0": "Int4Weight", "Q4_1": "Int4Weight", "Q4_K": "Int4Weight",
-              "Q8_0": "Int8BlockWeight" if kernels.available() else "Int8Weight"}
+              "Q5_0": "Int4Weight" if own else "Int8Weight",
+              "Q8_0": "Int8BlockWeight" if own else "Int8Weight"}
     if not keeps_quantized("cpu"):      # this CPU's plan holds every weight dequantized
         assert set(kinds.values()) == {"Tensor"}
     elif qtype in expect:
         assert set(kinds.values()) == {expect[qtype]}
         logits_side = "Int8BlockWeight" if qtype == "Q8_0" else expect[qtype]
         assert {type(llm.engine.model.embed).__name__, type(llm.engine.model.lm_head).__name__} == {logits_side}
-    else:   # q Q4_K + k Q3_K + v Q2_K -> int8; o BF16, down F16 -> the dtype; gate Q5_0 + up Q5_1 -> int8
-        assert kinds == {"qkv": "Int8Weight", "o": "Tensor", "gate_up": "Int8Weight", "down": "Tensor"}
+    else:   # q Q4_K + k Q3_K + v Q2_K -> int8; o BF16, down F16 -> the dtype; gate Q5_0 + up Q5_1 -> int5
+        assert kinds == {"qkv": "Int8Weight", "o": "Tensor", "gate_up": "Int4Weight" if own else "Int8Weight",
+                         "down": "Tensor"}
 
 
 def int4_bytes(n: int, k: int) -> int:

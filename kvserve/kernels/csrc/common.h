@@ -40,7 +40,9 @@ struct AttnArgs {
 // The kernels of one ISA. Shapes: x [T, K] float32; y [T, N] float32; rows n0..n1 of y computed.
 //   gemv_int4: W = (q - 8) * scale + zero per group of G, q as kvserve's nibbles [N, K / 2],
 //              scales and zeros bfloat16 [N, 2, K / G] (row n: its scales, then its zeros); `xp` is x in int4_order (each 32 weights:
-//              the 16 even ones, then the 16 odd ones).
+//              the 16 even ones, then the 16 odd ones). `hb`: null, or a fifth bit per weight [N, K / 8]
+//              (GGUF Q5_0 / Q5_1 / Q5_K held in their own type): q = nibble + 16 bit, 0..31; per 32
+//              weights a little-endian 32-bit word, bit i the i-th weight in x's int4 order.
 //   gemv_int4_q16: the same weights times x quantized to int16 per 32 weights (kernels.h: q16_row).
 //   gemv_int8: W = q * scale[n], q [N, K] int8, scale [N] bfloat16.
 //   gemv_q8_0: W = q * d[n, k / 32] (GGUF Q8_0), q [N, K] int8, d [N, K / 32] float32.
@@ -58,10 +60,11 @@ struct AttnArgs {
 struct IsaKernels {
   const char* name;
   int width;      // floats per vector: head dims must be a multiple for attn_part
-  void (*gemv_int4)(const float* xp, int T, int K, const uint8_t* nib, const uint16_t* sz, int N,
-                    int G, float* y, int n0, int n1);
+  void (*gemv_int4)(const float* xp, int T, int K, const uint8_t* nib, const uint16_t* sz, const uint8_t* hb,
+                    int N, int G, float* y, int n0, int n1);
   void (*gemv_int4_q16)(const int16_t* xq, const float* dx, const float* xsum, int T, int K, int Bp,
-                       const uint8_t* nib, const uint16_t* sz, int N, int G, float* y, int n0, int n1);
+                       const uint8_t* nib, const uint16_t* sz, const uint8_t* hb, int N, int G, float* y,
+                       int n0, int n1);
   void (*gemv_int8)(const float* x, int T, int K, const int8_t* q, const uint16_t* scale, int N,
                     float* y, int n0, int n1);
   void (*gemv_q8_0)(const float* x, int T, int K, const int8_t* q, const float* d, int N,
@@ -70,7 +73,8 @@ struct IsaKernels {
                         int T, int K, const int8_t* q, const float* d, int N, float* y, int n0, int n1);
   void (*attn_part)(const AttnArgs& a, int b, int kvh, int t0, int t1, float* out, float* ml);
   void (*silu_mul)(const float* gu, int T, int I, float* out);
-  void (*dequant_int4)(const uint8_t* nib, const uint16_t* sz, int K, int G, int n0, int n1, float* f, uint16_t* b);
+  void (*dequant_int4)(const uint8_t* nib, const uint16_t* sz, const uint8_t* hb, int K, int G, int n0, int n1,
+                       float* f, uint16_t* b);
   void (*dequant_q8_0)(const int8_t* q, const float* d, int K, int n0, int n1, float* f, uint16_t* b);
   int64_t (*draw_row)(const float* x, int V, float u, float* e);
   void (*silu_mul_bf16)(const uint16_t* gu, int T, int I, uint16_t* out);
@@ -81,11 +85,13 @@ struct IsaKernels {
 };
 
 // A weight as isa_amx.cpp reads it: `format` as ops.h's Format (dense: bfloat16 only), `a` / `b`
-// the format's two tensors' data (common.h's shapes above; b unused for dense).
+// the format's two tensors' data (common.h's shapes above; b unused for dense); `c` an int4
+// weight's fifth bits (gemv_int4's hb) or null.
 struct AmxWeight {
   int format, N, K, G;
   const void* a;
   const void* b;
+  const void* c;
 };
 // The CPU has AMX-BF16 (and AVX512-BF16) and the OS granted this process the tile state.
 bool amx_ready();

@@ -83,17 +83,28 @@ static void dequant_row(const AmxWeight& w, int n, int k0, int kn, uint16_t* out
     const int groups = K / w.G;
     const uint8_t* nib = (const uint8_t*)w.a + (size_t)n * (K / 2);
     const uint16_t* srow = (const uint16_t*)w.b + (size_t)n * 2 * groups;
+    const uint8_t* hb = w.c ? (const uint8_t*)w.c + (size_t)n * (K / 8) : nullptr;
     const __m512 iota = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
     const __m512i m4 = _mm512_set1_epi32(15), m4h = _mm512_set1_epi32(0xF0);
     for (int c = 0; c < kn; c += 32) {
       if (!(c & 127)) __builtin_prefetch(nib + (k0 + c) / 2 + AHEAD, 0, 3);
       const int g = (k0 + c) / w.G;
       // the group's 16 values as a bfloat16 table, each weight looked up by its nibble (vpermw)
-      const __m512 vals = _mm512_fmadd_ps(iota, _mm512_set1_ps(bf16_to_f32(srow[g])), _mm512_set1_ps(bf16_to_f32(srow[groups + g])));
-      const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(vals));
+      const __m512 sv = _mm512_set1_ps(bf16_to_f32(srow[g])), zv = _mm512_set1_ps(bf16_to_f32(srow[groups + g]));
+      const __m512 vals = _mm512_fmadd_ps(iota, sv, zv);
+      __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(vals));
       const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(nib + (k0 + c) / 2)));
       // 16-bit lanes in weight order: lane 2j the low nibble of byte j, lane 2j+1 its high nibble
-      const __m512i idx = _mm512_or_si512(_mm512_and_si512(bytes, m4), _mm512_slli_epi32(_mm512_and_si512(bytes, m4h), 12));
+      __m512i idx = _mm512_or_si512(_mm512_and_si512(bytes, m4), _mm512_slli_epi32(_mm512_and_si512(bytes, m4h), 12));
+      if (hb) {     // a fifth bit: the table's values 16..31 above; bit j (< 16) is 32-bit lane j's
+                    // low word (weight 2j), bit 16 + j its high word (weight 2j + 1)
+        const __m512 vals16 = _mm512_fmadd_ps(_mm512_add_ps(iota, _mm512_set1_ps(16.0f)), sv, zv);
+        table = (__m512i)_mm512_cvtne2ps_pbh(vals16, vals);
+        uint32_t bits;
+        __builtin_memcpy(&bits, hb + (k0 + c) / 8, 4);
+        idx = _mm512_mask_add_epi32(idx, (__mmask16)(bits & 0xFFFF), idx, _mm512_set1_epi32(16));
+        idx = _mm512_mask_add_epi32(idx, (__mmask16)(bits >> 16), idx, _mm512_set1_epi32(16 << 16));
+      }
       _mm512_storeu_si512((void*)(out + c), _mm512_permutexvar_epi16(idx, table));
     }
   } else if (w.format == 2 || w.format == 3) {   // int8: q * scale[n]; Q8_0: q * d[n, k / 32]

@@ -29,9 +29,10 @@ static void exp_inplace(float* x, int n) {
 // ---- int4 GEMV: RB weight rows by TB activation rows per register block -----------------
 // Few activation rows (decode): each weight is dequantized once into registers and multiplied
 // with every row; NA accumulators per (row, activation) break the FMA latency chain at T <= 2.
+// hb: the fifth bits [N, K / 8] (vec.h high32; null for int4), q then 0..31.
 template <int RB, int TB>
 static inline void int4_block(const float* xp, int K, const uint8_t* nib, const uint16_t* sz,
-                              int N, int G, float* y, int n, int t0) {
+                              const uint8_t* hb, int N, int G, float* y, int n, int t0) {
   constexpr int NV = 32 / KV_W, NA = TB <= 2 ? 2 : 1;
   VF acc[RB][TB][NA];
   for (int r = 0; r < RB; ++r)
@@ -46,6 +47,7 @@ static inline void int4_block(const float* xp, int K, const uint8_t* nib, const 
         const float sc = bf16_to_f32(sg[0]);
         if (!(c & 127)) ahead(nib + (size_t)(n + r) * row_bytes + c / 2);
         nib32(nib + (size_t)(n + r) * row_bytes + c / 2, vset(sc), vset(bf16_to_f32(sg[groups]) - 8.0f * sc), w[r]);
+        if (hb) high32(hb + (size_t)(n + r) * (K / 8) + c / 8, vset(sc), w[r]);
       }
       for (int t = 0; t < TB; ++t) {
         VF xv[NV];
@@ -119,8 +121,8 @@ static void tile_rows(const float* x, int T, int K, float* y, int N, int n, int 
 }
 
 // int4 rows as float32 in int4 order (x must be int4_order'd).
-static void int4_tile(const float* xp, int T, int K, const uint8_t* nib, const uint16_t* sz, int N,
-                      int G, float* y, int n, int rb) {
+static void int4_tile(const float* xp, int T, int K, const uint8_t* nib, const uint16_t* sz,
+                      const uint8_t* hb, int N, int G, float* y, int n, int rb) {
   tile_rows(xp, T, K, y, N, n, rb, [&](int r, int k0, int kn, float* out) {
     const int groups = K / G;
     const uint16_t* srow = sz + (size_t)(n + r) * 2 * groups;
@@ -130,6 +132,7 @@ static void int4_tile(const float* xp, int T, int K, const uint8_t* nib, const u
       const float sc = bf16_to_f32(p[0]);
       VF w[32 / KV_W];
       nib32(nib + (size_t)(n + r) * (K / 2) + (k0 + c) / 2, vset(sc), vset(bf16_to_f32(p[groups]) - 8.0f * sc), w);
+      if (hb) high32(hb + (size_t)(n + r) * (K / 8) + (k0 + c) / 8, vset(sc), w);
       for (int v = 0; v < 32 / KV_W; ++v) vstore(out + c + v * KV_W, w[v]);
     }
   });
@@ -175,11 +178,14 @@ static inline void block_scales16(const uint16_t* row, int K, int G, int b0, int
   }
 }
 
+// hb: the fifth bits (null for int4): q = nibble + 16 bit, 0..31, added to the words before the
+// products (the - 8 sum(xq) term is the same).
 template <int TB>
 static inline void q16_row(const int16_t* xq, const float* dx, const float* xs, int K, int Bp,
-                           const uint8_t* nib, const uint16_t* sz, int G, float* y, int N, int n) {
+                           const uint8_t* nib, const uint16_t* sz, const uint8_t* hb, int G, float* y, int N, int n) {
   const int nb = K / 32;
   const uint8_t* w = nib + (size_t)n * (K / 2);
+  const uint8_t* h = hb ? hb + (size_t)n * (K / 8) : nullptr;
   const uint16_t* srow = sz + (size_t)n * 2 * (K / G);
   float acc[TB], s16[16], z16[16];
   for (int t = 0; t < TB; ++t) acc[t] = 0.0f;
@@ -209,6 +215,13 @@ static inline void q16_row(const int16_t* xq, const float* dx, const float* xs, 
       const __m512i wb = _mm512_cvtepu8_epi16(bytes);          // a word per byte: lo | hi << 4
       __m512i lo = _mm512_and_si512(wb, m4w);                  // evens of b, b+1
       __m512i hi = _mm512_srli_epi16(wb, 4);                   // odds (the word's bits 4..7)
+      if (h) {                                                 // bits 0-15 of a block: its evens, 16-31: odds
+        uint32_t b2[2];
+        __builtin_memcpy(b2, h + (size_t)(b0 + p) * 4, 8);
+        const __m512i v16 = _mm512_set1_epi16(16);
+        lo = _mm512_mask_add_epi16(lo, (__mmask32)((b2[0] & 0xFFFF) | (b2[1] << 16)), lo, v16);
+        hi = _mm512_mask_add_epi16(hi, (__mmask32)((b2[0] >> 16) | (b2[1] & 0xFFFF0000u)), hi, v16);
+      }
       const __m512i idx = _mm512_setr_epi32(p, p, p, p, p, p, p, p, p + 1, p + 1, p + 1, p + 1, p + 1, p + 1, p + 1, p + 1);
       for (int t = 0; t < TB; ++t) {
         const int16_t* xp = xq + (size_t)t * K + (size_t)(b0 + p) * 32;
@@ -232,6 +245,16 @@ static inline void q16_row(const int16_t* xq, const float* dx, const float* xs, 
       __m128i bytes = _mm_loadu_si128((const __m128i*)(w + (size_t)(b0 + p) * 16));
       __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, m4));
       __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), m4));
+      if (h) {                                                 // 16 bits each as 16 word masks
+        uint32_t bits;
+        __builtin_memcpy(&bits, h + (size_t)(b0 + p) * 4, 4);
+        const __m256i sel = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
+                                              16384, (short)-32768);
+        const __m256i be = _mm256_and_si256(_mm256_set1_epi16((short)(bits & 0xFFFF)), sel);
+        const __m256i bo = _mm256_and_si256(_mm256_set1_epi16((short)(bits >> 16)), sel);
+        lo = _mm256_add_epi16(lo, _mm256_and_si256(_mm256_cmpeq_epi16(be, sel), _mm256_set1_epi16(16)));
+        hi = _mm256_add_epi16(hi, _mm256_and_si256(_mm256_cmpeq_epi16(bo, sel), _mm256_set1_epi16(16)));
+      }
       const __m256i idx = _mm256_set1_epi32(p & 7);
       const size_t off = (size_t)(b0 + (p & ~1)) * 32 + (p & 1) * 16;   // within the pair layout
       for (int t = 0; t < TB; ++t) {
@@ -251,7 +274,10 @@ static inline void q16_row(const int16_t* xq, const float* dx, const float* xs, 
       for (int t = 0; t < TB; ++t) {
         const int16_t* xb = xq + (size_t)t * K + off;
         int32_t d = 0;
-        for (int j = 0; j < 16; ++j) d += (bw[j] & 15) * xb[j] + (bw[j] >> 4) * xb[32 + j];
+        uint32_t bits = 0;
+        if (h) __builtin_memcpy(&bits, h + (size_t)(b0 + p) * 4, 4);
+        for (int j = 0; j < 16; ++j)
+          d += ((bw[j] & 15) + 16 * (int)((bits >> j) & 1)) * xb[j] + ((bw[j] >> 4) + 16 * (int)((bits >> (16 + j)) & 1)) * xb[32 + j];
         acc[t] += (float)d * s16[p] * dx[(size_t)t * Bp + b0 + p];
       }
     }
@@ -268,39 +294,40 @@ static inline void q16_row(const int16_t* xq, const float* dx, const float* xs, 
 }
 
 static void gemv_int4_q16(const int16_t* xq, const float* dx, const float* xs, int T, int K, int Bp,
-                         const uint8_t* nib, const uint16_t* sz, int N, int G, float* y, int n0, int n1) {
+                         const uint8_t* nib, const uint16_t* sz, const uint8_t* hb, int N, int G, float* y,
+                         int n0, int n1) {
   for (int n = n0; n < n1; ++n)
     for (int t = 0; t < T; t += 4) {
       const int16_t* xt = xq + (size_t)t * K;
       const float *dt = dx + (size_t)t * Bp, *st = xs + (size_t)t * 2 * Bp;
       float* yt = y + (size_t)t * N;
       switch (imin(4, T - t)) {
-        case 4: q16_row<4>(xt, dt, st, K, Bp, nib, sz, G, yt, N, n); break;
-        case 3: q16_row<3>(xt, dt, st, K, Bp, nib, sz, G, yt, N, n); break;
-        case 2: q16_row<2>(xt, dt, st, K, Bp, nib, sz, G, yt, N, n); break;
-        default: q16_row<1>(xt, dt, st, K, Bp, nib, sz, G, yt, N, n); break;
+        case 4: q16_row<4>(xt, dt, st, K, Bp, nib, sz, hb, G, yt, N, n); break;
+        case 3: q16_row<3>(xt, dt, st, K, Bp, nib, sz, hb, G, yt, N, n); break;
+        case 2: q16_row<2>(xt, dt, st, K, Bp, nib, sz, hb, G, yt, N, n); break;
+        default: q16_row<1>(xt, dt, st, K, Bp, nib, sz, hb, G, yt, N, n); break;
       }
     }
 }
 
 template <int RB>
-static void int4_rows(const float* xp, int T, int K, const uint8_t* nib, const uint16_t* sz, int N,
-                      int G, float* y, int n) {
+static void int4_rows(const float* xp, int T, int K, const uint8_t* nib, const uint16_t* sz,
+                      const uint8_t* hb, int N, int G, float* y, int n) {
   switch (T) {
-    case 1: int4_block<RB, 1>(xp, K, nib, sz, N, G, y, n, 0); break;
-    case 2: int4_block<RB, 2>(xp, K, nib, sz, N, G, y, n, 0); break;
-    case 3: int4_block<RB, 3>(xp, K, nib, sz, N, G, y, n, 0); break;
-    case 4: int4_block<RB, 4>(xp, K, nib, sz, N, G, y, n, 0); break;
-    case 5: int4_block<RB, 5>(xp, K, nib, sz, N, G, y, n, 0); break;
+    case 1: int4_block<RB, 1>(xp, K, nib, sz, hb, N, G, y, n, 0); break;
+    case 2: int4_block<RB, 2>(xp, K, nib, sz, hb, N, G, y, n, 0); break;
+    case 3: int4_block<RB, 3>(xp, K, nib, sz, hb, N, G, y, n, 0); break;
+    case 4: int4_block<RB, 4>(xp, K, nib, sz, hb, N, G, y, n, 0); break;
+    case 5: int4_block<RB, 5>(xp, K, nib, sz, hb, N, G, y, n, 0); break;
     case 6: case 7: case 8:          // half the weight rows a block: the accumulators fit
       for (int h = 0; h < RB; h += (RB + 1) / 2) {
         constexpr int H = (RB + 1) / 2;
-        if (T == 6) int4_block<H, 6>(xp, K, nib, sz, N, G, y, n + h, 0);
-        else if (T == 7) int4_block<H, 7>(xp, K, nib, sz, N, G, y, n + h, 0);
-        else int4_block<H, 8>(xp, K, nib, sz, N, G, y, n + h, 0);
+        if (T == 6) int4_block<H, 6>(xp, K, nib, sz, hb, N, G, y, n + h, 0);
+        else if (T == 7) int4_block<H, 7>(xp, K, nib, sz, hb, N, G, y, n + h, 0);
+        else int4_block<H, 8>(xp, K, nib, sz, hb, N, G, y, n + h, 0);
       }
       break;
-    default: int4_tile(xp, T, K, nib, sz, N, G, y, n, RB); break;
+    default: int4_tile(xp, T, K, nib, sz, hb, N, G, y, n, RB); break;
   }
 }
 
@@ -308,15 +335,15 @@ static void int4_rows(const float* xp, int T, int K, const uint8_t* nib, const u
 // of the thread's range passes over it (a weight is dequantized once per chunk).
 constexpr int T_CHUNK = 64;
 
-static void gemv_int4(const float* xp, int T, int K, const uint8_t* nib, const uint16_t* sz, int N,
-                      int G, float* y, int n0, int n1) {
+static void gemv_int4(const float* xp, int T, int K, const uint8_t* nib, const uint16_t* sz,
+                      const uint8_t* hb, int N, int G, float* y, int n0, int n1) {
   for (int t0 = 0; t0 < T; t0 += T_CHUNK) {
     const int tn = imin(T_CHUNK, T - t0);
     const float* xt = xp + (size_t)t0 * K;
     float* yt = y + (size_t)t0 * N;
     int n = n0;
-    for (; n + KV_RB <= n1; n += KV_RB) int4_rows<KV_RB>(xt, tn, K, nib, sz, N, G, yt, n);
-    for (; n < n1; ++n) int4_rows<1>(xt, tn, K, nib, sz, N, G, yt, n);
+    for (; n + KV_RB <= n1; n += KV_RB) int4_rows<KV_RB>(xt, tn, K, nib, sz, hb, N, G, yt, n);
+    for (; n < n1; ++n) int4_rows<1>(xt, tn, K, nib, sz, hb, N, G, yt, n);
   }
 }
 
@@ -547,8 +574,10 @@ static inline void store_row(const float* w, int n, float* f, uint16_t* b) {
   }
 }
 
-// int4 rows n0..n1 (nibbles [N, K/2], scales [N, 2, K/G]) -> out rows [n1 - n0, K] (f or b).
-static void dequant_int4(const uint8_t* nib, const uint16_t* sz, int K, int G, int n0, int n1, float* f, uint16_t* b) {
+// int4 rows n0..n1 (nibbles [N, K/2], scales [N, 2, K/G], fifth bits hb [N, K/8] or null) ->
+// out rows [n1 - n0, K] (f or b).
+static void dequant_int4(const uint8_t* nib, const uint16_t* sz, const uint8_t* hb, int K, int G, int n0, int n1,
+                         float* f, uint16_t* b) {
   float w[32];
   const int groups = K / G;
   for (int n = n0; n < n1; ++n) {
@@ -559,10 +588,12 @@ static void dequant_int4(const uint8_t* nib, const uint16_t* sz, int K, int G, i
       // (q - 8) * s is exact in float32, so w is the exact value rounded once
       const float s = bf16_to_f32(srow[c / G]), z = bf16_to_f32(srow[groups + c / G]);
       const uint8_t* p = row + c / 2;
+      uint32_t bits = 0;
+      if (hb) __builtin_memcpy(&bits, hb + (size_t)n * (K / 8) + c / 8, 4);
 #pragma omp simd
       for (int j = 0; j < 16; ++j) {
-        w[2 * j] = (float)((p[j] & 15) - 8) * s + z;
-        w[2 * j + 1] = (float)((p[j] >> 4) - 8) * s + z;
+        w[2 * j] = (float)((p[j] & 15) + 16 * (int)((bits >> j) & 1) - 8) * s + z;
+        w[2 * j + 1] = (float)((p[j] >> 4) + 16 * (int)((bits >> (16 + j)) & 1) - 8) * s + z;
       }
       store_row(w, 32, f ? f + o + c : nullptr, b ? b + o + c : nullptr);
     }

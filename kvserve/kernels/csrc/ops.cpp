@@ -72,6 +72,10 @@ Linear make_linear(int64_t format, const at::Tensor& a, const at::Tensor& b, con
                     w.G % 32 == 0 && w.K % w.G == 0 && b.dim() == 3 && b.size(0) == w.N && b.size(1) == 2 &&
                     b.size(2) == w.K / w.G,
                 "kvserve: int4 takes nibbles [N, K/2] uint8 and scales [N, 2, K/G] bfloat16 (G a multiple of 32)");
+    TORCH_CHECK(!c.defined() || c.numel() == 0 ||
+                    (c.scalar_type() == at::kByte && c.is_contiguous() && c.dim() == 2 && c.size(0) == w.N &&
+                     c.size(1) == w.K / 8),
+                "kvserve: an int4 weight's fifth bits are [N, K/8] uint8");
   } else if (format == INT8) {
     TORCH_CHECK(a.scalar_type() == at::kChar && b.scalar_type() == at::kBFloat16 && w.K % 32 == 0 &&
                     b.numel() == w.N, "kvserve: int8 takes q [N, K] int8 and scale [N] bfloat16");
@@ -129,6 +133,10 @@ static void quantize_blocks(const float* x, int T, int K, int Bp, int16_t* xq, f
     }
 }
 
+const uint8_t* high_bits(const Linear& w) {
+  return w.format == INT4 && w.c.defined() && w.c.numel() > 0 ? w.c.data_ptr<uint8_t>() : nullptr;
+}
+
 bool int4_q16_route(const Linear& w, int T) { return w.format == INT4 && T <= Q8_ROWS && w.K % 64 == 0; }
 
 // x [T, K] -> xq int16 per 32 weights in order (dx = max |x| / 32767, half to even), dx [T, K/32];
@@ -169,7 +177,7 @@ void linear_into(const float* x, int T, const Linear& w, float* y, float* xp) {
   const IsaKernels& k = isa();
   const int N = w.N, K = w.K;
   if (amx_route(w, T)) {
-    const AmxWeight aw{w.format, N, K, w.G, w.a.data_ptr(), w.b.defined() ? w.b.data_ptr() : nullptr};
+    const AmxWeight aw{w.format, N, K, w.G, w.a.data_ptr(), w.b.defined() ? w.b.data_ptr() : nullptr, high_bits(w)};
     std::vector<uint16_t> xb((size_t)(T + 15) / 16 * 16 * K);
     amx_pack(x, T, K, xb.data());
     parallel_rows(N, K, T, [&](int n0, int n1) { amx_linear(xb.data(), T, aw, y, n0, n1); });
@@ -188,13 +196,13 @@ void linear_into(const float* x, int T, const Linear& w, float* y, float* xp) {
     const uint8_t* nib = w.a.data_ptr<uint8_t>();
     const uint16_t* sz = (const uint16_t*)w.b.data_ptr<at::BFloat16>();
     parallel_rows(N, K, T, [&](int n0, int n1) {
-      k.gemv_int4_q16(xq, dx.data(), xs.data(), T, K, Bp, nib, sz, N, w.G, y, n0, n1);
+      k.gemv_int4_q16(xq, dx.data(), xs.data(), T, K, Bp, nib, sz, high_bits(w), N, w.G, y, n0, n1);
     });
   } else if (w.format == INT4) {
     int4_order(x, T, K, xp);
     const uint8_t* nib = w.a.data_ptr<uint8_t>();
     const uint16_t* sz = (const uint16_t*)w.b.data_ptr<at::BFloat16>();
-    parallel_rows(N, K, T, [&](int n0, int n1) { k.gemv_int4(xp, T, K, nib, sz, N, w.G, y, n0, n1); });
+    parallel_rows(N, K, T, [&](int n0, int n1) { k.gemv_int4(xp, T, K, nib, sz, high_bits(w), N, w.G, y, n0, n1); });
   } else if (w.format == INT8) {
     const int8_t* q = w.a.data_ptr<int8_t>();
     const uint16_t* s = (const uint16_t*)w.b.data_ptr<at::BFloat16>();
@@ -230,8 +238,8 @@ static at::Tensor linear_op(const at::Tensor& x, const Linear& w) {
 }
 
 static at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scales,
-                              int64_t group) {
-  return linear_op(x, make_linear(INT4, nibbles, scales, at::Tensor(), group));
+                              int64_t group, const c10::optional<at::Tensor>& high) {
+  return linear_op(x, make_linear(INT4, nibbles, scales, high.value_or(at::Tensor()), group));
 }
 static at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
   return linear_op(x, make_linear(INT8, q, scale, at::Tensor(), 0));
@@ -513,7 +521,8 @@ static at::Tensor dequantize_op(const Linear& w, at::ScalarType dtype) {
   at::parallel_for(0, w.N, std::max<int64_t>(1, 65536 / w.K), [&](int64_t n0, int64_t n1) {
     const size_t o = (size_t)n0 * w.K;
     if (w.format == INT4)
-      k.dequant_int4(w.a.data_ptr<uint8_t>(), (const uint16_t*)w.b.data_ptr<at::BFloat16>(), w.K, w.G, (int)n0,
+      k.dequant_int4(w.a.data_ptr<uint8_t>(), (const uint16_t*)w.b.data_ptr<at::BFloat16>(),
+                     high_bits(w), w.K, w.G, (int)n0,
                      (int)n1, f ? f + o : nullptr, b ? b + o : nullptr);
     else
       k.dequant_q8_0(w.a.data_ptr<int8_t>(), w.b.data_ptr<float>(), w.K, (int)n0, (int)n1, f ? f + o : nullptr,
@@ -523,8 +532,8 @@ static at::Tensor dequantize_op(const Linear& w, at::ScalarType dtype) {
 }
 
 static at::Tensor dequantize_int4(const at::Tensor& nibbles, const at::Tensor& scales, int64_t group,
-                                  at::ScalarType dtype) {
-  return dequantize_op(make_linear(INT4, nibbles, scales, at::Tensor(), group), dtype);
+                                  at::ScalarType dtype, const c10::optional<at::Tensor>& high) {
+  return dequantize_op(make_linear(INT4, nibbles, scales, high.value_or(at::Tensor()), group), dtype);
 }
 static at::Tensor dequantize_q8_0(const at::Tensor& q, const at::Tensor& d, at::ScalarType dtype) {
   return dequantize_op(make_linear(Q8_0, q, d, at::Tensor(), 32), dtype);
@@ -535,7 +544,7 @@ static at::Tensor dequantize_q8_0(const at::Tensor& q, const at::Tensor& d, at::
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("set_isa(int bits) -> str", &kvk::set_isa);
   m.def("amx_rows() -> int", &kvk::amx_rows);
-  m.def("linear_int4(Tensor x, Tensor nibbles, Tensor scales, int group_size) -> Tensor");
+  m.def("linear_int4(Tensor x, Tensor nibbles, Tensor scales, int group_size, Tensor? high=None) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor q, Tensor scale) -> Tensor");
   m.def("linear_q8_0(Tensor x, Tensor q, Tensor d) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor w) -> Tensor");
@@ -547,7 +556,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("add_rms_norm_bf16(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("write_slots(Tensor src, Tensor(a!) cache, Tensor slots) -> ()");
   m.def("rope_bf16(Tensor x, Tensor cos, Tensor sin) -> Tensor");
-  m.def("dequantize_int4(Tensor nibbles, Tensor scales, int group_size, ScalarType dtype) -> Tensor");
+  m.def("dequantize_int4(Tensor nibbles, Tensor scales, int group_size, ScalarType dtype, Tensor? high=None) -> Tensor");
   m.def("dequantize_q8_0(Tensor q, Tensor d, ScalarType dtype) -> Tensor");
 }
 

@@ -15,7 +15,8 @@ const IsaKernels& isa_dividing(int n);
 // A linear weight as the kernels read it (kvserve/kernels/__init__.py packs them):
 //   DENSE: a float32 or bfloat16 tensor [N, K] (bfloat16: x rounded to bfloat16 for the GEMM); INT4: nibbles [N, K/2] uint8 + scales and zeros [N, 2, K/G]
 //   bfloat16; INT8: q [N, K] int8 + scale [N] bfloat16; Q8_0: q [N, K] int8 + d [N, K/32] float32.
-//   `c` is unused (empty). Steps of <= Q8_ROWS rows of an INT4 weight take the integer-dot route
+//   `c`: an INT4 weight's fifth bits [N, K/8] uint8 (a GGUF Q5 type; common.h gemv_int4's hb), else
+//   unused (empty). Steps of <= Q8_ROWS rows of an INT4 weight take the integer-dot route
 //   (activations in int16 per 32 weights), of a Q8_0 weight too (int16 in two byte planes); more rows
 //   the float route.
 enum Format { DENSE = 0, INT4 = 1, INT8 = 2, Q8_0 = 3 };
@@ -31,6 +32,8 @@ constexpr int Q8_ROWS = 3;      // kvserve/kernels/__init__.py: KERNEL_ROWS
 constexpr int AMX_ROWS = 6;
 Linear make_linear(int64_t format, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, int64_t group);
 bool int4_q16_route(const Linear& w, int T);
+// An INT4 weight's fifth bits, or null.
+const uint8_t* high_bits(const Linear& w);
 bool q8_0_q16_route(const Linear& w, int T);
 bool amx_route(const Linear& w, int T);
 

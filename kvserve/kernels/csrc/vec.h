@@ -7,6 +7,8 @@
 //   nib32(p, s, z, out)  16 bytes of nibbles (kvserve's int4 layout: weight 2j in the low nibble
 //                 of byte j) -> 32 weights q * s + z, as [the 16 even weights, the 16 odd ones]
 //                 in 32 / KV_W vectors
+//   high32(hb, s, out)  a fifth bit per weight (a GGUF Q5 file's): out[i] += 16 s where bit i of
+//                 the 32-bit word at hb is set, bit i the i-th weight in nib32's order
 //   i8f(p)        KV_W int8 -> KV_W floats  vmul(a, b)
 //   vload_bf16(p) KV_W bfloat16 -> KV_W floats
 //   vload_bf16_split(p, even, odd)  2 KV_W bfloat16 -> their even-indexed values and their odd
@@ -39,6 +41,13 @@ static inline void nib32(const uint8_t* p, VF s, VF z, VF* out) {
   const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
   out[0] = _mm512_permutexvar_ps(q, lut);
   out[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), lut);
+}
+static inline void high32(const uint8_t* hb, VF s, VF* out) {
+  uint32_t bits;
+  __builtin_memcpy(&bits, hb, 4);
+  const VF s16 = _mm512_mul_ps(s, _mm512_set1_ps(16.0f));
+  out[0] = _mm512_mask_add_ps(out[0], (__mmask16)(bits & 0xFFFF), out[0], s16);
+  out[1] = _mm512_mask_add_ps(out[1], (__mmask16)(bits >> 16), out[1], s16);
 }
 static inline VF vmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
 static inline VF i8f(const int8_t* p) {
@@ -77,6 +86,14 @@ static inline void nib32(const uint8_t* p, VF s, VF z, VF* out) {
   out[2] = vfma(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), s, z);
   out[3] = vfma(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), s, z);
 }
+static inline void high32(const uint8_t* hb, VF s, VF* out) {
+  const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const VF s16 = _mm256_mul_ps(s, _mm256_set1_ps(16.0f));
+  for (int v = 0; v < 4; ++v) {     // each byte's 8 bits as 8 lane masks
+    const __m256i m = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(hb[v]), sel), sel);
+    out[v] = _mm256_add_ps(out[v], _mm256_and_ps(_mm256_castsi256_ps(m), s16));
+  }
+}
 static inline VF vmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
 static inline VF i8f(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
@@ -110,6 +127,10 @@ static inline void nib32(const uint8_t* p, VF s, VF z, VF* out) {
     out[j] = (float)(p[j] & 15) * s + z;
     out[16 + j] = (float)(p[j] >> 4) * s + z;
   }
+}
+static inline void high32(const uint8_t* hb, VF s, VF* out) {
+  for (int i = 0; i < 32; ++i)
+    if ((hb[i / 8] >> (i % 8)) & 1) out[i] += 16.0f * s;
 }
 static inline VF vmul(VF a, VF b) { return a * b; }
 static inline VF i8f(const int8_t* p) { return (float)p[0]; }

@@ -243,6 +243,23 @@ def unpack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
     return torch.stack([nibbles & 15, nibbles >> 4], dim=-1).view(nibbles.shape[0], -1)
 
 
+def pack_high(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] in 0..31 (K a multiple of 32) -> the fifth bits [N, K/8] uint8 as kvserve's
+    kernels read them: per 32 weights a little-endian 32-bit word whose bit i is weight 2i's
+    (i < 16) or weight 2(i - 16) + 1's: the order the kernels take a block's weights in."""
+    N, K = q.shape
+    b = (q.to(torch.uint8) >> 4).view(N, K // 32, 32)
+    ordered = torch.cat([b[..., 0::2], b[..., 1::2]], dim=-1).view(N, K // 8, 8)
+    return (ordered << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+
+
+def unpack_high(high: torch.Tensor) -> torch.Tensor:
+    """[N, K/8] fifth bits -> [N, K] uint8, 16 where a weight's bit is set (pack_high undone)."""
+    N = high.shape[0]
+    bits = ((high[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1).view(N, -1, 2, 16)
+    return (bits.transpose(2, 3).reshape(N, -1) * 16).to(torch.uint8)
+
+
 class Int4Weight(QuantizedWeight):
     """Group-wise int4: q [N, K] in 0..15, scale and zero [N, K / G];
     W = (q - 8) * scale + zero per group. Held as kvserve's nibbles [N, K/2] (pack_nibbles) and
@@ -250,12 +267,16 @@ class Int4Weight(QuantizedWeight):
     what kvserve's kernels read at every row count. Only where those kernels are not built
     (KVSERVE_KERNELS=torch, no compiler) is torch's int4 kernel used instead, on a packed copy
     of its own and its [K/G, N, 2] scales. GGUF Q4_0 maps to zero = 0; Q4_1 (w = q * d + m) to
-    scale = d, zero = m + 8 d."""
+    scale = d, zero = m + 8 d.
+    int5 (GGUF Q5_0 / Q5_1 / Q5_K, gguf_types.py): q in 0..31, its fifth bits held beside the
+    nibbles as `high` [N, K/8] (pack_high; 0.125 bytes a weight more), read by kvserve's
+    kernels only (torch's int4 kernel has no fifth bit): without them it is refused."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 name: str = "weight", nibbles: torch.Tensor | None = None):
-        """`nibbles`: q already in kvserve's layout (then `q` may be None)."""
+                 name: str = "weight", nibbles: torch.Tensor | None = None, high: torch.Tensor | None = None):
+        """`nibbles` (and `high`): q already in kvserve's layout (then `q` may be None); a q with
+        values past 15 is int5."""
         N, K = (q.shape[0], q.shape[1]) if q is not None else (nibbles.shape[0], 2 * nibbles.shape[1])
         if scale.dim() != 2 or scale.shape[0] != N or K % scale.shape[1]:
             raise ValueError(f"Int4Weight takes q [N, K] and scale [N, K / group]; got q {(N, K)} and "
@@ -269,6 +290,13 @@ class Int4Weight(QuantizedWeight):
                     None if self.own_kernel or N % INT4_KERNEL_ROWS == 0
                     else f"the int4 kernel needs out_features divisible by {INT4_KERNEL_ROWS}")
         self.group_size = group
+        if q is not None and high is None and bool((q > 15).any()):
+            high = pack_high(q)
+            q = q & 15
+        if high is not None and not self.own_kernel:
+            raise ValueError(f"{name}: 5-bit weights run on kvserve's CPU kernels only, and they are "
+                             "not built here (KVSERVE_KERNELS=torch, or no compiler).")
+        self.high = None if high is None else high.contiguous().to(device)
         self.nibbles = (pack_nibbles(q) if nibbles is None else nibbles).contiguous().to(device)
         self.has_zero = zero is not None and bool(zero.any())
         zero = torch.zeros_like(scale) if zero is None else zero
@@ -299,11 +327,22 @@ class Int4Weight(QuantizedWeight):
         """Row blocks of one group size stacked into one weight (fused q, k, v), in the model's
         dtype and device."""
         sz = torch.cat([p.scales.float().cpu() for p in parts])                # [N, 2, K/G]
+        high = None
+        if any(p.high is not None for p in parts):
+            high = torch.cat([p.high.cpu() if p.high is not None else torch.zeros(p.shape[0], p.shape[1] // 8,
+                                                                                   dtype=torch.uint8)
+                              for p in parts])
         return cls(None, sz[:, 0], sz[:, 1], dtype=dtype, device=device, name=name,
-                   nibbles=torch.cat([p.nibbles.cpu() for p in parts]))
+                   nibbles=torch.cat([p.nibbles.cpu() for p in parts]), high=high)
 
     def tensors(self):
-        return [t for t in (self.nibbles, self.scales, self.packed, self.torch_scales) if t is not None]
+        return [t for t in (self.nibbles, self.high, self.scales, self.packed, self.torch_scales) if t is not None]
+
+    def q_values(self, start: int = 0, stop: int | None = None, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """q of rows start:stop (or rows `ids`) [n, K] uint8 in 0..15 (0..31 with a fifth bit)."""
+        rows = slice(start, stop) if ids is None else ids
+        q = unpack_nibbles(self.nibbles[rows])
+        return q if self.high is None else q + unpack_high(self.high[rows])
 
     def dequantize(self, start: int = 0, stop: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Rows start:stop of W, [stop - start, K] in `dtype` (default the compute dtype): with
@@ -314,8 +353,9 @@ class Int4Weight(QuantizedWeight):
         n, dtype = stop - start, dtype or self.compute_dtype
         if self.own_kernel and dtype in (torch.float32, torch.bfloat16):
             return torch.ops.kvserve.dequantize_int4(self.nibbles[start:stop], self.scales[start:stop],
-                                                     self.group_size, dtype)
-        w = unpack_nibbles(self.nibbles[start:stop]).to(dtype).view(n, -1, self.group_size)
+                                                     self.group_size, dtype,
+                                                     None if self.high is None else self.high[start:stop])
+        w = self.q_values(start, stop).to(dtype).view(n, -1, self.group_size)
         scale, zero = self.scales[start:stop].to(dtype).unbind(1)             # [n, K/G]
         w = w.sub_(8).mul_(scale[..., None])
         return (w.add_(zero[..., None]) if self.has_zero else w).view(n, K)
@@ -323,7 +363,7 @@ class Int4Weight(QuantizedWeight):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """W[ids] [T, K] in the model dtype (an embedding lookup)."""
         T, (_, K), G = ids.shape[0], self.shape, self.group_size
-        q = unpack_nibbles(self.nibbles[ids])                                # [T, K]
+        q = self.q_values(ids=ids)                                           # [T, K]
         scale, zero = self.scales[ids].to(self.dtype).unbind(1)              # [T, K/G]
         w = (q.to(self.dtype).view(T, -1, G) - 8) * scale[..., None] + zero[..., None]
         return w.view(T, K)
@@ -333,7 +373,7 @@ class Int4Weight(QuantizedWeight):
 
     def linear(self, x, bias=None):
         if x.shape[0] <= self.kernel_max_rows and self.own_kernel:
-            y = torch.ops.kvserve.linear_int4(x.float(), self.nibbles, self.scales, self.group_size)
+            y = torch.ops.kvserve.linear_int4(x.float(), self.nibbles, self.scales, self.group_size, self.high)
         elif x.shape[0] <= self.kernel_max_rows:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.to(self.compute_dtype).contiguous(), self.packed, self.group_size,

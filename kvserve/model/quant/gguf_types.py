@@ -7,10 +7,20 @@ time (Q4 tensors when they are fused and packed), so no float copy of the model 
   Q4_1  32: fp16 d, fp16 m, 16 B (20)                     d q + m             int4 g32: d, m + 8 d
   Q4_K  256: fp16 d, fp16 dmin, 12 B of 6-bit sc_j, m_j   d sc_j q - dmin m_j int4 g32: d sc_j,
         (8 sub-blocks of 32), 128 B of nibbles (144)                          8 d sc_j - dmin m_j
-  Q8_0  32: fp16 d, 32 int8 (34)                          d q                 int8 per row (requantized);
-                                                                              embedding, lm_head: exact
-  Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K (gguf.quants.dequantize)                 int8 per row (requantized)
+  Q5_0  32: fp16 d, 4 B of fifth bits, 16 B (22)          d (q - 16)          int5 g32: d, -8 d
+  Q5_1  32: fp16 d, fp16 m, 4 B, 16 B (24)                d q + m             int5 g32: d, m + 8 d
+  Q5_K  256: as Q4_K, 32 B of fifth bits before the       d sc_j q - dmin m_j int5 g32: as Q4_K
+        nibbles (176)
+  Q8_0  32: fp16 d, 32 int8 (34)                          d q                 Q8_0 (kvserve's kernels);
+                                                                              else int8 per row
+                                                                              (requantized), embedding
+                                                                              and lm_head exact
+  Q2_K, Q3_K, Q6_K (gguf.quants.dequantize)                                   int8 per row (requantized)
   F32, F16, BF16                                                              the model dtype
+
+int5 is int4 with a fifth bit per weight (formats.Int4Weight `high`, q = nibble + 16 bit in 0..31,
+the same (q - 8) * scale + zero): 0.625 + 4 / 32 bytes a weight against the file's 0.6875 (Q5_0),
+read by kvserve's kernels only; without them the Q5 types are requantized to int8 per row.
 
 Nibbles: in a Q4_0/Q4_1 block the 16 low nibbles are weights 0-15 and the high ones 16-31; in a
 Q4_K super-block, bytes 32i..32i+31 hold sub-block 2i (low nibbles) and 2i+1 (high). The values
@@ -53,7 +63,7 @@ QK_K = 256       # weights per K-quant super-block
 # int8 adds 0.4-1.1% RMS of its own, which next to Q5's and Q6's own error grows the total by
 # 1-8%: int8 keeps them 4x smaller than float32 and runs on the int8 kernel. (Q2_K and Q3_K,
 # coarser than Q4, were not measured; int8 adds relatively less there.)
-REQUANTIZED = ("Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K")
+REQUANTIZED = ("Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K")   # Q5: without kvserve's kernels
 INT8_ROWS_AT_ONCE = 1 << 20      # weights decoded and requantized at a time: bounds the transient
 
 
@@ -108,6 +118,43 @@ def unpack_q4_k(raw: np.ndarray, N: int, K: int):
     return _low_high(b[:, 16:], 32).reshape(N, K), scale.reshape(N, K // QK), zero.reshape(N, K // QK)
 
 
+def _q5_high(qh: np.ndarray, runs: int) -> np.ndarray:
+    """[n, 4 * runs] little-endian 32-bit words of fifth bits -> [n, 32 * runs] 0 or 16: bit j
+    of word r is weight j of run r."""
+    words = np.ascontiguousarray(qh).view("<u4").reshape(qh.shape[0], runs, 1)
+    return (((words >> np.arange(32, dtype=np.uint32)) & 1) * 16).astype(np.uint8).reshape(qh.shape[0], -1)
+
+
+def unpack_q5_0(raw: np.ndarray, N: int, K: int):
+    """Q5_0 -> (q 0..31, scale = d, zero = -8 d): d (q - 16) = d (q - 8) - 8 d. Weight j of a
+    block: the low nibble of byte j (j < 16) or the high one of byte j - 16, plus 16 bit j of qh."""
+    b = _blocks(raw, 22)
+    d = _fp16(b[:, :2])
+    q = _low_high(b[:, 6:], 16) + _q5_high(b[:, 2:6], 1)
+    return q.reshape(N, K), d.reshape(N, K // QK), (np.float32(-8) * d).reshape(N, K // QK)
+
+
+def unpack_q5_1(raw: np.ndarray, N: int, K: int):
+    """Q5_1 -> (q 0..31, scale = d, zero = m + 8 d), the bits as Q5_0's."""
+    b = _blocks(raw, 24)
+    d, m = _fp16(b[:, :2]), _fp16(b[:, 2:4])
+    q = _low_high(b[:, 8:], 16) + _q5_high(b[:, 4:8], 1)
+    return q.reshape(N, K), d.reshape(N, K // QK), (m + np.float32(8) * d).reshape(N, K // QK)
+
+
+def unpack_q5_k(raw: np.ndarray, N: int, K: int):
+    """Q5_K -> (q 0..31, scale = d sc_j, zero = 8 d sc_j - dmin m_j) as Q4_K; weight l of
+    sub-block j adds 16 bit j of qh[l] (32 bytes before the nibbles)."""
+    b = _blocks(raw, 176)
+    d, dmin = _fp16(b[:, 0:2])[:, None], _fp16(b[:, 2:4])[:, None]
+    sc, m = q4_k_scales_mins(b[:, 4:16])
+    scale = d * sc.astype(np.float32)
+    zero = np.float32(8) * scale - dmin * m.astype(np.float32)
+    high = ((b[:, 16:48, None] >> np.arange(8, dtype=np.uint8)) & 1).transpose(0, 2, 1) * 16   # [n, 8 sub-blocks, 32]
+    q = _low_high(b[:, 48:], 32) + high.reshape(b.shape[0], -1).astype(np.uint8)
+    return q.reshape(N, K), scale.reshape(N, K // QK), zero.reshape(N, K // QK)
+
+
 def unpack_q8_0(raw: np.ndarray, N: int, K: int) -> tuple[np.ndarray, np.ndarray]:
     """Q8_0 bytes -> (q [N, K] int8, d [N, K/32] float32); w = q * d per block of 32."""
     b = _blocks(raw, 34)
@@ -115,6 +162,7 @@ def unpack_q8_0(raw: np.ndarray, N: int, K: int) -> tuple[np.ndarray, np.ndarray
 
 
 UNPACK_INT4 = {"Q4_0": unpack_q4_0, "Q4_1": unpack_q4_1, "Q4_K": unpack_q4_k}
+UNPACK_INT5 = {"Q5_0": unpack_q5_0, "Q5_1": unpack_q5_1, "Q5_K": unpack_q5_k}   # kvserve's kernels only
 
 
 def unpermute_rope_rows(w: np.ndarray | torch.Tensor, n_heads: int):
@@ -142,7 +190,8 @@ def native_weight(t, shape: tuple[int, ...], heads: int | None, dtype: torch.dty
                   device: torch.device | str, logits_side: bool = False):
     """One GGUF tensor (a `gguf.ReaderTensor` of torch `shape`) in its own type: Int4Values for
     Q4_0/Q4_1/Q4_K, an Int8Weight for the other quantized types, else a tensor in `dtype` on
-    `device`. `heads`: undo llama.cpp's q/k row permutation over that many heads.
+    `device` (Q5_0 / Q5_1 / Q5_K: Int4Values with a fifth bit where kvserve's kernels run them,
+    else an Int8Weight). `heads`: undo llama.cpp's q/k row permutation over that many heads.
     Q8_0 stays exact, an Int8BlockWeight, where kvserve's kernels run it; without them only
     `logits_side` (the embedding and the lm_head) does, the other Q8_0 tensors are requantized."""
     kind = t.tensor_type.name
@@ -152,12 +201,13 @@ def native_weight(t, shape: tuple[int, ...], heads: int | None, dtype: torch.dty
         if heads is not None:
             q, d = unpermute_rope_rows(q, heads), unpermute_rope_rows(d, heads)
         return Int8BlockWeight(torch.from_numpy(q), torch.from_numpy(d), dtype, device, t.name)
-    if len(shape) == 2 and kind in UNPACK_INT4:
+    unpack = UNPACK_INT4.get(kind) or (UNPACK_INT5.get(kind) if own else None)
+    if len(shape) == 2 and unpack is not None:
         def load():
-            arrays = UNPACK_INT4[kind](t.data, *shape)
+            arrays = unpack(t.data, *shape)
             arrays = [a if a is None or heads is None else unpermute_rope_rows(a, heads) for a in arrays]
             return tuple(None if a is None else torch.from_numpy(np.ascontiguousarray(a)) for a in arrays)
-        return Int4Values.lazy(load, shape, QK)       # Q4_0, Q4_1 and Q4_K all have groups of 32
+        return Int4Values.lazy(load, shape, QK)       # the Q4 and Q5 types all have groups of 32
     if len(shape) == 2 and kind in REQUANTIZED:
         N, K = shape
         step = max(1, INT8_ROWS_AT_ONCE // K)
