@@ -1,8 +1,9 @@
 """kvserve's draw from logits (torch.ops.kvserve.draw_rows, csrc/sampling.h) against the sampler's
 torch rule (sample/sampler.py `draw_at`: inverse CDF over softmax) on every ISA allowed here:
 the same token for the same uniform, -inf tokens never drawn even at the uniform's ends, rows
-picked out of a bigger batch in place, bad input refused; and the Sampler's tokens equal with
-and without the kernels."""
+picked out of a bigger batch in place, bad input refused; greedy rows' argmax
+(torch.ops.kvserve.argmax_rows) equal to torch.argmax with ties, NaN and -inf; and the Sampler's
+tokens equal with and without the kernels."""
 from __future__ import annotations
 
 import pytest
@@ -58,6 +59,26 @@ def test_listed_rows_are_read_in_place(bits):
     assert got.tolist() == draw_at(torch.softmax(x[rows], dim=-1), u.unsqueeze(1)).tolist()
 
 
+@pytest.mark.parametrize("bits", ISA_BITS)
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31), S=st.integers(0, 9), V=st.integers(1, 3000), levels=st.sampled_from([0, 3, 50]),
+       nan=st.booleans(), masked=st.sampled_from([0, 1, 3]))
+def test_argmax_rows_is_torchs_argmax(bits, seed, S, V, levels, nan, masked):
+    """Ties (values drawn from a few levels: the first largest wins), NaN (the first NaN wins),
+    rows all -inf (index 0), a row stride past V."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(S, V + 5, generator=g)[:, :V]
+    if levels:
+        x = torch.round(x * levels / 3) / levels
+    if masked and S:
+        x[::2, ::masked] = float("-inf")
+    if nan and S and V > 1:
+        x[S // 2, torch.randint(0, V, (2,), generator=g)] = float("nan")
+    with on_isa(bits):
+        got = torch.ops.kvserve.argmax_rows(x)
+    assert got.tolist() == x.argmax(dim=-1).tolist()
+
+
 def test_bad_input_is_refused():
     x = torch.randn(4, 100)
     with pytest.raises(RuntimeError, match="outside 0..3"):
@@ -68,6 +89,8 @@ def test_bad_input_is_refused():
         torch.ops.kvserve.draw_rows(x.t(), torch.tensor([0]), torch.rand(1))
     with pytest.raises(RuntimeError, match="rows \\[R\\] int64"):
         torch.ops.kvserve.draw_rows(x, torch.tensor([0, 1]), torch.rand(3))
+    with pytest.raises(RuntimeError, match="argmax_rows takes float32"):
+        torch.ops.kvserve.argmax_rows(x.t())
 
 
 class _Req:

@@ -53,6 +53,7 @@ struct AttnArgs {
 //   dequant_int4 / dequant_q8_0: rows n0..n1 of a weight as a dense matrix [n1 - n0, K], float32
 //              (f) or bfloat16 (b, rounded to nearest even), for steps the kernels do not take.
 //   draw_row:  a token drawn from logits x [V] by inverse CDF at u in [0, 1) (sampling.h), e [V] scratch.
+//   argmax_row: the index of x's first largest entry [V], NaN the largest (torch.argmax's; sampling.h).
 //   silu_mul_bf16 / rms_norm_bf16: silu_mul and RMSNorm (weight w [H]) over bfloat16 rows (rows_bf16.h);
 //              RMSNorm with d: of x + d (rounded, written to xo) -- a residual add and the next norm.
 //   rope_bf16: RoPE (rotate_half) of bfloat16 heads x [T][heads][D] (row stride `stride`) with
@@ -77,6 +78,7 @@ struct IsaKernels {
                        float* f, uint16_t* b);
   void (*dequant_q8_0)(const int8_t* q, const float* d, int K, int n0, int n1, float* f, uint16_t* b);
   int64_t (*draw_row)(const float* x, int V, float u, float* e);
+  int64_t (*argmax_row)(const float* x, int V);
   void (*silu_mul_bf16)(const uint16_t* gu, int T, int I, uint16_t* out);
   void (*rms_norm_bf16)(const uint16_t* x, const uint16_t* d, const uint16_t* w, int T, int H, float eps,
                         uint16_t* xo, uint16_t* out);

@@ -487,6 +487,23 @@ static at::Tensor rope_bf16_op(const at::Tensor& x, const at::Tensor& cos, const
   return out;
 }
 
+// The greedy token of every row of logits x [S, V] float32 (torch.argmax(x, -1), first
+// largest, NaN the largest), rows over ATen's threads.
+static at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) > 0 &&
+                  (x.stride(1) == 1 || x.size(1) == 1 || x.size(0) == 0),
+              "kvserve: argmax_rows takes float32 logits [S, V] with contiguous rows");
+  const int64_t S = x.size(0), V = x.size(1), ld = x.stride(0);
+  at::Tensor out = at::empty({S}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  const float* xp = x.data_ptr<float>();
+  const IsaKernels& k = isa();
+  at::parallel_for(0, S, std::max<int64_t>(1, 16384 / V), [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) o[j] = k.argmax_row(xp + j * ld, (int)V);
+  });
+  return out;
+}
+
 // One token per listed row of logits x [S, V] float32 (rows [R] int64 into S, u [R] float32 in
 // [0, 1)), drawn by inverse CDF (sampling.h): no probabilities, cumulative sums or row copies
 // written, rows over ATen's threads.
@@ -552,6 +569,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
         "Tensor block_tables, Tensor context_lens, float scale, int window) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("draw_rows(Tensor x, Tensor rows, Tensor u) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("rms_norm_bf16(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm_bf16(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("write_slots(Tensor src, Tensor(a!) cache, Tensor slots) -> ()");
@@ -568,6 +586,7 @@ TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("decode_attention", &kvk::decode_attention);
   m.impl("silu_mul", &kvk::silu_mul_op);
   m.impl("draw_rows", &kvk::draw_rows);
+  m.impl("argmax_rows", &kvk::argmax_rows);
   m.impl("rms_norm_bf16", &kvk::rms_norm_bf16_op);
   m.impl("add_rms_norm_bf16", &kvk::add_rms_norm_bf16_op);
   m.impl("write_slots", &kvk::write_slots);

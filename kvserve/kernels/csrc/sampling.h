@@ -44,3 +44,28 @@ static int64_t draw_row(const float* x, int V, float u, float* e) {
   }
   return first_max;
 }
+
+// The index of x's first largest entry [V], as torch.argmax takes it: a NaN counts as the largest
+// (the first NaN), every entry -inf gives 0. A vectorised max, then the first block of 64 that
+// holds it, then the entry (torch's reduction kept an index beside every lane: 2.3 ms for 64 rows
+// of 49,152 on 2 threads).
+static int64_t argmax_row(const float* x, int V) {
+  float mx = -__builtin_inff();
+  int nan = 0;
+#pragma omp simd reduction(max : mx) reduction(| : nan)
+  for (int i = 0; i < V; ++i) {
+    mx = x[i] > mx ? x[i] : mx;
+    nan |= x[i] != x[i];
+  }
+  constexpr int B = 64;
+  for (int b = 0; b < V; b += B) {
+    const int n = imin(B, V - b);
+    int hit = 0;
+#pragma omp simd reduction(| : hit)
+    for (int i = 0; i < n; ++i) hit |= nan ? x[b + i] != x[b + i] : x[b + i] == mx;
+    if (hit)
+      for (int i = 0; i < n; ++i)
+        if (nan ? x[b + i] != x[b + i] : x[b + i] == mx) return b + i;
+  }
+  return 0;
+}
