@@ -106,15 +106,27 @@ static void attn_part_regs(const kvk::AttnArgs& a, int b, int kvh, int t0, int t
     const int n = imin(CH, t1 - c), nn = imin(CH, t1 - c - CH);
     const int64_t* row = slot[cur];
     if (nn > 0) next_slots(nn, slot[cur ^ 1]);
-    for (int i = 0; i < n; ++i) {                   // scores; the next chunk's K, this chunk's V requested
-      if (i < nn) fetch(a.k_cache, slot[cur ^ 1][i]);
-      fetch(a.v_cache, row[i]);
-      VF k[NV];
-      kv_vecs<NV>(a.k_cache, kind, row[i], k);
+    for (int i0 = 0; i0 < n; i0 += KV_W) {         // scores, KV_W tokens at a time: their dot
+      VF part[G][KV_W];                              // products' lanes, summed by one tree
+      for (int u = 0; u < KV_W; ++u) {
+        const int i = i0 + u;
+        if (i >= n) {
+          for (int g = 0; g < G; ++g) part[g][u] = vzero();
+          continue;
+        }
+        if (i < nn) fetch(a.k_cache, slot[cur ^ 1][i]);   // the next chunk's K, this chunk's V requested
+        fetch(a.v_cache, row[i]);
+        VF k[NV];
+        kv_vecs<NV>(a.k_cache, kind, row[i], k);
+        for (int g = 0; g < G; ++g) {
+          VF acc = vmul(vload(q + g * D), k[0]);
+          for (int j = 1; j < NV; ++j) acc = vfma(vload(q + g * D + j * KV_W), k[j], acc);
+          part[g][u] = acc;
+        }
+      }
       for (int g = 0; g < G; ++g) {
-        VF acc = vmul(vload(q + g * D), k[0]);
-        for (int j = 1; j < NV; ++j) acc = vfma(vload(q + g * D + j * KV_W), k[j], acc);
-        sc[g][i] = vsum(acc) * a.scale;
+        vsum_many(part[g], sc[g] + i0);
+        vstore(sc[g] + i0, vmul(vload(sc[g] + i0), vset(a.scale)));
       }
     }
     for (int g = 0; g < G; ++g) {                   // online softmax over the chunk
