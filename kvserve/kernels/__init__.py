@@ -121,7 +121,8 @@ def _register_fakes() -> None:
     for name in ("linear_int4", "linear_int8", "linear_q8_0"):
         torch.library.register_fake(f"kvserve::{name}")(linear)
     torch.library.register_fake("kvserve::decode_attention")(lambda q, *rest: torch.empty_like(q))
-    torch.library.register_fake("kvserve::silu_mul")(lambda gu: gu.new_empty(gu.shape[0], gu.shape[1] // 2))
+    torch.library.register_fake("kvserve::silu_mul")(
+        lambda gu, out_dtype=None: gu.new_empty(gu.shape[0], gu.shape[1] // 2, dtype=out_dtype or gu.dtype))
     torch.library.register_fake("kvserve::rms_norm_bf16")(lambda x, w, eps: torch.empty_like(x))
     torch.library.register_fake("kvserve::add_rms_norm_bf16")(
         lambda x, d, w, eps: (torch.empty_like(x), torch.empty_like(x)))

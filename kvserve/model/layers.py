@@ -169,19 +169,23 @@ def apply_rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
 
 
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up, from the fused [T, 2I] projection. On the CPU kvserve's op, one pass:
-    bfloat16 rows rounding as torch's two ops do; float32 rows within a few ulp of them (its exp
-    is a polynomial, ~2 ulp: the fused decode step's SwiGLU, so prefill and decode agree)."""
-    if gate_up.dim() == 2 and _cpu_rows(gate_up, (torch.bfloat16, torch.float32)):
-        return torch.ops.kvserve.silu_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
+def swiglu(gate_up: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """silu(gate) * up, from the fused [T, 2I] projection, in `dtype` (default gate_up's: a float32
+    model hands its big steps' bfloat16 GEMM output over as it is, `linear(..., gemm_dtype=True)`).
+    On the CPU kvserve's op, one pass: bfloat16 rows rounding as torch's two ops do; float32 rows
+    (and bfloat16 ones into float32: their exact values, without a float32 copy of [T, 2I]) within
+    a few ulp of torch (its exp is a polynomial, ~2 ulp: the fused decode step's SwiGLU, so prefill
+    and decode agree)."""
+    dtype = dtype or gate_up.dtype
+    if gate_up.dim() == 2 and _cpu_rows(gate_up, (torch.bfloat16, torch.float32)) and dtype in (gate_up.dtype, torch.float32):
+        return torch.ops.kvserve.silu_mul(gate_up, None if dtype == gate_up.dtype else dtype)
+    gate, up = gate_up.to(dtype).chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
-def geglu_tanh(gate_up: torch.Tensor) -> torch.Tensor:
-    """gelu_tanh(gate) * up (Gemma's MLP), from the fused [T, 2I] projection."""
-    gate, up = gate_up.chunk(2, dim=-1)
+def geglu_tanh(gate_up: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """gelu_tanh(gate) * up (Gemma's MLP), from the fused [T, 2I] projection, in `dtype`."""
+    gate, up = gate_up.to(dtype or gate_up.dtype).chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
 
 

@@ -55,7 +55,7 @@ class LlamaLayer:
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         """The post-attention-norm stream [T, hidden] -> the MLP's output [T, hidden] (partial if tp)."""
-        return linear(self.act(linear(h, self.gate_up)), self.down)
+        return linear(self.act(linear(h, self.gate_up, gemm_dtype=True), h.dtype), self.down)
 
     def linears(self) -> list:
         """Every linear weight of the layer (a tensor or a QuantizedWeight)."""

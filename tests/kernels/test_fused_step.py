@@ -104,10 +104,10 @@ def test_fused_step_with_experts(name, quantization, tol, moe_model_dir, monkeyp
     both paths (prefill too) runs kvserve's own op, so the two differ only in what the fused step
     does, not in whose kernel multiplies."""
     if quantization is not None:
-        monkeypatch.setattr(Int8Weight, "linear", lambda self, x, bias=None: torch.ops.kvserve.linear_int8(
+        monkeypatch.setattr(Int8Weight, "linear", lambda self, x, bias=None, gemm_dtype=False: torch.ops.kvserve.linear_int8(
             x.float(), self.q, self.scale).to(x.dtype))
-        monkeypatch.setattr(Int4Weight, "linear", lambda self, x, bias=None: torch.ops.kvserve.linear_int4(
-            x.float(), self.nibbles, self.scales, self.group_size).to(x.dtype))
+        monkeypatch.setattr(Int4Weight, "linear", lambda self, x, bias=None, gemm_dtype=False: torch.ops.kvserve.linear_int4(
+            x.float(), self.nibbles, self.scales, self.group_size, self.high).to(x.dtype))
     kw = dict(dtype="float32", block_size=8, quantization=quantization)
     fused, layered, steps = fused_and_layered(moe_model_dir(name), prompts_for(4, 6), **kw)
     assert_same(fused, layered, tol)

@@ -51,6 +51,21 @@ def test_silu_mul_of_bfloat16_rows(bits, seed, T, inter):
 
 
 @pytest.mark.parametrize("bits", ISA_BITS)
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31), T=st.integers(0, 20), inter=st.integers(1, 700))
+def test_silu_mul_of_bfloat16_rows_into_float32(bits, seed, T, inter):
+    """bfloat16 rows into float32 (a float32 model's big steps, their GEMM in bfloat16): bit for bit
+    the float32 SwiGLU of the rows converted first; other dtype pairs refused."""
+    g = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(T, 2 * inter, generator=g) * 4).bfloat16()
+    with on_isa(bits):
+        out = torch.ops.kvserve.silu_mul(gate_up, torch.float32)
+        assert out.dtype == torch.float32 and torch.equal(out, torch.ops.kvserve.silu_mul(gate_up.float()))
+    with pytest.raises(RuntimeError, match="float32 from bfloat16"):
+        torch.ops.kvserve.silu_mul(gate_up.float(), torch.bfloat16)
+
+
+@pytest.mark.parametrize("bits", ISA_BITS)
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**31), T=st.integers(1, 40), H=st.integers(1, 700), scale=st.sampled_from([1e-3, 1.0, 50.0]))
 def test_rms_norm_of_bfloat16_rows(bits, seed, T, H, scale):

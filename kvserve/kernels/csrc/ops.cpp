@@ -381,17 +381,31 @@ static at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cach
 }
 
 // SwiGLU over float32 or bfloat16 rows [T, 2I] -> [T, I] in the same dtype, rows over ATen's threads.
-static at::Tensor silu_mul_op(const at::Tensor& gate_up) {
+// SwiGLU of gate_up [T, 2I] -> [T, I] in gate_up's dtype, or (out_dtype float32 for bfloat16 rows:
+// a float32 model's big steps, whose GEMM ran in bfloat16) in float32 from the exact float32 values
+// of the bfloat16 rows, as converting them first would give, without the float32 [T, 2I] copy.
+static at::Tensor silu_mul_op(const at::Tensor& gate_up, c10::optional<at::ScalarType> out_dtype) {
   TORCH_CHECK((gate_up.scalar_type() == at::kFloat || gate_up.scalar_type() == at::kBFloat16) &&
                   gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
               "kvserve: gate_up is float32 or bfloat16 [T, 2I]");
+  const at::ScalarType odt = out_dtype.value_or(gate_up.scalar_type());
+  TORCH_CHECK(odt == gate_up.scalar_type() || (odt == at::kFloat && gate_up.scalar_type() == at::kBFloat16),
+              "kvserve: silu_mul writes gate_up's dtype, or float32 from bfloat16");
   at::Tensor g = gate_up.contiguous();
   const int64_t T = g.size(0), I = g.size(1) / 2;
-  at::Tensor out = at::empty({T, I}, g.options());
+  at::Tensor out = at::empty({T, I}, g.options().dtype(odt));
   const IsaKernels& k = isa();
   const bool bf16 = g.scalar_type() == at::kBFloat16;
   at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t t0, int64_t t1) {
-    if (bf16)
+    if (bf16 && odt == at::kFloat) {
+      std::vector<float> row(2 * I);
+      const uint16_t* src = (const uint16_t*)g.data_ptr<at::BFloat16>();
+      for (int64_t t = t0; t < t1; ++t) {
+        const uint16_t* r = src + t * 2 * I;
+        for (int64_t i = 0; i < 2 * I; ++i) row[i] = bf16_to_f32(r[i]);
+        k.silu_mul(row.data(), 1, (int)I, out.data_ptr<float>() + t * I);
+      }
+    } else if (bf16)
       k.silu_mul_bf16((const uint16_t*)g.data_ptr<at::BFloat16>() + t0 * 2 * I, (int)(t1 - t0), (int)I,
                       (uint16_t*)out.data_ptr<at::BFloat16>() + t0 * I);
     else
@@ -567,7 +581,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("linear_bf16(Tensor x, Tensor w) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
         "Tensor block_tables, Tensor context_lens, float scale, int window) -> Tensor");
-  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("silu_mul(Tensor gate_up, ScalarType? out_dtype=None) -> Tensor");
   m.def("draw_rows(Tensor x, Tensor rows, Tensor u) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("rms_norm_bf16(Tensor x, Tensor weight, float eps) -> Tensor");

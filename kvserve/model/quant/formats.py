@@ -157,8 +157,18 @@ class QuantizedWeight:
     def dequantize(self) -> torch.Tensor:
         raise NotImplementedError
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, gemm_dtype: bool = False) -> torch.Tensor:
+        """x [T, K] @ W.T + bias [T, N] in x's dtype; `gemm_dtype` (no bias): in the dtype the step's
+        path computed it in, the same values (a float32 model's big steps: the bfloat16 GEMM's
+        output, not converted, for a consumer that reads it as it is: layers.swiglu)."""
         raise NotImplementedError
+
+
+def finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gemm_dtype: bool) -> torch.Tensor:
+    """A quantized linear's result y in x's dtype (or as it is: QuantizedWeight.linear), plus bias."""
+    if bias is not None or not gemm_dtype:
+        y = y.to(x.dtype)
+    return y if bias is None else y + bias
 
 
 class Int8Weight(QuantizedWeight):
@@ -212,7 +222,7 @@ class Int8Weight(QuantizedWeight):
         qx = torch.round(xf / sx).clamp_(-127, 127).to(torch.int8)
         return torch._int_mm(qx, self.q.t()).float().mul_(sx).mul_(self.scale)
 
-    def linear(self, x, bias=None):
+    def linear(self, x, bias=None, gemm_dtype=False):
         T = x.shape[0]
         if T <= min(self.kernel_max_rows, kernels.KERNEL_ROWS) and self.own_kernel:
             y = torch.ops.kvserve.linear_int8(x.float(), self.q, self.scale)
@@ -227,8 +237,7 @@ class Int8Weight(QuantizedWeight):
                 y[a:a + W8A8_ROWS] = self._w8a8(x[a:a + W8A8_ROWS])
         else:
             y = self._dense(x)
-        y = y.to(x.dtype)
-        return y if bias is None else y + bias
+        return finish(y, x, bias, gemm_dtype)
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -371,7 +380,7 @@ class Int4Weight(QuantizedWeight):
     def _dense_rows(self, x, start, stop):
         return F.linear(x, self.dequantize(start, stop, x.dtype))
 
-    def linear(self, x, bias=None):
+    def linear(self, x, bias=None, gemm_dtype=False):
         if x.shape[0] <= self.kernel_max_rows and self.own_kernel:
             y = torch.ops.kvserve.linear_int4(x.float(), self.nibbles, self.scales, self.group_size, self.high)
         elif x.shape[0] <= self.kernel_max_rows:
@@ -380,15 +389,15 @@ class Int4Weight(QuantizedWeight):
                 self.torch_scales)                                           # [T, N]
         else:
             y = self._dense(x)
-        y = y.to(x.dtype)
-        return y if bias is None else y + bias
+        return finish(y, x, bias, gemm_dtype)
 
 
 AMX_DENSE_ROWS = 64     # rows a bfloat16 weight takes kvserve's AMX tiles to (prefill chunks: oneDNN's GEMM)
 
 
-def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] @ w.T + bias -> [T, N], for a plain weight tensor or a QuantizedWeight. A bfloat16
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, gemm_dtype: bool = False) -> torch.Tensor:
+    """x [T, K] @ w.T + bias -> [T, N], for a plain weight tensor or a QuantizedWeight (`gemm_dtype`:
+    QuantizedWeight.linear's; a plain weight's result is in x's dtype anyway). A bfloat16
     weight on a CPU with AMX runs kvserve's tiles up to AMX_DENSE_ROWS rows (float32 sums; 2.3x
     torch's GEMM on SmolLM2's 49,152 x 576 lm_head at one row), more rows torch's."""
     if isinstance(w, torch.Tensor):
@@ -397,7 +406,7 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
             y = torch.ops.kvserve.linear_bf16(x.float(), w).to(x.dtype)
             return y if bias is None else y + bias
         return F.linear(x, w, bias)
-    return w.linear(x, bias)
+    return w.linear(x, bias, gemm_dtype)
 
 
 def quantize(w: torch.Tensor, method: str, group_size: int | None, dtype: torch.dtype,

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from kvserve import kernels
 from kvserve.config.names import GROUP_SIZES
-from kvserve.model.quant.formats import INT4_KERNEL_ROWS, Int4Weight, QuantizedWeight, quantize, unpack_nibbles
+from kvserve.model.quant.formats import INT4_KERNEL_ROWS, Int4Weight, QuantizedWeight, finish, quantize, unpack_nibbles
 
 logger = logging.getLogger(__name__)
 
@@ -161,14 +161,14 @@ class Int8BlockWeight(QuantizedWeight):
         n, K = q.shape
         return (q.to(dtype).view(n, -1, QK8) * d.to(dtype)[..., None]).view(n, K)
 
-    def linear(self, x, bias=None):
+    def linear(self, x, bias=None, gemm_dtype=False):
         if self.planes is not None:
-            return self.planes.linear(self._twice(x), bias)
+            return self.planes.linear(self._twice(x), bias, gemm_dtype)
         if x.shape[0] <= self.kernel_max_rows:
-            y = torch.ops.kvserve.linear_q8_0(x.float(), self.q, self.d).to(x.dtype)
+            y = torch.ops.kvserve.linear_q8_0(x.float(), self.q, self.d)
         else:
-            y = self._dense(x).to(x.dtype)
-        return y if bias is None else y + bias
+            y = self._dense(x)
+        return finish(y, x, bias, gemm_dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """W[ids] [T, K] in the model dtype; in float32 exactly q * d."""
