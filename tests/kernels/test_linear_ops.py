@@ -143,7 +143,9 @@ def test_linear_q8_0(bits, seed, blocks, N, T, n_threads):
     g = torch.Generator().manual_seed(seed)
     K = 32 * blocks
     q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
-    d = torch.rand(N, K // 32, generator=g) * 0.01                           # [N, K/32] float32 (GGUF's d)
+    d = (torch.rand(N, K // 32, generator=g) * 0.01).half()                  # [N, K/32] float16 (GGUF's d)
+    if N > 2:
+        d[0, 0], d[1, -1] = 3e-7, 6e-5                                       # float16 subnormals: exact too
     x = activations(g, T, K)
     with on_isa(bits), threads(n_threads):
         y = torch.ops.kvserve.linear_q8_0(x, q, d)
@@ -224,7 +226,8 @@ def test_dequantize_ops_round_each_exact_value_once(bits, seed, group, blocks, N
     scale, zero = (t.double().repeat_interleave(group, dim=1) for t in w.scales.unbind(1))     # [N, K]
     exact = (q - 8) * scale + zero
     q8 = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
-    d = torch.rand(N, K // 32, generator=g) * 0.01
+    d = (torch.rand(N, K // 32, generator=g) * 0.01).half()
+    d[0, 0] = 3e-7                                                           # a float16 subnormal
     exact8 = q8.double() * d.double().repeat_interleave(32, dim=1)
     with on_isa(bits):
         for dtype in (torch.float32, torch.bfloat16):

@@ -221,7 +221,7 @@ def test_int8_block_weight_computes_x_times_w(rows, own, monkeypatch):
     if own and rows <= kernels.KERNEL_ROWS:       # the int16 route: x in int16 per 32 (tests/kernels: its bound)
         ref = q16_activations(x) @ exact.T
     assert got.shape == (rows, 128) and (got.double() - ref).abs().max() <= tol * ref.abs().max()
-    assert w.nbytes == (128 * 256 + 128 * 8 * 4 if own else int4_bytes(128, 512))   # q + d, or two planes
+    assert w.nbytes == (128 * 256 + 128 * 8 * 2 if own else int4_bytes(128, 512))   # q + float16 d, or two planes
     assert [torch.equal(a, b) for a, b in zip(w.values(), (torch.from_numpy(q), stored))] == [True, True]
 
 
@@ -343,7 +343,7 @@ def test_rows_the_int4_kernel_cannot_take_run_dequantized(caplog):
 @needs_smollm2
 def test_smollm2_q4_1_natively():
     """The default model in its own types: int4 layers, the Q8_0 embedding (the tied lm_head)
-    exact in its own type (98.3 MB resident, the file's 98.4 MB; without kvserve's kernels on two
+    exact in its own type (96.5 MB resident, the file's 98.4 MB; without kvserve's kernels on two
     int4 planes, 102 MB) against 538 MB dequantized to float32; Paris."""
     from kvserve import SamplingParams
 
@@ -356,7 +356,7 @@ def test_smollm2_q4_1_natively():
         assert isinstance(model.embed, Int8BlockWeight) and model.lm_head is model.embed
         assert all(isinstance(w, Int4Weight) for layer in model.layers
                    for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
-        embed = V * E + V * E // 32 * 4 if kernels.available() else int4_bytes(V, 2 * E)   # q + d, or two planes
+        embed = V * E + V * E // 32 * 2 if kernels.available() else int4_bytes(V, 2 * E)   # q + float16 d, or two planes
         expect = L * sum(int4_bytes(n, k) for n, k in layer_shapes) + embed + (2 * L + 1) * E * 4
     else:       # this CPU's plan holds the weights dequantized, in the model dtype (float32)
         assert isinstance(model.embed, torch.Tensor) and model.lm_head is model.embed

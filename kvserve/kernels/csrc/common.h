@@ -20,6 +20,25 @@ static inline uint16_t f32_to_bf16(float f) {
   return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+// float16 bits -> float32, exactly (subnormals, infinities and NaN included): the portable code's;
+// the ISA regions convert with F16C.
+static inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, m = h & 0x3FFu;
+  uint32_t u;
+  if (e == 31) {
+    u = sign | 0x7F800000u | (m << 13);
+  } else if (e != 0) {
+    u = sign | ((e + 112) << 23) | (m << 13);
+  } else {                                  // zero or subnormal: m * 2^-24
+    float f = (float)m * 5.9604644775390625e-8f;
+    __builtin_memcpy(&u, &f, 4);
+    u |= sign;
+  }
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+
 // One decode-attention call over the paged KV cache (seed 003): q [B, H, D] float32; the caches
 // [num_blocks, KV, block_size, D] in float32, bfloat16 or int8 (then one float32 scale per token
 // and KV head, [num_blocks, KV, block_size]); block_tables [B, max_blocks] int64.
@@ -45,7 +64,7 @@ struct AttnArgs {
 //              weights a little-endian 32-bit word, bit i the i-th weight in x's int4 order.
 //   gemv_int4_q16: the same weights times x quantized to int16 per 32 weights (kernels.h: q16_row).
 //   gemv_int8: W = q * scale[n], q [N, K] int8, scale [N] bfloat16.
-//   gemv_q8_0: W = q * d[n, k / 32] (GGUF Q8_0), q [N, K] int8, d [N, K / 32] float32.
+//   gemv_q8_0: W = q * d[n, k / 32] (GGUF Q8_0), q [N, K] int8, d [N, K / 32] float16 (its bits: the file's d).
 //   gemv_q8_0_q16: the same weights times x quantized to int16 per 32 weights (kernels.h: q8_q16_rows).
 //   attn_part: query heads of KV head `kvh` of sequence b over tokens t0..t1: the unnormalised
 //              output [G, D] and (max, sum of exp) [G, 2] of the online softmax (FlashDecoding).
@@ -68,15 +87,15 @@ struct IsaKernels {
                        int n0, int n1);
   void (*gemv_int8)(const float* x, int T, int K, const int8_t* q, const uint16_t* scale, int N,
                     float* y, int n0, int n1);
-  void (*gemv_q8_0)(const float* x, int T, int K, const int8_t* q, const float* d, int N,
+  void (*gemv_q8_0)(const float* x, int T, int K, const int8_t* q, const uint16_t* d, int N,
                     float* y, int n0, int n1);
   void (*gemv_q8_0_q16)(const int16_t* xq, const uint8_t* xl, const int8_t* xh, const int32_t* xc, const float* dx,
-                        int T, int K, const int8_t* q, const float* d, int N, float* y, int n0, int n1);
+                        int T, int K, const int8_t* q, const uint16_t* d, int N, float* y, int n0, int n1);
   void (*attn_part)(const AttnArgs& a, int b, int kvh, int t0, int t1, float* out, float* ml);
   void (*silu_mul)(const float* gu, int T, int I, float* out);
   void (*dequant_int4)(const uint8_t* nib, const uint16_t* sz, const uint8_t* hb, int K, int G, int n0, int n1,
                        float* f, uint16_t* b);
-  void (*dequant_q8_0)(const int8_t* q, const float* d, int K, int n0, int n1, float* f, uint16_t* b);
+  void (*dequant_q8_0)(const int8_t* q, const uint16_t* d, int K, int n0, int n1, float* f, uint16_t* b);
   int64_t (*draw_row)(const float* x, int V, float u, float* e);
   int64_t (*argmax_row)(const float* x, int V);
   void (*silu_mul_bf16)(const uint16_t* gu, int T, int I, uint16_t* out);

@@ -34,7 +34,7 @@ bool amx_ready() {
 }
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,amx-tile,amx-bf16,fma")
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,amx-tile,amx-bf16,fma,f16c")
 
 namespace isa_amx {
 
@@ -111,7 +111,7 @@ static void dequant_row(const AmxWeight& w, int n, int k0, int kn, uint16_t* out
     const int8_t* q = (const int8_t*)w.a + (size_t)n * K;
     for (int c = 0; c < kn; c += 32) {
       if (!(c & 63)) __builtin_prefetch(q + k0 + c + AHEAD, 0, 3);
-      const float s = w.format == 2 ? bf16_to_f32(((const uint16_t*)w.b)[n]) : ((const float*)w.b)[(size_t)n * (K / 32) + (k0 + c) / 32];
+      const float s = w.format == 2 ? bf16_to_f32(((const uint16_t*)w.b)[n]) : _cvtsh_ss(((const uint16_t*)w.b)[(size_t)n * (K / 32) + (k0 + c) / 32]);
       const __m512 sv = _mm512_set1_ps(s);
       const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + k0 + c)))), sv);
       const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + k0 + c + 16)))), sv);

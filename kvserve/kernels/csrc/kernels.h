@@ -350,7 +350,7 @@ static void gemv_int4(const float* xp, int T, int K, const uint8_t* nib, const u
 // ---- int8 GEMVs: one scale per row (int8) or per 32 weights (GGUF Q8_0) -----------------
 template <int RB, int TB, bool BLOCKS>
 static inline void int8_block(const float* x, int K, const int8_t* q, const uint16_t* row_scale,
-                              const float* d, float* y, int N, int n, int t0) {
+                              const uint16_t* d, float* y, int N, int n, int t0) {
   constexpr int NV = 32 / KV_W, NA = TB <= 2 ? 2 : 1;
   VF acc[RB][TB][NA];
   for (int r = 0; r < RB; ++r)
@@ -365,7 +365,7 @@ static inline void int8_block(const float* x, int K, const int8_t* q, const uint
       if (!(c & 63)) ahead(p);
       VF w[NV];
       if (BLOCKS) {
-        VF dv = vset(d[(size_t)(n + r) * (K / 32) + c / 32]);
+        VF dv = vset(h2f(d[(size_t)(n + r) * (K / 32) + c / 32]));
         for (int v = 0; v < NV; ++v) w[v] = vmul(i8f(p + v * KV_W), dv);
       } else {
         for (int v = 0; v < NV; ++v) w[v] = i8f(p + v * KV_W);
@@ -386,7 +386,7 @@ static inline void int8_block(const float* x, int K, const int8_t* q, const uint
 
 template <int RB, bool BLOCKS>
 static void int8_rows(const float* x, int T, int K, const int8_t* q, const uint16_t* rs,
-                      const float* d, float* y, int N, int n) {
+                      const uint16_t* d, float* y, int N, int n) {
   int t = 0;
   for (; t + 4 <= T; t += 4) int8_block<RB, 4, BLOCKS>(x, K, q, rs, d, y, N, n, t);
   switch (T - t) {
@@ -399,7 +399,7 @@ static void int8_rows(const float* x, int T, int K, const int8_t* q, const uint1
 
 template <bool BLOCKS>
 static void int8_all(const float* x, int T, int K, const int8_t* q, const uint16_t* rs,
-                     const float* d, int N, float* y, int n0, int n1) {
+                     const uint16_t* d, int N, float* y, int n0, int n1) {
   int n = n0;
   if (BLOCKS && T > 4) {      // Q8_0 batches: each weight dequantized once a chunk, then the tile product
     for (int t0 = 0; t0 < T; t0 += T_CHUNK) {
@@ -408,10 +408,10 @@ static void int8_all(const float* x, int T, int K, const int8_t* q, const uint16
         const int rb = imin(KV_RB, n1 - n);
         tile_rows(x + (size_t)t0 * K, tn, K, y + (size_t)t0 * N, N, n, rb, [&](int r, int k0, int kn, float* out) {
           const int8_t* p = q + (size_t)(n + r) * K + k0;
-          const float* dr = d + (size_t)(n + r) * (K / 32) + k0 / 32;
+          const uint16_t* dr = d + (size_t)(n + r) * (K / 32) + k0 / 32;
           for (int c = 0; c < kn; c += 32) {
             if (!(c & 63)) ahead(p + c);
-            const VF dv = vset(dr[c / 32]);
+            const VF dv = vset(h2f(dr[c / 32]));
             for (int v = 0; v < 32 / KV_W; ++v) vstore(out + c + v * KV_W, vmul(i8f(p + c + v * KV_W), dv));
           }
         });
@@ -428,7 +428,7 @@ static void gemv_int8(const float* x, int T, int K, const int8_t* q, const uint1
   int8_all<false>(x, T, K, q, scale, nullptr, N, y, n0, n1);
 }
 
-static void gemv_q8_0(const float* x, int T, int K, const int8_t* q, const float* d, int N,
+static void gemv_q8_0(const float* x, int T, int K, const int8_t* q, const uint16_t* d, int N,
                       float* y, int n0, int n1) {
   int8_all<true>(x, T, K, q, nullptr, d, N, y, n0, n1);
 }
@@ -447,7 +447,7 @@ static void gemv_q8_0(const float* x, int T, int K, const int8_t* q, const float
 // Every partial sum is exact, so each ISA computes the same integers; only the float sums differ.
 template <int RB, int TB>
 static inline void q8_q16_rows(const int16_t* xq, const uint8_t* xl, const int8_t* xh, const int32_t* xc,
-                               const float* dx, int K, const int8_t* q, const float* d, float* y, int N, int n) {
+                               const float* dx, int K, const int8_t* q, const uint16_t* d, float* y, int N, int n) {
   const int nb = K / 32;
   alignas(64) float s16[RB][TB][16];
 #if KV_ISA == 512
@@ -465,13 +465,13 @@ static inline void q8_q16_rows(const int16_t* xq, const uint8_t* xl, const int8_
     const int bn = imin(16, nb - b0);
     for (int r = 0; r < RB; ++r)
       for (int t = 0; t < TB; ++t) {
-        const float* dr = d + (size_t)(n + r) * nb + b0;
+        const uint16_t* dr = d + (size_t)(n + r) * nb + b0;
         const float* dt = dx + (size_t)t * nb + b0;
 #if KV_ISA == 512
         const __mmask16 m = (__mmask16)((1u << bn) - 1);
-        _mm512_store_ps(s16[r][t], _mm512_mul_ps(_mm512_maskz_loadu_ps(m, dr), _mm512_maskz_loadu_ps(m, dt)));
+        _mm512_store_ps(s16[r][t], _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, dr)), _mm512_maskz_loadu_ps(m, dt)));
 #else
-        for (int i = 0; i < 16; ++i) s16[r][t][i] = i < bn ? dr[i] * dt[i] : 0.0f;
+        for (int i = 0; i < 16; ++i) s16[r][t][i] = i < bn ? h2f(dr[i]) * dt[i] : 0.0f;
 #endif
       }
     for (int p = 0; p < bn; ++p) {
@@ -539,7 +539,7 @@ static inline void q8_q16_rows(const int16_t* xq, const uint8_t* xl, const int8_
 
 template <int RB>
 static void q8_q16_tb(const int16_t* xq, const uint8_t* xl, const int8_t* xh, const int32_t* xc, const float* dx,
-                      int T, int K, const int8_t* q, const float* d, float* y, int N, int n) {
+                      int T, int K, const int8_t* q, const uint16_t* d, float* y, int N, int n) {
   switch (T) {
     case 3: q8_q16_rows<RB, 3>(xq, xl, xh, xc, dx, K, q, d, y, N, n); break;
     case 2: q8_q16_rows<RB, 2>(xq, xl, xh, xc, dx, K, q, d, y, N, n); break;
@@ -548,7 +548,7 @@ static void q8_q16_tb(const int16_t* xq, const uint8_t* xl, const int8_t* xh, co
 }
 
 static void gemv_q8_0_q16(const int16_t* xq, const uint8_t* xl, const int8_t* xh, const int32_t* xc, const float* dx,
-                          int T, int K, const int8_t* q, const float* d, int N, float* y, int n0, int n1) {
+                          int T, int K, const int8_t* q, const uint16_t* d, int N, float* y, int n0, int n1) {
   for (int t = 0; t < T; t += 3) {
     const int tn = imin(3, T - t);
     const size_t o = (size_t)t * K;
@@ -600,13 +600,13 @@ static void dequant_int4(const uint8_t* nib, const uint16_t* sz, const uint8_t* 
   }
 }
 
-// Q8_0 rows n0..n1 (q [N, K] int8, d [N, K/32] float32) -> out rows [n1 - n0, K] (f or b).
-static void dequant_q8_0(const int8_t* q, const float* d, int K, int n0, int n1, float* f, uint16_t* b) {
+// Q8_0 rows n0..n1 (q [N, K] int8, d [N, K/32] float16) -> out rows [n1 - n0, K] (f or b).
+static void dequant_q8_0(const int8_t* q, const uint16_t* d, int K, int n0, int n1, float* f, uint16_t* b) {
   float w[32];
   for (int n = n0; n < n1; ++n) {
     const size_t o = (size_t)(n - n0) * K;
     for (int c = 0; c < K; c += 32) {
-      const float s = d[(size_t)n * (K / 32) + c / 32];
+      const float s = h2f(d[(size_t)n * (K / 32) + c / 32]);
       const int8_t* p = q + (size_t)n * K + c;
 #pragma omp simd
       for (int j = 0; j < 32; ++j) w[j] = (float)p[j] * s;

@@ -80,9 +80,9 @@ Linear make_linear(int64_t format, const at::Tensor& a, const at::Tensor& b, con
     TORCH_CHECK(a.scalar_type() == at::kChar && b.scalar_type() == at::kBFloat16 && w.K % 32 == 0 &&
                     b.numel() == w.N, "kvserve: int8 takes q [N, K] int8 and scale [N] bfloat16");
   } else {
-    TORCH_CHECK(format == Q8_0 && a.scalar_type() == at::kChar && b.scalar_type() == at::kFloat &&
+    TORCH_CHECK(format == Q8_0 && a.scalar_type() == at::kChar && b.scalar_type() == at::kHalf && b.dim() == 2 &&
                     w.K % 32 == 0 && b.size(0) == w.N && b.size(1) == w.K / 32,
-                "kvserve: Q8_0 takes q [N, K] int8 and d [N, K/32] float32");
+                "kvserve: Q8_0 takes q [N, K] int8 and d [N, K/32] float16");
   }
   return w;
 }
@@ -215,13 +215,13 @@ void linear_into(const float* x, int T, const Linear& w, float* y, float* xp) {
     int8_t* xh = (int8_t*)(xl + (size_t)T * K);
     quantize_q16(x, T, K, xq, xl, xh, xc.data(), dx.data());
     const int8_t* q = w.a.data_ptr<int8_t>();
-    const float* d = w.b.data_ptr<float>();
+    const uint16_t* d = (const uint16_t*)w.b.data_ptr<at::Half>();
     parallel_rows(N, K, T, [&](int n0, int n1) {
       k.gemv_q8_0_q16(xq, xl, xh, xc.data(), dx.data(), T, K, q, d, N, y, n0, n1);
     });
   } else {
     const int8_t* q = w.a.data_ptr<int8_t>();
-    const float* d = w.b.data_ptr<float>();
+    const uint16_t* d = (const uint16_t*)w.b.data_ptr<at::Half>();
     parallel_rows(N, K, T, [&](int n0, int n1) { k.gemv_q8_0(x, T, K, q, d, N, y, n0, n1); });
   }
 }
@@ -556,7 +556,7 @@ static at::Tensor dequantize_op(const Linear& w, at::ScalarType dtype) {
                      high_bits(w), w.K, w.G, (int)n0,
                      (int)n1, f ? f + o : nullptr, b ? b + o : nullptr);
     else
-      k.dequant_q8_0(w.a.data_ptr<int8_t>(), w.b.data_ptr<float>(), w.K, (int)n0, (int)n1, f ? f + o : nullptr,
+      k.dequant_q8_0(w.a.data_ptr<int8_t>(), (const uint16_t*)w.b.data_ptr<at::Half>(), w.K, (int)n0, (int)n1, f ? f + o : nullptr,
                      b ? b + o : nullptr);
   });
   return out;

@@ -10,6 +10,7 @@
 //   high32(hb, s, out)  a fifth bit per weight (a GGUF Q5 file's): out[i] += 16 s where bit i of
 //                 the 32-bit word at hb is set, bit i the i-th weight in nib32's order
 //   i8f(p)        KV_W int8 -> KV_W floats  vmul(a, b)
+//   h2f(h)        one float16 (its bits) -> float (GGUF Q8_0's d)
 //   vload_bf16(p) KV_W bfloat16 -> KV_W floats
 //   vload_bf16_split(p, even, odd)  2 KV_W bfloat16 -> their even-indexed values and their odd
 //                 ones as floats (a shift and a mask: no shuffle, unlike vload_bf16's widening)
@@ -52,6 +53,7 @@ static inline void high32(const uint8_t* hb, VF s, VF* out) {
   out[1] = _mm512_mask_add_ps(out[1], (__mmask16)(bits >> 16), out[1], s16);
 }
 static inline VF vmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
 static inline VF i8f(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
 }
@@ -108,6 +110,7 @@ static inline void high32(const uint8_t* hb, VF s, VF* out) {
   }
 }
 static inline VF vmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
 static inline VF i8f(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
@@ -155,6 +158,7 @@ static inline void high32(const uint8_t* hb, VF s, VF* out) {
     if ((hb[i / 8] >> (i % 8)) & 1) out[i] += 16.0f * s;
 }
 static inline VF vmul(VF a, VF b) { return a * b; }
+static inline float h2f(uint16_t h) { return f16_to_f32(h); }
 static inline VF i8f(const int8_t* p) { return (float)p[0]; }
 static inline VF vmax(VF a, VF b) { return a > b ? a : b; }
 static inline void vsum_many(const VF* v, float* out) { out[0] = v[0]; }

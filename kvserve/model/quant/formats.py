@@ -31,19 +31,17 @@ values, and runs the dense GEMM in the plan's `dense_dtype` (bfloat16 where the 
 instructions, else float32), which is compute-bound there, so the dequantization is paid once for
 many rows. No dequantized copy is kept, except on a capability whose plan is `float_resident`.
 
-kvserve owns the values: int8 keeps q [N, K] (the kernel's own input), int4 keeps its nibbles in
-kvserve's layout (byte k of row n: q[n, 2k] low, q[n, 2k + 1] high) and its (scale, zero) per
-row and group, which kvserve's kernels read at every row count (kvserve/kernels): half a byte a
-weight and its scales, nothing more. Only where those kernels are not built does torch's int4
-kernel run, on a packed copy of its own (a layout that differs by capability, never read back).
+kvserve owns the values: int8 keeps q [N, K] (the kernel's own input), int4 its nibbles and
+int5 also its fifth bits (layouts.py) with its (scale, zero) per row and group, which kvserve's
+kernels read at every row count (kvserve/kernels), nothing more. Only where those kernels are not
+built does torch's int4 kernel run, on a packed copy of its own (never read back).
 
 int4 needs K to be a multiple of the group; a matrix that is not (stories260K's 172-wide MLP)
-is stored as int8. The int4 kernel takes N a multiple of 16 and the int8 one K a multiple of 32
-(others crash or misread, torch 2.13): other shapes take the dequantize path, with one warning.
-Embeddings stay in the model dtype (a lookup reads a few rows, not the matrix); the lm_head is quantized like the layers unless it is tied
-to the embedding: at one row the int8 kernel reads the benchmark's 32000 x 768 lm_head in
-337 us against 2238 us for bfloat16. A GGUF file's own quantized weights (gguf_types.py) keep
-their format, the embedding included (looked up row by row, and tied, the lm_head).
+is stored as int8. torch's int4 kernel takes N a multiple of 16 and its int8 one K a multiple of
+32 (others crash or misread, torch 2.13): other shapes take the dequantize path, with one warning.
+Embeddings stay in the model dtype (a lookup reads a few rows); an untied lm_head is quantized like
+the layers (at one row the int8 kernel reads a 32000 x 768 lm_head in 337 us against 2238 us for
+bfloat16). A GGUF file's quantized weights (gguf_types.py) keep their format, the embedding too.
 """
 from __future__ import annotations
 
@@ -55,6 +53,7 @@ import torch.nn.functional as F
 from kvserve import kernels
 from kvserve.config.names import GROUP_SIZES, QUANTIZATION_METHODS as METHODS
 from kvserve.model.quant.cpu_paths import kernel_plan, warn_once
+from kvserve.model.quant.layouts import pack_high, pack_nibbles, unpack_high, unpack_nibbles  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -158,16 +157,14 @@ class QuantizedWeight:
         raise NotImplementedError
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, gemm_dtype: bool = False) -> torch.Tensor:
-        """x [T, K] @ W.T + bias [T, N] in x's dtype; `gemm_dtype` (no bias): in the dtype the step's
-        path computed it in, the same values (a float32 model's big steps: the bfloat16 GEMM's
-        output, not converted, for a consumer that reads it as it is: layers.swiglu)."""
+        """x [T, K] @ W.T + bias [T, N] in x's dtype; `gemm_dtype` (no bias): the same values in the
+        dtype the path computed (a float32 model's big steps: their bfloat16 GEMM's, layers.swiglu)."""
         raise NotImplementedError
 
 
 def finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gemm_dtype: bool) -> torch.Tensor:
     """A quantized linear's result y in x's dtype (or as it is: QuantizedWeight.linear), plus bias."""
-    if bias is not None or not gemm_dtype:
-        y = y.to(x.dtype)
+    y = y if gemm_dtype and bias is None else y.to(x.dtype)
     return y if bias is None else y + bias
 
 
@@ -238,35 +235,6 @@ class Int8Weight(QuantizedWeight):
         else:
             y = self._dense(x)
         return finish(y, x, bias, gemm_dtype)
-
-
-def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """q [N, K] in 0..15 (K even) -> kvserve's int4 layout [N, K/2] uint8: q[:, 2k] in the low
-    nibble of byte k, q[:, 2k + 1] in the high one."""
-    q = q.to(torch.uint8)
-    return q[:, 0::2] | (q[:, 1::2] << 4)
-
-
-def unpack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
-    """[N, K/2] uint8 -> q [N, K] uint8 in 0..15 (pack_nibbles undone)."""
-    return torch.stack([nibbles & 15, nibbles >> 4], dim=-1).view(nibbles.shape[0], -1)
-
-
-def pack_high(q: torch.Tensor) -> torch.Tensor:
-    """q [N, K] in 0..31 (K a multiple of 32) -> the fifth bits [N, K/8] uint8 as kvserve's
-    kernels read them: per 32 weights a little-endian 32-bit word whose bit i is weight 2i's
-    (i < 16) or weight 2(i - 16) + 1's: the order the kernels take a block's weights in."""
-    N, K = q.shape
-    b = (q.to(torch.uint8) >> 4).view(N, K // 32, 32)
-    ordered = torch.cat([b[..., 0::2], b[..., 1::2]], dim=-1).view(N, K // 8, 8)
-    return (ordered << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
-
-
-def unpack_high(high: torch.Tensor) -> torch.Tensor:
-    """[N, K/8] fifth bits -> [N, K] uint8, 16 where a weight's bit is set (pack_high undone)."""
-    N = high.shape[0]
-    bits = ((high[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1).view(N, -1, 2, 16)
-    return (bits.transpose(2, 3).reshape(N, -1) * 16).to(torch.uint8)
 
 
 class Int4Weight(QuantizedWeight):

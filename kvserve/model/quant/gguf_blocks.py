@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from kvserve import kernels
 from kvserve.config.names import GROUP_SIZES
-from kvserve.model.quant.formats import INT4_KERNEL_ROWS, Int4Weight, QuantizedWeight, finish, quantize, unpack_nibbles
+from kvserve.model.quant.formats import INT4_KERNEL_ROWS, Int4Weight, QuantizedWeight, finish, quantize
+from kvserve.model.quant.layouts import unpack_nibbles
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +85,8 @@ class Int4Values:
 
 
 class Int8BlockWeight(QuantizedWeight):
-    """GGUF Q8_0 in its own type: q [N, K] int8 with d [N, K / 32] float32 (GGUF's float16 d,
-    exactly); W = q * d per block of 32, 1.125 bytes a weight (the file's 1.0625). kvserve's
+    """GGUF Q8_0 in its own type: q [N, K] int8 with d [N, K / 32] float16 (GGUF's d as it is in
+    the file); W = q * d per block of 32, 1.0625 bytes a weight, the file's. kvserve's
     kernel (`linear_q8_0`) reads it at every row count up to the plan's int4 limit (a few rows:
     a float GEMV; more: each weight dequantized once into a tile, then a register-blocked
     product), bigger steps dequantize in row blocks. Where kvserve's kernels are not built, the
@@ -104,7 +105,10 @@ class Int8BlockWeight(QuantizedWeight):
         self._setup("int4" if self.own_kernel else "int8", (N, K), dtype, device)
         self.q = self.d = self.planes = None
         if self.own_kernel:
-            self.q, self.d = q.contiguous().to(device), d.float().contiguous().to(device)
+            d16 = d.to(torch.float16)
+            if not torch.equal(d16.float(), d.float()):
+                raise ValueError(f"{name}: Q8_0's d are float16 values (GGUF's); these are not.")
+            self.q, self.d = q.contiguous().to(device), d16.contiguous().to(device)
         else:
             self.planes = self._planes(q, d, dtype, device, name)
             self.kernel_max_rows = self.planes.kernel_max_rows
@@ -137,7 +141,7 @@ class Int8BlockWeight(QuantizedWeight):
     def values(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(q [N, K] int8, d [N, K / 32] float32) on the CPU."""
         if self.q is not None:
-            return self.q.cpu(), self.d.cpu()
+            return self.q.cpu(), self.d.float().cpu()
         w = self.planes
         hi = unpack_nibbles(w.nibbles).view(self.shape[0], -1, 2, QK8).to(torch.int16)     # [N, K/32, 2, 32]
         q = ((hi[:, :, 0] - 8) * 16 + hi[:, :, 1]).to(torch.int8).view(self.shape)
