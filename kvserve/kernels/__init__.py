@@ -7,6 +7,7 @@ step reads every weight byte once; its host work is a few calls, not thousands).
   decode_attention                          paged decode attention, split along the context
   silu_mul                                  SwiGLU (float32 or bfloat16 rows)
   rms_norm_bf16 / add_rms_norm_bf16         RMSNorm of bfloat16 rows (after a residual add)
+  rope                                      RoPE of bfloat16 or float32 heads
   write_slots                               new tokens' K or V rows into their paged cache slots
   draw_rows                                 sampled tokens drawn from logits rows (inverse CDF)
   argmax_rows                               greedy tokens of logits rows (torch.argmax's first largest)
@@ -128,6 +129,7 @@ def _register_fakes() -> None:
         lambda x, d, w, eps: (torch.empty_like(x), torch.empty_like(x)))
     torch.library.register_fake("kvserve::write_slots")(lambda src, cache, slots: None)
     torch.library.register_fake("kvserve::draw_rows")(lambda x, rows, u: rows.new_empty(rows.shape))
+    torch.library.register_fake("kvserve::rope")(lambda x, cos, sin: x.new_empty(x.shape))
     torch.library.register_fake("kvserve::argmax_rows")(lambda x: x.new_empty(x.shape[0], dtype=torch.long))
 
 

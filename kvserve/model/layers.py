@@ -153,12 +153,12 @@ def rope_tables(dim: int, theta: float, scaling: dict | None,
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (j, j + d/2) of every head. x [T, heads, d]; cos, sin [T, 1, d] from
     `rope_cos_sin`. roll(x, d/2) = [x2, x1]; times [-sin, sin] it is rotate_half(x) * sin.
-    bfloat16 heads on the CPU: kvserve's op, one pass rounding where these torch ops round (a
-    bfloat16 prefill step spent 8% of its time in them: mul, roll's cat, addcmul)."""
-    if (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 3 and x.stride(-1) == 1
-            and (x.shape[1] == 1 or x.stride(1) == x.shape[2]) and cos.dtype == sin.dtype == torch.bfloat16
+    bfloat16 or float32 heads on the CPU: kvserve's op, one pass rounding where these torch ops
+    round, bit for bit (a prefill step spent 8% of its time in them: mul, roll's cat, addcmul)."""
+    if (x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu" and x.dim() == 3 and x.stride(-1) == 1
+            and (x.shape[1] == 1 or x.stride(1) == x.shape[2]) and cos.dtype == sin.dtype == x.dtype
             and cos.shape == sin.shape == (x.shape[0], 1, x.shape[2]) and kernels.available()):
-        return torch.ops.kvserve.rope_bf16(x, cos.view(x.shape[0], -1), sin.view(x.shape[0], -1))
+        return torch.ops.kvserve.rope(x, cos.view(x.shape[0], -1), sin.view(x.shape[0], -1))
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 

@@ -1,5 +1,5 @@
 """kvserve's SwiGLU (torch.ops.kvserve.silu_mul; float32 and bfloat16 rows), bfloat16 RMSNorm
-(rms_norm_bf16, and add_rms_norm_bf16 after a residual add) and bfloat16 RoPE (rope_bf16) against float64 / torch references, on every
+(rms_norm_bf16, and add_rms_norm_bf16 after a residual add) and bfloat16 / float32 RoPE (rope) against float64 / torch references, on every
 ISA allowed here: rows 1-8, widths across the kernel's 256-wide chunks, gates far into both
 tails of exp. Tolerance: 1e-5 relative plus 1e-30 (measured a few float32 ulp)."""
 from __future__ import annotations
@@ -106,30 +106,41 @@ def test_residual_add_and_norm_in_one_pass(bits, seed, T, H, scale):
 @pytest.mark.parametrize("bits", ISA_BITS)
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**31), T=st.integers(1, 40), heads=st.integers(1, 12),
-       D=st.sampled_from([2, 8, 64, 96, 128, 256]), extra=st.integers(0, 3))
-def test_rope_of_bfloat16_heads(bits, seed, T, heads, D, extra):
-    """bfloat16 heads (a bfloat16 model's prefill), viewed in a wider fused-QKV row as the model
-    passes them: bit for bit torch's addcmul(x * cos, roll(x, D/2), sin) in bfloat16 (both
-    products are exact in float32, and both sides round the same sums the same way)."""
+       D=st.sampled_from([2, 8, 64, 96, 128, 256]), extra=st.integers(0, 3),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]))
+def test_rope_of_bfloat16_and_float32_heads(bits, seed, T, heads, D, extra, dtype):
+    """bfloat16 or float32 heads (a model's prefill), viewed in a wider fused-QKV row as the model
+    passes them: bit for bit torch's addcmul(x * cos, roll(x, D/2), sin) in that dtype (bfloat16:
+    both products are exact in float32, and both sides round the same sums the same way; float32:
+    x * cos rounded, then a fused multiply-add, as torch's AVX2 / AVX-512 addcmul; torch's DEFAULT
+    build rounds the second product too, so there the two are within an ulp of the sum)."""
     g = torch.Generator().manual_seed(seed)
-    qkv = (torch.randn(T, (heads + extra) * D, generator=g) * 3).bfloat16()
+    qkv = (torch.randn(T, (heads + extra) * D, generator=g) * 3).to(dtype)
     x = qkv[:, :heads * D].view(T, heads, D)                            # rows (heads + extra) * D apart
     cos, sin = rope_cos_sin(rope_inv_freq(D, 10000.0, None), 4096)
     pos = torch.randint(0, 4096, (T,), generator=g)
-    c, s = cos[pos].bfloat16().unsqueeze(1), sin[pos].bfloat16().unsqueeze(1)     # [T, 1, D]
+    c, s = cos[pos].to(dtype).unsqueeze(1), sin[pos].to(dtype).unsqueeze(1)     # [T, 1, D]
     with on_isa(bits):
-        out = torch.ops.kvserve.rope_bf16(x, c.view(T, D), s.view(T, D))
+        out = torch.ops.kvserve.rope(x, c.view(T, D), s.view(T, D))
         via_layers = apply_rope(x, c, s)
     ref = torch.addcmul(x * c, x.roll(D // 2, dims=-1), s)
-    assert out.shape == (T, heads, D) and torch.equal(out, ref) and torch.equal(via_layers, ref)
+    assert out.shape == (T, heads, D) and torch.equal(via_layers, out)
+    if dtype == torch.float32 and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        bound = 2 ** -23 * ((x * c).abs() + (x.roll(D // 2, dims=-1) * s).abs())
+        assert bool(((out - ref).abs() <= bound).all())
+    else:
+        assert torch.equal(out, ref)
 
 
 def test_bfloat16_row_ops_refuse_what_they_do_not_take():
-    with pytest.raises(RuntimeError, match="rope_bf16 takes"):
-        torch.ops.kvserve.rope_bf16(torch.zeros(2, 3, 8, dtype=torch.bfloat16), torch.zeros(2, 7, dtype=torch.bfloat16),
-                                    torch.zeros(2, 7, dtype=torch.bfloat16))
-    with pytest.raises(RuntimeError, match="rope_bf16 takes"):
-        torch.ops.kvserve.rope_bf16(torch.zeros(2, 3, 8), torch.zeros(2, 8), torch.zeros(2, 8))
+    with pytest.raises(RuntimeError, match="rope takes"):
+        torch.ops.kvserve.rope(torch.zeros(2, 3, 8, dtype=torch.bfloat16), torch.zeros(2, 7, dtype=torch.bfloat16),
+                               torch.zeros(2, 7, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="rope takes"):
+        torch.ops.kvserve.rope(torch.zeros(2, 3, 8), torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(2, 8))
+    with pytest.raises(RuntimeError, match="rope takes"):
+        torch.ops.kvserve.rope(torch.zeros(2, 3, 8, dtype=torch.float16), torch.zeros(2, 8, dtype=torch.float16),
+                               torch.zeros(2, 8, dtype=torch.float16))
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         torch.ops.kvserve.silu_mul(torch.zeros(2, 8, dtype=torch.float16))
     with pytest.raises(RuntimeError, match="rms_norm_bf16 takes"):

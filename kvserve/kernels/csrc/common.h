@@ -76,7 +76,7 @@ struct AttnArgs {
 //   silu_mul_bf16 / rms_norm_bf16: silu_mul and RMSNorm (weight w [H]) over bfloat16 rows (rows_bf16.h);
 //              RMSNorm with d: of x + d (rounded, written to xo) -- a residual add and the next norm.
 //   rope_bf16: RoPE (rotate_half) of bfloat16 heads x [T][heads][D] (row stride `stride`) with
-//              bfloat16 cos / signed sin [T, D] -> out [T, heads, D] (rows_bf16.h).
+//              bfloat16 cos / signed sin [T, D] -> out [T, heads, D] (rows_bf16.h); rope_f32 the same in float32.
 struct IsaKernels {
   const char* name;
   int width;      // floats per vector: head dims must be a multiple for attn_part
@@ -103,6 +103,8 @@ struct IsaKernels {
                         uint16_t* xo, uint16_t* out);
   void (*rope_bf16)(const uint16_t* x, int64_t stride, int T, int heads, int D, const uint16_t* cos,
                     const uint16_t* sin, uint16_t* out);
+  void (*rope_f32)(const float* x, int64_t stride, int T, int heads, int D, const float* cos,
+                   const float* sin, float* out);
 };
 
 // A weight as isa_amx.cpp reads it: `format` as ops.h's Format (dense: bfloat16 only), `a` / `b`

@@ -478,21 +478,27 @@ static void write_slots(const at::Tensor& src, at::Tensor& cache, const at::Tens
   });
 }
 
-// RoPE of bfloat16 heads x [T, heads, D] (rows may be strided: q and k heads viewed in the fused
-// QKV output) with bfloat16 cos / signed sin [T, D] -> a new [T, heads, D], rows over ATen's threads.
-static at::Tensor rope_bf16_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && cos.scalar_type() == at::kBFloat16 &&
-                  sin.scalar_type() == at::kBFloat16 && x.dim() == 3 && cos.dim() == 2 && sin.sizes() == cos.sizes(),
-              "kvserve: rope_bf16 takes bfloat16 x [T, heads, D], cos and sin [T, D]");
+// RoPE of bfloat16 or float32 heads x [T, heads, D] (rows may be strided: q and k heads viewed in the
+// fused QKV output) with cos / signed sin [T, D] of x's dtype -> a new [T, heads, D], rows over ATen's threads.
+static at::Tensor rope_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const at::ScalarType dt = x.scalar_type();
+  TORCH_CHECK((dt == at::kBFloat16 || dt == at::kFloat) && cos.scalar_type() == dt && sin.scalar_type() == dt &&
+                  x.dim() == 3 && cos.dim() == 2 && sin.sizes() == cos.sizes(),
+              "kvserve: rope takes bfloat16 or float32 x [T, heads, D], cos and sin [T, D] of its dtype");
   const int64_t T = x.size(0), heads = x.size(1), D = x.size(2);
   TORCH_CHECK(cos.size(0) == T && cos.size(1) == D && D % 2 == 0 && D <= MAX_HEAD_DIM && x.stride(2) == 1 &&
                   (heads == 1 || x.stride(1) == D) && x.stride(0) >= heads * D,
-              "kvserve: rope_bf16 takes heads of an even dim up to ", MAX_HEAD_DIM,
+              "kvserve: rope takes heads of an even dim up to ", MAX_HEAD_DIM,
               " side by side in each row, and cos / sin of one row a token");
   at::Tensor c = cos.contiguous(), s = sin.contiguous();
   at::Tensor out = at::empty({T, heads, D}, x.options());
   const IsaKernels& k = isa();
   at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(heads * D, 1)), [&](int64_t t0, int64_t t1) {
+    if (dt == at::kFloat) {
+      k.rope_f32(x.data_ptr<float>() + t0 * x.stride(0), x.stride(0), (int)(t1 - t0), (int)heads, (int)D,
+                 c.data_ptr<float>() + t0 * D, s.data_ptr<float>() + t0 * D, out.data_ptr<float>() + t0 * heads * D);
+      return;
+    }
     k.rope_bf16((const uint16_t*)x.data_ptr<at::BFloat16>() + t0 * x.stride(0), x.stride(0), (int)(t1 - t0),
                 (int)heads, (int)D, (const uint16_t*)c.data_ptr<at::BFloat16>() + t0 * D,
                 (const uint16_t*)s.data_ptr<at::BFloat16>() + t0 * D,
@@ -587,7 +593,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("rms_norm_bf16(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm_bf16(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("write_slots(Tensor src, Tensor(a!) cache, Tensor slots) -> ()");
-  m.def("rope_bf16(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("dequantize_int4(Tensor nibbles, Tensor scales, int group_size, ScalarType dtype, Tensor? high=None) -> Tensor");
   m.def("dequantize_q8_0(Tensor q, Tensor d, ScalarType dtype) -> Tensor");
 }
@@ -604,7 +610,7 @@ TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("rms_norm_bf16", &kvk::rms_norm_bf16_op);
   m.impl("add_rms_norm_bf16", &kvk::add_rms_norm_bf16_op);
   m.impl("write_slots", &kvk::write_slots);
-  m.impl("rope_bf16", &kvk::rope_bf16_op);
+  m.impl("rope", &kvk::rope_op);
   m.impl("dequantize_int4", &kvk::dequantize_int4);
   m.impl("dequantize_q8_0", &kvk::dequantize_q8_0);
 }

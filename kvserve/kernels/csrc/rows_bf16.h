@@ -1,5 +1,5 @@
 // A bfloat16 model's layer-by-layer steps (prefill and mixed prefill + decode; decode steps run
-// layers.cpp): SwiGLU, RMSNorm and RoPE over bfloat16 rows, computed in float32 a chunk at a time in
+// layers.cpp): SwiGLU, RMSNorm and RoPE over bfloat16 rows (RoPE over float32 rows too, at the end), computed in float32 a chunk at a time in
 // L1, rounded to bfloat16 where torch's bfloat16 ops round (so the layer-by-layer path's numbers
 // stay torch's), without torch's conversions and temporaries between ops. Compiled once per ISA
 // region after kernels.h (exp_inplace), in loops the compiler vectorises.
@@ -81,6 +81,27 @@ static void rope_bf16(const uint16_t* x, int64_t stride, int T, int heads, int D
       for (int j = 0; j < half; ++j) {
         o[j] = f32_to_bf16(bf16_to_f32(f32_to_bf16(a[j] * c[j])) + a[j + half] * s[j]);
         o[j + half] = f32_to_bf16(bf16_to_f32(f32_to_bf16(a[j + half] * c[j + half])) + a[j] * s[j + half]);
+      }
+    }
+  }
+}
+
+// rope_bf16's RoPE over float32 heads and float32 cos / signed sin: torch.addcmul(x * cos, roll(x,
+// D/2), sin) in float32, bit for bit: x * cos rounded, then roll(x) * sin added to it with one
+// rounding (a fused multiply-add, as torch's vectorised addcmul computes it).
+static void rope_f32(const float* x, int64_t stride, int T, int heads, int D, const float* cos,
+                     const float* sin, float* out) {
+  const int half = D / 2;
+  for (int t = 0; t < T; ++t) {
+    const float* c = cos + (size_t)t * D;
+    const float* s = sin + (size_t)t * D;
+    for (int h = 0; h < heads; ++h) {
+      const float* a = x + (size_t)t * stride + (size_t)h * D;
+      float* o = out + ((size_t)t * heads + h) * D;
+#pragma omp simd
+      for (int j = 0; j < half; ++j) {
+        o[j] = __builtin_fmaf(a[j + half], s[j], a[j] * c[j]);
+        o[j + half] = __builtin_fmaf(a[j], s[j + half], a[j + half] * c[j + half]);
       }
     }
   }
