@@ -32,6 +32,13 @@ def test_decode_attention_refuses_heads_and_dims_it_does_not_hold():
     with pytest.raises(RuntimeError, match="int4 takes"):      # scales in torch's [K/G, N, 2] order
         torch.ops.kvserve.linear_int4(torch.randn(1, 64), torch.zeros(16, 32, dtype=torch.uint8),
                                       torch.zeros(2, 16, 2, dtype=torch.bfloat16), 32)
+    for high in (torch.zeros(16, 4, dtype=torch.uint8), torch.zeros(16, 16, dtype=torch.uint8),
+                 torch.zeros(16, 8, dtype=torch.int8)):       # int5's fifth bits: [N, K/8] uint8 only
+        with pytest.raises(RuntimeError, match="fifth bits are"):
+            torch.ops.kvserve.linear_int4(torch.randn(1, 64), torch.zeros(16, 32, dtype=torch.uint8),
+                                          torch.zeros(16, 2, 2, dtype=torch.bfloat16), 32, high)
+    with pytest.raises(RuntimeError, match="Q8_0 takes"):     # d float32: the float16 the file holds only
+        torch.ops.kvserve.linear_q8_0(torch.randn(1, 64), torch.zeros(16, 64, dtype=torch.int8), torch.zeros(16, 2))
 
 
 def test_decode_attention_refuses_int8_scales_of_the_wrong_shape():
