@@ -397,15 +397,10 @@ static at::Tensor silu_mul_op(const at::Tensor& gate_up, c10::optional<at::Scala
   const IsaKernels& k = isa();
   const bool bf16 = g.scalar_type() == at::kBFloat16;
   at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t t0, int64_t t1) {
-    if (bf16 && odt == at::kFloat) {
-      std::vector<float> row(2 * I);
-      const uint16_t* src = (const uint16_t*)g.data_ptr<at::BFloat16>();
-      for (int64_t t = t0; t < t1; ++t) {
-        const uint16_t* r = src + t * 2 * I;
-        for (int64_t i = 0; i < 2 * I; ++i) row[i] = bf16_to_f32(r[i]);
-        k.silu_mul(row.data(), 1, (int)I, out.data_ptr<float>() + t * I);
-      }
-    } else if (bf16)
+    if (bf16 && odt == at::kFloat)
+      k.silu_mul_bf16_f32((const uint16_t*)g.data_ptr<at::BFloat16>() + t0 * 2 * I, (int)(t1 - t0), (int)I,
+                          out.data_ptr<float>() + t0 * I);
+    else if (bf16)
       k.silu_mul_bf16((const uint16_t*)g.data_ptr<at::BFloat16>() + t0 * 2 * I, (int)(t1 - t0), (int)I,
                       (uint16_t*)out.data_ptr<at::BFloat16>() + t0 * I);
     else

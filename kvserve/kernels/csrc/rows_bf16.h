@@ -28,6 +28,26 @@ static void silu_mul_bf16(const uint16_t* gu, int T, int I, uint16_t* out) {
   }
 }
 
+// gu [T, 2I] bfloat16 -> out [T, I] float32: silu_mul's float32 SwiGLU of the rows' exact values (a
+// float32 model's big steps, whose gate_up GEMM ran in bfloat16), the same arithmetic bit for bit.
+static void silu_mul_bf16_f32(const uint16_t* gu, int T, int I, float* out) {
+  float g[256], u[256], e[256];
+  for (int t = 0; t < T; ++t) {
+    const uint16_t* gr = gu + (size_t)t * 2 * I;
+    float* o = out + (size_t)t * I;
+    for (int a = 0; a < I; a += 256) {
+      const int n = imin(256, I - a);
+      rows_to_f32(gr + a, n, g);
+      rows_to_f32(gr + I + a, n, u);
+#pragma omp simd
+      for (int i = 0; i < n; ++i) e[i] = -g[i] > 88.0f ? 88.0f : -g[i];
+      exp_inplace(e, n);
+#pragma omp simd
+      for (int i = 0; i < n; ++i) o[a + i] = g[i] / (1.0f + e[i]) * u[i];
+    }
+  }
+}
+
 // x [T, H] -> out [T, H]: w * (x / sqrt(mean(x^2) + eps)), the normalised row rounded to bfloat16
 // before the weight (bfloat16 [H]) multiplies it, as `layers.rms_norm` computes a bfloat16 row.
 // With d (a residual branch's output [T, H]): x + d first, rounded to bfloat16 as torch's
