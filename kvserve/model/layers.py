@@ -22,14 +22,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, rms_norm(x + delta)): a residual branch added to the stream and the next
-    norm of it. bfloat16 or float32 rows on the CPU: one pass of kvserve's op (bfloat16: torch's
-    add and `rms_norm`'s arithmetic, bit for bit; float32: the add bit for bit, the norm's sum of
-    squares in its own order, a few ulp: 13% of the default model's prefill went to torch's add,
-    pow, sum and muls); otherwise the two torch calls."""
-    dtypes = (torch.bfloat16, torch.float32)
-    if (_cpu_rows(x, dtypes) and _cpu_rows(delta, dtypes) and delta.dtype == weight.dtype == x.dtype
-            and weight.dim() == 1):
-        s, h = torch.ops.kvserve.add_rms_norm(x.view(-1, x.shape[-1]), delta.view(-1, x.shape[-1]), weight, eps)
+    norm of it. bfloat16 rows on the CPU: one pass of kvserve's op (torch's bfloat16 add and
+    `rms_norm`'s arithmetic, bit for bit); otherwise the two torch calls."""
+    if _cpu_rows(x) and _cpu_rows(delta) and weight.dtype == torch.bfloat16 and weight.dim() == 1:
+        s, h = torch.ops.kvserve.add_rms_norm_bf16(x.view(-1, x.shape[-1]), delta.view(-1, x.shape[-1]), weight, eps)
         return s.view(x.shape), h.view(x.shape)
     x = x + delta
     return x, rms_norm(x, weight, eps)

@@ -102,8 +102,6 @@ struct IsaKernels {
   void (*silu_mul_bf16_f32)(const uint16_t* gu, int T, int I, float* out);
   void (*rms_norm_bf16)(const uint16_t* x, const uint16_t* d, const uint16_t* w, int T, int H, float eps,
                         uint16_t* xo, uint16_t* out);
-  void (*add_rms_norm_f32)(const float* x, const float* d, const float* w, int T, int H, float eps, float* xo,
-                           float* out);
   void (*rope_bf16)(const uint16_t* x, int64_t stride, int T, int heads, int D, const uint16_t* cos,
                     const uint16_t* sin, uint16_t* out);
   void (*rope_f32)(const float* x, int64_t stride, int T, int heads, int D, const float* cos,

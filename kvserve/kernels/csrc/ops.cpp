@@ -417,7 +417,7 @@ static std::tuple<at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, const a
                   weight.dim() == 1 && weight.size(0) == x.size(1),
               "kvserve: rms_norm_bf16 takes bfloat16 x [T, H] and weight [H]");
   TORCH_CHECK(!delta || (delta->scalar_type() == at::kBFloat16 && delta->sizes() == x.sizes()),
-              "kvserve: add_rms_norm takes x and delta of one shape [T, H] and weight [H], all bfloat16 or all float32");
+              "kvserve: add_rms_norm_bf16 takes bfloat16 x and delta of one shape [T, H]");
   at::Tensor xc = x.contiguous(), wc = weight.contiguous();
   at::Tensor dc = delta ? delta->contiguous() : at::Tensor();
   const int64_t T = xc.size(0), H = xc.size(1);
@@ -438,22 +438,9 @@ static at::Tensor rms_norm_bf16_op(const at::Tensor& x, const at::Tensor& weight
   return std::get<1>(norm_rows(x, nullptr, weight, eps));
 }
 
-// x + delta and its RMSNorm: bfloat16 rows (norm_rows), or float32 rows with a float32 weight.
-static std::tuple<at::Tensor, at::Tensor> add_rms_norm_op(const at::Tensor& x, const at::Tensor& delta,
-                                                          const at::Tensor& weight, double eps) {
-  if (x.scalar_type() != at::kFloat) return norm_rows(x, &delta, weight, eps);
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && delta.scalar_type() == at::kFloat && x.dim() == 2 &&
-                  delta.sizes() == x.sizes() && weight.dim() == 1 && weight.size(0) == x.size(1),
-              "kvserve: add_rms_norm takes x and delta of one shape [T, H] and weight [H], all bfloat16 or all float32");
-  at::Tensor xc = x.contiguous(), dc = delta.contiguous(), wc = weight.contiguous();
-  const int64_t T = xc.size(0), H = xc.size(1);
-  at::Tensor out = at::empty_like(xc), sum = at::empty_like(xc);
-  const IsaKernels& k = isa();
-  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(H, 1)), [&](int64_t t0, int64_t t1) {
-    k.add_rms_norm_f32(xc.data_ptr<float>() + t0 * H, dc.data_ptr<float>() + t0 * H, wc.data_ptr<float>(),
-                       (int)(t1 - t0), (int)H, (float)eps, sum.data_ptr<float>() + t0 * H, out.data_ptr<float>() + t0 * H);
-  });
-  return {sum, out};
+static std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16_op(const at::Tensor& x, const at::Tensor& delta,
+                                                               const at::Tensor& weight, double eps) {
+  return norm_rows(x, &delta, weight, eps);
 }
 
 // New tokens' K or V rows src [T, KV, D] into their slots of a paged pool [blocks, KV, block_size,
@@ -599,7 +586,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("draw_rows(Tensor x, Tensor rows, Tensor u) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("rms_norm_bf16(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("add_rms_norm_bf16(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("write_slots(Tensor src, Tensor(a!) cache, Tensor slots) -> ()");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("dequantize_int4(Tensor nibbles, Tensor scales, int group_size, ScalarType dtype, Tensor? high=None) -> Tensor");
@@ -616,7 +603,7 @@ TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("draw_rows", &kvk::draw_rows);
   m.impl("argmax_rows", &kvk::argmax_rows);
   m.impl("rms_norm_bf16", &kvk::rms_norm_bf16_op);
-  m.impl("add_rms_norm", &kvk::add_rms_norm_op);
+  m.impl("add_rms_norm_bf16", &kvk::add_rms_norm_bf16_op);
   m.impl("write_slots", &kvk::write_slots);
   m.impl("rope", &kvk::rope_op);
   m.impl("dequantize_int4", &kvk::dequantize_int4);

@@ -82,27 +82,6 @@ static void rms_norm_bf16(const uint16_t* x, const uint16_t* d, const uint16_t* 
   }
 }
 
-// float32 rows: xo = x + d (torch's float32 add), out = xo * (1 / sqrt(mean(xo^2) + eps)) * w, the
-// formula of `F.rms_norm` in float32 (its sum of squares in another order: a few ulp).
-static void add_rms_norm_f32(const float* x, const float* d, const float* w, int T, int H, float eps, float* xo,
-                             float* out) {
-  for (int t = 0; t < T; ++t) {
-    const float* xr = x + (size_t)t * H;
-    const float* dr = d + (size_t)t * H;
-    float* sr = xo + (size_t)t * H;
-    float* o = out + (size_t)t * H;
-    float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-    for (int i = 0; i < H; ++i) {
-      sr[i] = xr[i] + dr[i];
-      ss += sr[i] * sr[i];
-    }
-    const float r = 1.0f / __builtin_sqrtf(ss / (float)H + eps);
-#pragma omp simd
-    for (int i = 0; i < H; ++i) o[i] = sr[i] * r * w[i];
-  }
-}
-
 // RoPE of x [T][heads][D] (token rows `stride` elements apart, heads D apart) with bfloat16
 // cos / signed sin [T, D] (layers.rope_cos_sin's tables, gathered and rounded as `run_layers`
 // rounds them) -> out [T, heads, D]: torch.addcmul(x * cos, roll(x, D/2), sin) in bfloat16 --
