@@ -9,12 +9,14 @@ static inline void rows_to_f32(const uint16_t* p, int n, float* out) {
   for (int i = 0; i < n; ++i) out[i] = bf16_to_f32(p[i]);
 }
 
-// gu [T, 2I] (gate, then up) -> out [T, I]: silu(gate), rounded, times up (torch's F.silu(gate) * up).
-static void silu_mul_bf16(const uint16_t* gu, int T, int I, uint16_t* out) {
+// SwiGLU of bfloat16 rows gu [T, 2I] (gate, then up) -> out [T, I], the rows widened in L1 chunks;
+// `store(silu(gate), up)` gives each output element.
+template <class Out, class Store>
+static void silu_rows_bf16(const uint16_t* gu, int T, int I, Out* out, const Store& store) {
   float g[256], u[256], e[256];
   for (int t = 0; t < T; ++t) {
     const uint16_t* gr = gu + (size_t)t * 2 * I;
-    uint16_t* o = out + (size_t)t * I;
+    Out* o = out + (size_t)t * I;
     for (int a = 0; a < I; a += 256) {
       const int n = imin(256, I - a);
       rows_to_f32(gr + a, n, g);
@@ -23,29 +25,20 @@ static void silu_mul_bf16(const uint16_t* gu, int T, int I, uint16_t* out) {
       for (int i = 0; i < n; ++i) e[i] = -g[i] > 88.0f ? 88.0f : -g[i];
       exp_inplace(e, n);
 #pragma omp simd
-      for (int i = 0; i < n; ++i) o[a + i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(g[i] / (1.0f + e[i]))) * u[i]);
+      for (int i = 0; i < n; ++i) o[a + i] = store(g[i] / (1.0f + e[i]), u[i]);
     }
   }
 }
 
-// gu [T, 2I] bfloat16 -> out [T, I] float32: silu_mul's float32 SwiGLU of the rows' exact values (a
-// float32 model's big steps, whose gate_up GEMM ran in bfloat16), the same arithmetic bit for bit.
+// -> bfloat16: silu(gate), rounded, times up, rounded (torch's F.silu(gate) * up in bfloat16).
+static void silu_mul_bf16(const uint16_t* gu, int T, int I, uint16_t* out) {
+  silu_rows_bf16(gu, T, I, out, [](float s, float u) { return f32_to_bf16(bf16_to_f32(f32_to_bf16(s)) * u); });
+}
+
+// -> float32: silu_mul's float32 SwiGLU of the rows' exact values (a float32 model's big steps, whose
+// gate_up GEMM ran in bfloat16), the same arithmetic bit for bit.
 static void silu_mul_bf16_f32(const uint16_t* gu, int T, int I, float* out) {
-  float g[256], u[256], e[256];
-  for (int t = 0; t < T; ++t) {
-    const uint16_t* gr = gu + (size_t)t * 2 * I;
-    float* o = out + (size_t)t * I;
-    for (int a = 0; a < I; a += 256) {
-      const int n = imin(256, I - a);
-      rows_to_f32(gr + a, n, g);
-      rows_to_f32(gr + I + a, n, u);
-#pragma omp simd
-      for (int i = 0; i < n; ++i) e[i] = -g[i] > 88.0f ? 88.0f : -g[i];
-      exp_inplace(e, n);
-#pragma omp simd
-      for (int i = 0; i < n; ++i) o[a + i] = g[i] / (1.0f + e[i]) * u[i];
-    }
-  }
+  silu_rows_bf16(gu, T, I, out, [](float s, float u) { return s * u; });
 }
 
 // x [T, H] -> out [T, H]: w * (x / sqrt(mean(x^2) + eps)), the normalised row rounded to bfloat16
