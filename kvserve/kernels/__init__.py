@@ -6,7 +6,7 @@ step reads every weight byte once; its host work is a few calls, not thousands).
   linear_bf16                               a bfloat16 weight (AMX tiles where the CPU has them, else torch's GEMM)
   decode_attention                          paged decode attention, split along the context
   silu_mul                                  SwiGLU (float32 or bfloat16 rows)
-  rms_norm_bf16 / add_rms_norm_bf16         RMSNorm of bfloat16 rows (after a residual add)
+  rms_norm_bf16 / add_rms_norm              RMSNorm of bfloat16 rows; after a residual add, of bfloat16 or float32 ones
   rope                                      RoPE of bfloat16 or float32 heads
   write_slots                               new tokens' K or V rows into their paged cache slots
   draw_rows                                 sampled tokens drawn from logits rows (inverse CDF)
@@ -125,7 +125,7 @@ def _register_fakes() -> None:
     torch.library.register_fake("kvserve::silu_mul")(
         lambda gu, out_dtype=None: gu.new_empty(gu.shape[0], gu.shape[1] // 2, dtype=out_dtype or gu.dtype))
     torch.library.register_fake("kvserve::rms_norm_bf16")(lambda x, w, eps: torch.empty_like(x))
-    torch.library.register_fake("kvserve::add_rms_norm_bf16")(
+    torch.library.register_fake("kvserve::add_rms_norm")(
         lambda x, d, w, eps: (torch.empty_like(x), torch.empty_like(x)))
     torch.library.register_fake("kvserve::write_slots")(lambda src, cache, slots: None)
     torch.library.register_fake("kvserve::draw_rows")(lambda x, rows, u: rows.new_empty(rows.shape))

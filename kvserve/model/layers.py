@@ -22,13 +22,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, rms_norm(x + delta)): a residual branch added to the stream and the next
-    norm of it. bfloat16 rows on the CPU: one pass of kvserve's op (torch's bfloat16 add and
-    `rms_norm`'s arithmetic, bit for bit); otherwise the two torch calls."""
-    if _cpu_rows(x) and _cpu_rows(delta) and weight.dtype == torch.bfloat16 and weight.dim() == 1:
-        s, h = torch.ops.kvserve.add_rms_norm_bf16(x.view(-1, x.shape[-1]), delta.view(-1, x.shape[-1]), weight, eps)
+    norm of it. bfloat16 or float32 rows on the CPU: one pass of kvserve's op (bfloat16: torch's
+    add and `rms_norm`'s arithmetic, bit for bit; float32: the add bit for bit, the norm the fused
+    decode step's, its sum of squares in another order than torch's: a few ulp. torch's add, pow,
+    sum and muls took 13% of the default model's prefill); otherwise the two torch calls."""
+    if (_cpu_rows(x, _ROW_DTYPES) and _cpu_rows(delta, _ROW_DTYPES) and delta.dtype == weight.dtype == x.dtype
+            and weight.dim() == 1):
+        s, h = torch.ops.kvserve.add_rms_norm(x.view(-1, x.shape[-1]), delta.view(-1, x.shape[-1]), weight, eps)
         return s.view(x.shape), h.view(x.shape)
     x = x + delta
     return x, rms_norm(x, weight, eps)
+
+
+_ROW_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def _cpu_rows(x: torch.Tensor, dtypes: tuple = (torch.bfloat16,)) -> bool:
@@ -169,24 +175,30 @@ def apply_rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
 
 
-def swiglu(gate_up: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """silu(gate) * up, from the fused [T, 2I] projection, in `dtype` (default gate_up's: a float32
-    model hands its big steps' bfloat16 GEMM output over as it is, `linear(..., gemm_dtype=True)`).
-    On the CPU kvserve's op, one pass: bfloat16 rows rounding as torch's two ops do; float32 rows
-    (and bfloat16 ones into float32: their exact values, without a float32 copy of [T, 2I]) within
-    a few ulp of torch (its exp is a polynomial, ~2 ulp: the fused decode step's SwiGLU, so prefill
+def swiglu(gate_up: torch.Tensor, dtype: torch.dtype | None = None, store: torch.dtype | None = None) -> torch.Tensor:
+    """silu(gate) * up, from the fused [T, 2I] projection, computed in `dtype` (default gate_up's: a
+    float32 model hands its big steps' bfloat16 GEMM output over as it is, `linear(...,
+    gemm_dtype=True)`) and stored in `store` (default `dtype`: the next GEMM's input dtype, so a
+    float32 result its bfloat16 GEMM would round anyway is rounded here, once). On the CPU
+    kvserve's op, one pass: bfloat16 rows rounding as torch's two ops do; float32 rows (and
+    bfloat16 ones into float32: their exact values, without a float32 copy of [T, 2I]) within a
+    few ulp of torch (its exp is a polynomial, ~2 ulp: the fused decode step's SwiGLU, so prefill
     and decode agree)."""
     dtype = dtype or gate_up.dtype
-    if gate_up.dim() == 2 and _cpu_rows(gate_up, (torch.bfloat16, torch.float32)) and dtype in (gate_up.dtype, torch.float32):
-        return torch.ops.kvserve.silu_mul(gate_up, None if dtype == gate_up.dtype else dtype)
+    store = store or dtype
+    if gate_up.dim() == 2 and _cpu_rows(gate_up, _ROW_DTYPES):
+        if dtype == store == gate_up.dtype:
+            return torch.ops.kvserve.silu_mul(gate_up, None)
+        if dtype == torch.float32 and gate_up.dtype == torch.bfloat16 and store in _ROW_DTYPES:
+            return torch.ops.kvserve.silu_mul(gate_up, store)
     gate, up = gate_up.to(dtype).chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return (F.silu(gate) * up).to(store)
 
 
-def geglu_tanh(gate_up: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """gelu_tanh(gate) * up (Gemma's MLP), from the fused [T, 2I] projection, in `dtype`."""
+def geglu_tanh(gate_up: torch.Tensor, dtype: torch.dtype | None = None, store: torch.dtype | None = None) -> torch.Tensor:
+    """gelu_tanh(gate) * up (Gemma's MLP), from the fused [T, 2I] projection, in `dtype`, stored in `store`."""
     gate, up = gate_up.to(dtype or gate_up.dtype).chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
+    return (F.gelu(gate, approximate="tanh") * up).to(store or dtype or gate_up.dtype)
 
 
 GATED_ACTIVATIONS = {"silu": swiglu, "swish": swiglu, "gelu_pytorch_tanh": geglu_tanh}

@@ -18,7 +18,7 @@ from kvserve.model.fused_decode import FusedDecode
 from kvserve.model.fusion import embedding_rows, embedding_weight, linear_weight
 from kvserve.model.layers import add_rms_norm, apply_rope, gated_activation, rms_norm, rope_tables
 from kvserve.config.names import parse_quantization
-from kvserve.model.quant.formats import Int8Weight, QuantizedWeight, linear
+from kvserve.model.quant.formats import Int8Weight, QuantizedWeight, input_dtype, linear
 
 logger = logging.getLogger(__name__)
 EMBED = "model.embed_tokens.weight"
@@ -54,8 +54,11 @@ class LlamaLayer:
         self.act = gated_activation(cfg.hidden_act)         # act(gate) * up: SwiGLU, GeGLU, ...
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
-        """The post-attention-norm stream [T, hidden] -> the MLP's output [T, hidden] (partial if tp)."""
-        return linear(self.act(linear(h, self.gate_up, gemm_dtype=True), h.dtype), self.down)
+        """The post-attention-norm stream [T, hidden] -> the MLP's output [T, hidden] (partial if tp).
+        A float32 model's big steps: gate_up's bfloat16 GEMM output into the activation, whose
+        float32 result is stored in the dtype down's GEMM takes (bfloat16, rounded once)."""
+        gate_up = linear(h, self.gate_up, gemm_dtype=True)
+        return linear(self.act(gate_up, h.dtype, input_dtype(self.down, h)), self.down).to(h.dtype)
 
     def linears(self) -> list:
         """Every linear weight of the layer (a tensor or a QuantizedWeight)."""

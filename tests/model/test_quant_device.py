@@ -1,4 +1,4 @@
-"""Quantized weights off the CPU (kvserve/model/quant/formats.py: refuse_off_cpu): kvserve's quantized
+"""Quantized weights off the CPU (kvserve/model/quant/cpu_paths.py: refuse_off_cpu): kvserve's quantized
 matmuls are CPU kernels, so int8 / int4 / a GGUF file's quantized tensors on another device
 (CUDA) are refused with a ValueError that names the fix, instead of being dequantized on every
 call. No GPU here: torch.device("cuda") is only a name until a tensor is put there, and the

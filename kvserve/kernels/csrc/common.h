@@ -98,7 +98,7 @@ struct IsaKernels {
   void (*dequant_q8_0)(const int8_t* q, const uint16_t* d, int K, int n0, int n1, float* f, uint16_t* b);
   int64_t (*draw_row)(const float* x, int V, float u, float* e);
   int64_t (*argmax_row)(const float* x, int V);
-  void (*silu_mul_bf16)(const uint16_t* gu, int T, int I, uint16_t* out);
+  void (*silu_mul_bf16)(const uint16_t* gu, int T, int I, uint16_t* out, bool once);
   void (*silu_mul_bf16_f32)(const uint16_t* gu, int T, int I, float* out);
   void (*rms_norm_bf16)(const uint16_t* x, const uint16_t* d, const uint16_t* w, int T, int H, float eps,
                         uint16_t* xo, uint16_t* out);

@@ -104,6 +104,8 @@ static void each_row(int B, const F& fn) {
 // x += delta (if any); out = x / sqrt(mean(x^2) + eps) * w, one row of `n`. The sum of squares is
 // one chain of adds: 8 interleaved partial sums moved a Qwen3-MoE int4 model's fused step off its
 // layer-by-layer twin by 1.5e-3 in a logprob (test_fused_step_with_experts), the chain by < 7e-6.
+// The layer-by-layer path's float32 norms take the same arithmetic (add_rms_norm_rows below), so
+// the two paths' norms of one row agree bit for bit.
 static void add_rms_norm(float* x, const float* delta, const float* w, float eps, int n, float* out) {
   if (delta)
     for (int i = 0; i < n; ++i) x[i] += delta[i];
@@ -111,6 +113,27 @@ static void add_rms_norm(float* x, const float* delta, const float* w, float eps
   for (int i = 0; i < n; ++i) ss += x[i] * x[i];
   const float r = 1.0f / std::sqrt(ss / n + eps);
   for (int i = 0; i < n; ++i) out[i] = x[i] * r * w[i];
+}
+
+void add_rms_norm_rows(const float* x, const float* delta, const float* w, float eps, int T, int n, float* xo,
+                       float* out) {
+  constexpr int R = 8;    // rows whose chains of adds interleave (one chain alone waits on each add)
+  int t = 0;
+  for (; t + R <= T; t += R) {
+    float* s = xo + (size_t)t * n;
+    for (size_t i = 0; i < (size_t)R * n; ++i) s[i] = x[(size_t)t * n + i] + delta[(size_t)t * n + i];
+    float ss[R] = {};
+    for (int i = 0; i < n; ++i)
+      for (int r = 0; r < R; ++r) ss[r] += s[(size_t)r * n + i] * s[(size_t)r * n + i];
+    for (int r = 0; r < R; ++r) {
+      const float k = 1.0f / std::sqrt(ss[r] / n + eps);
+      for (int i = 0; i < n; ++i) out[(size_t)(t + r) * n + i] = s[(size_t)r * n + i] * k * w[i];
+    }
+  }
+  for (; t < T; ++t) {
+    for (int i = 0; i < n; ++i) xo[(size_t)t * n + i] = x[(size_t)t * n + i];
+    add_rms_norm(xo + (size_t)t * n, delta + (size_t)t * n, w, eps, n, out + (size_t)t * n);
+  }
 }
 
 // A K or V row quantized as attention/kv_quant.py's `quantize` does: scale = max(amax / 127,

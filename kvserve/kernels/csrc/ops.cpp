@@ -380,29 +380,31 @@ static at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cach
   return out;
 }
 
-// SwiGLU over float32 or bfloat16 rows [T, 2I] -> [T, I] in the same dtype, rows over ATen's threads.
-// SwiGLU of gate_up [T, 2I] -> [T, I] in gate_up's dtype, or (out_dtype float32 for bfloat16 rows:
-// a float32 model's big steps, whose GEMM ran in bfloat16) in float32 from the exact float32 values
-// of the bfloat16 rows, as converting them first would give, without the float32 [T, 2I] copy.
+// SwiGLU of gate_up [T, 2I] -> [T, I], rows over ATen's threads. No out_dtype: in gate_up's dtype
+// with torch's arithmetic in it (bfloat16: silu rounded, then the product). An out_dtype: the float32
+// SwiGLU of gate_up's exact values, stored in out_dtype (float32, or bfloat16 rounded once) -- a
+// float32 model's big steps, whose GEMMs run in bfloat16: as converting the rows to float32 first,
+// and the result to the next GEMM's bfloat16 after, would give, without either copy.
 static at::Tensor silu_mul_op(const at::Tensor& gate_up, c10::optional<at::ScalarType> out_dtype) {
   TORCH_CHECK((gate_up.scalar_type() == at::kFloat || gate_up.scalar_type() == at::kBFloat16) &&
                   gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
               "kvserve: gate_up is float32 or bfloat16 [T, 2I]");
   const at::ScalarType odt = out_dtype.value_or(gate_up.scalar_type());
-  TORCH_CHECK(odt == gate_up.scalar_type() || (odt == at::kFloat && gate_up.scalar_type() == at::kBFloat16),
+  const bool bf16 = gate_up.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(odt == gate_up.scalar_type() || (bf16 && odt == at::kFloat),
               "kvserve: silu_mul writes gate_up's dtype, or float32 from bfloat16");
+  const bool once = bf16 && out_dtype.has_value();      // bfloat16 out of the float32 SwiGLU
   at::Tensor g = gate_up.contiguous();
   const int64_t T = g.size(0), I = g.size(1) / 2;
   at::Tensor out = at::empty({T, I}, g.options().dtype(odt));
   const IsaKernels& k = isa();
-  const bool bf16 = g.scalar_type() == at::kBFloat16;
   at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t t0, int64_t t1) {
     if (bf16 && odt == at::kFloat)
       k.silu_mul_bf16_f32((const uint16_t*)g.data_ptr<at::BFloat16>() + t0 * 2 * I, (int)(t1 - t0), (int)I,
                           out.data_ptr<float>() + t0 * I);
     else if (bf16)
       k.silu_mul_bf16((const uint16_t*)g.data_ptr<at::BFloat16>() + t0 * 2 * I, (int)(t1 - t0), (int)I,
-                      (uint16_t*)out.data_ptr<at::BFloat16>() + t0 * I);
+                      (uint16_t*)out.data_ptr<at::BFloat16>() + t0 * I, once);
     else
       k.silu_mul(g.data_ptr<float>() + t0 * 2 * I, (int)(t1 - t0), (int)I, out.data_ptr<float>() + t0 * I);
   });
@@ -417,7 +419,7 @@ static std::tuple<at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, const a
                   weight.dim() == 1 && weight.size(0) == x.size(1),
               "kvserve: rms_norm_bf16 takes bfloat16 x [T, H] and weight [H]");
   TORCH_CHECK(!delta || (delta->scalar_type() == at::kBFloat16 && delta->sizes() == x.sizes()),
-              "kvserve: add_rms_norm_bf16 takes bfloat16 x and delta of one shape [T, H]");
+              "kvserve: add_rms_norm takes x and delta of one shape [T, H] and weight [H], all bfloat16 or all float32");
   at::Tensor xc = x.contiguous(), wc = weight.contiguous();
   at::Tensor dc = delta ? delta->contiguous() : at::Tensor();
   const int64_t T = xc.size(0), H = xc.size(1);
@@ -438,9 +440,22 @@ static at::Tensor rms_norm_bf16_op(const at::Tensor& x, const at::Tensor& weight
   return std::get<1>(norm_rows(x, nullptr, weight, eps));
 }
 
-static std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16_op(const at::Tensor& x, const at::Tensor& delta,
-                                                               const at::Tensor& weight, double eps) {
-  return norm_rows(x, &delta, weight, eps);
+// x + delta and its RMSNorm: bfloat16 rows (norm_rows), or float32 rows with a float32 weight
+// (add_rms_norm_rows: the fused decode step's arithmetic).
+static std::tuple<at::Tensor, at::Tensor> add_rms_norm_op(const at::Tensor& x, const at::Tensor& delta,
+                                                          const at::Tensor& weight, double eps) {
+  if (x.scalar_type() != at::kFloat) return norm_rows(x, &delta, weight, eps);
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && delta.scalar_type() == at::kFloat && x.dim() == 2 &&
+                  delta.sizes() == x.sizes() && weight.dim() == 1 && weight.size(0) == x.size(1),
+              "kvserve: add_rms_norm takes x and delta of one shape [T, H] and weight [H], all bfloat16 or all float32");
+  at::Tensor xc = x.contiguous(), dc = delta.contiguous(), wc = weight.contiguous();
+  const int64_t T = xc.size(0), H = xc.size(1);
+  at::Tensor out = at::empty_like(xc), sum = at::empty_like(xc);
+  at::parallel_for(0, T, std::max<int64_t>(8, 16384 / std::max<int64_t>(H, 1)), [&](int64_t t0, int64_t t1) {
+    add_rms_norm_rows(xc.data_ptr<float>() + t0 * H, dc.data_ptr<float>() + t0 * H, wc.data_ptr<float>(), (float)eps,
+                      (int)(t1 - t0), (int)H, sum.data_ptr<float>() + t0 * H, out.data_ptr<float>() + t0 * H);
+  });
+  return {sum, out};
 }
 
 // New tokens' K or V rows src [T, KV, D] into their slots of a paged pool [blocks, KV, block_size,
@@ -586,7 +601,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("draw_rows(Tensor x, Tensor rows, Tensor u) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("rms_norm_bf16(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("add_rms_norm_bf16(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("write_slots(Tensor src, Tensor(a!) cache, Tensor slots) -> ()");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("dequantize_int4(Tensor nibbles, Tensor scales, int group_size, ScalarType dtype, Tensor? high=None) -> Tensor");
@@ -603,7 +618,7 @@ TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("draw_rows", &kvk::draw_rows);
   m.impl("argmax_rows", &kvk::argmax_rows);
   m.impl("rms_norm_bf16", &kvk::rms_norm_bf16_op);
-  m.impl("add_rms_norm_bf16", &kvk::add_rms_norm_bf16_op);
+  m.impl("add_rms_norm", &kvk::add_rms_norm_op);
   m.impl("write_slots", &kvk::write_slots);
   m.impl("rope", &kvk::rope_op);
   m.impl("dequantize_int4", &kvk::dequantize_int4);

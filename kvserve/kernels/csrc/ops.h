@@ -40,6 +40,11 @@ bool amx_route(const Linear& w, int T);
 // y [T, N] = x [T, K] @ W.T, both float32 row-major; `xp` scratch [T, K] for the int4 order.
 void linear_into(const float* x, int T, const Linear& w, float* y, float* xp);
 
+// Rows x [T, n] + delta [T, n] -> xo, and out = their RMSNorm times w [n], float32: the fused decode
+// step's arithmetic (layers.cpp: the sum of squares one chain of adds a row, as torch's order is not).
+void add_rms_norm_rows(const float* x, const float* delta, const float* w, float eps, int T, int n, float* xo,
+                       float* out);
+
 // Paged decode attention of B one-token queries: out [B, H, D] float32 (args as common.h), each
 // sequence over its last min(context_len, window) tokens (window <= 0: all).
 // ValueError-style checks (TORCH_CHECK) that every context fits its table row and every block

@@ -30,9 +30,14 @@ static void silu_rows_bf16(const uint16_t* gu, int T, int I, Out* out, const Sto
   }
 }
 
-// -> bfloat16: silu(gate), rounded, times up, rounded (torch's F.silu(gate) * up in bfloat16).
-static void silu_mul_bf16(const uint16_t* gu, int T, int I, uint16_t* out) {
-  silu_rows_bf16(gu, T, I, out, [](float s, float u) { return f32_to_bf16(bf16_to_f32(f32_to_bf16(s)) * u); });
+// -> bfloat16: silu(gate), rounded, times up, rounded (torch's F.silu(gate) * up in bfloat16); or,
+// `once`, silu_mul_bf16_f32's float32 SwiGLU rounded once (a float32 model's big steps, whose next
+// GEMM takes bfloat16 rows: what rounding that float32 result would give).
+static void silu_mul_bf16(const uint16_t* gu, int T, int I, uint16_t* out, bool once) {
+  if (once)
+    silu_rows_bf16(gu, T, I, out, [](float s, float u) { return f32_to_bf16(s * u); });
+  else
+    silu_rows_bf16(gu, T, I, out, [](float s, float u) { return f32_to_bf16(bf16_to_f32(f32_to_bf16(s)) * u); });
 }
 
 // -> float32: silu_mul's float32 SwiGLU of the rows' exact values (a float32 model's big steps, whose

@@ -201,3 +201,16 @@ def warn_once(message: str, *args) -> None:
 
 
 _warned: set[str] = set()
+
+
+def refuse_off_cpu(method: str, device) -> None:
+    """ValueError unless `device` is the CPU: kvserve's quantized matmuls are CPU kernels, and
+    elsewhere (CUDA) a quantized weight would be dequantized on every call of every step."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return
+    raise ValueError(f"{method} weights on {device.type}: kvserve runs quantized weights with CPU kernels "
+                     f"only (on {device.type} they would be dequantized on every step). Load the model in "
+                     "a float dtype there: quantization='dequant' for a GGUF file's quantized tensors, "
+                     "or no quantization (and no self-int8/self-int4 draft) with dtype='bfloat16' or "
+                     "'float16'; or run on device='cpu'.")

@@ -1,22 +1,18 @@
 """Weight-only quantization, executed quantized (seed 000: quantization reads fewer bytes per token).
 
 A decode step multiplies a few activation rows by every weight matrix, so its time is the bytes
-of weight it reads. The linear weights are stored as int8 (1 byte a weight) or int4 (half a
-byte) plus scales, stay that way in memory, and run through PyTorch's own CPU kernels, which
-read the quantized bytes and scale inside the matmul:
+of weight it reads. The linear weights are stored as int8 (1 byte a weight) or int4 (half a byte;
+int5 a fifth bit more) plus scales, stay that way in memory, and run through kernels that read the
+quantized bytes and scale inside the matmul (kvserve's; where those are not built, torch's
+`_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` on bfloat16 activations, float32 ones
+measured 4-59x slower there: benchmarks/results/cpu_paths_f32_activations.json):
 
   int8: per output channel, symmetric   w[n, k] ~ q[n, k] * scale[n]        q in -128..127
-        torch.ops.aten._weight_int8pack_mm(x, q, scale)
   int4: groups of G along K (32..256)   w[n, k] ~ (q[n, k] - 8) * scale[n, k // G] + zero[n, k // G]
-        torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, G, scales_and_zeros)
 
-The kernels are vectorized for bfloat16 activations only (float32 activations measured 4-59x
-slower at 1-8 rows on every SIMD capability: `python benchmarks/bench_cpu_paths.py --rows 1,8`,
-benchmarks/results/cpu_paths_f32_activations.json; an AVX-512 BF16 host standing in for
-the others, load average 1.3-2.1), so a kernel call casts the activations to bfloat16 and the
-result back; the scales are stored in bfloat16 on the CPU on every capability, so a weight holds
-the same values everywhere. Other devices (CUDA) have no kernel of kvserve's: quantized weights
-there are refused with a ValueError naming the fix (`refuse_off_cpu`), not dequantized per call.
+The scales are bfloat16 on the CPU on every capability, so a weight holds the same values
+everywhere. Other devices (CUDA) have no kernel of kvserve's: quantized weights there are refused
+with a ValueError naming the fix (cpu_paths.refuse_off_cpu), not dequantized per call.
 
 Which path a step takes is cpu_paths.kernel_plan()'s, by CPU capability (measured there):
   int8: at most `int8_kernel_max_rows` rows (decode batches) run the weight-only kernel; a bigger
@@ -26,15 +22,14 @@ Which path a step takes is cpu_paths.kernel_plan()'s, by CPU capability (measure
         integer GEMM `torch._int_mm`, `W8A8_ROWS` rows at a time, scaling the int32 sums in
         float32, at a measured cost in perplexity (docs/models/quantization.md).
   int4: at most `int4_kernel_max_rows` rows run the kernel.
-A bigger step (prefill, big batches) dequantizes the weight for that one call, from kvserve's own
-values, and runs the dense GEMM in the plan's `dense_dtype` (bfloat16 where the CPU has bf16
-instructions, else float32), which is compute-bound there, so the dequantization is paid once for
-many rows. No dequantized copy is kept, except on a capability whose plan is `float_resident`.
+A bigger step (prefill, big batches) dequantizes the weight for that one call and runs the dense
+GEMM in the plan's `dense_dtype` (bfloat16 where the CPU has bf16 instructions, else float32),
+compute-bound there, so the dequantization is paid once for many rows (`gemm_input_dtype`: the
+dtype x is rounded to for it). No dequantized copy is kept, except where the plan is `float_resident`.
 
-kvserve owns the values: int8 keeps q [N, K] (the kernel's own input), int4 its nibbles and
-int5 also its fifth bits (layouts.py) with its (scale, zero) per row and group, which kvserve's
-kernels read at every row count (kvserve/kernels), nothing more. Only where those kernels are not
-built does torch's int4 kernel run, on a packed copy of its own (never read back).
+kvserve owns the values: int8 keeps q [N, K], int4 its nibbles and int5 also its fifth bits
+(layouts.py) with (scale, zero) per row and group, nothing more; torch's int4 kernel, where it
+runs, reads a packed copy of its own (never read back).
 
 int4 needs K to be a multiple of the group; a matrix that is not (stories260K's 172-wide MLP)
 is stored as int8. torch's int4 kernel takes N a multiple of 16 and its int8 one K a multiple of
@@ -52,7 +47,7 @@ import torch.nn.functional as F
 
 from kvserve import kernels
 from kvserve.config.names import GROUP_SIZES, QUANTIZATION_METHODS as METHODS
-from kvserve.model.quant.cpu_paths import kernel_plan, warn_once
+from kvserve.model.quant.cpu_paths import kernel_plan, refuse_off_cpu, warn_once
 from kvserve.model.quant.layouts import pack_high, pack_nibbles, unpack_high, unpack_nibbles  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
@@ -98,19 +93,6 @@ def quantize_int4(w: torch.Tensor, group_size: int,
     return q.to(torch.uint8).view(N, K), scale
 
 
-def refuse_off_cpu(method: str, device) -> None:
-    """ValueError unless `device` is the CPU: kvserve's quantized matmuls are CPU kernels, and
-    elsewhere (CUDA) a quantized weight would be dequantized on every call of every step."""
-    device = torch.device(device)
-    if device.type == "cpu":
-        return
-    raise ValueError(f"{method} weights on {device.type}: kvserve runs quantized weights with CPU kernels "
-                     f"only (on {device.type} they would be dequantized on every step). Load the model in "
-                     "a float dtype there: quantization='dequant' for a GGUF file's quantized tensors, "
-                     "or no quantization (and no self-int8/self-int4 draft) with dtype='bfloat16' or "
-                     "'float16'; or run on device='cpu'.")
-
-
 class QuantizedWeight:
     """A linear layer's weight [N, K] kept quantized. `linear(x)` = x @ W.T + bias on the
     quantized bytes for steps of <= `kernel_max_rows` rows, else through a per-call dequantize."""
@@ -132,6 +114,11 @@ class QuantizedWeight:
             warn_once("%s weights of shape %s: %s; they run on the dequantize path (exact, slower at "
                       "decode)", method, list(shape), why_not)
             self.kernel_max_rows = -1
+
+    def gemm_input_dtype(self, rows: int) -> torch.dtype | None:
+        """The dtype `linear` rounds an x of `rows` rows to for its GEMM (the dequantize path's:
+        its producer may hand x over in it, rounded once), or None: x goes in as it is."""
+        return self.dense_dtype if rows > self.kernel_max_rows else None
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] @ W.T -> [T, N] in the dense dtype, W dequantized about DEQUANT_CHUNK weights
@@ -205,6 +192,9 @@ class Int8Weight(QuantizedWeight):
     def _dense_rows(self, x, start, stop):
         # The per-channel scale commutes with the GEMM: one pass over q, not two.
         return F.linear(x, self.q[start:stop].to(x.dtype)) * self.scale[start:stop].to(x.dtype)
+
+    def gemm_input_dtype(self, rows):
+        return None if self.w8a8 else super().gemm_input_dtype(rows)
 
     def use_w8a8(self) -> None:
         """Steps of more than the plan's w8a8_min_rows rows quantize the activations (the CPU only)."""
@@ -375,6 +365,11 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, gemm_dtype: boo
             return y if bias is None else y + bias
         return F.linear(x, w, bias)
     return w.linear(x, bias, gemm_dtype)
+
+
+def input_dtype(w, x: torch.Tensor) -> torch.dtype:
+    """The dtype `linear(x, w)` computes with x's values in: x's own, or a quantized weight's GEMM's."""
+    return (w.gemm_input_dtype(x.shape[0]) if isinstance(w, QuantizedWeight) else None) or x.dtype
 
 
 def quantize(w: torch.Tensor, method: str, group_size: int | None, dtype: torch.dtype,

@@ -165,6 +165,9 @@ class Int8BlockWeight(QuantizedWeight):
         n, K = q.shape
         return (q.to(dtype).view(n, -1, QK8) * d.to(dtype)[..., None]).view(n, K)
 
+    def gemm_input_dtype(self, rows):
+        return self.planes.gemm_input_dtype(rows) if self.planes is not None else super().gemm_input_dtype(rows)
+
     def linear(self, x, bias=None, gemm_dtype=False):
         if self.planes is not None:
             return self.planes.linear(self._twice(x), bias, gemm_dtype)
