@@ -73,7 +73,8 @@ REFUSED_LISTS = {
     "response_fields": "response field selection", "image_data": "images",
     "multimodal_data": "multimodal input",
 }
-_REPEAT_RULE = {"if": {"properties": {"repeat_penalty": {"not": {"const": 1}}}, "required": ["repeat_penalty"]},
+# (null is the field absent: the rule binds a penalty given as a number other than 1)
+_REPEAT_RULE = {"if": {"properties": {"repeat_penalty": {"not": {"enum": [1, None]}}}, "required": ["repeat_penalty"]},
                 "then": {"properties": {"repeat_last_n": {"const": -1}}, "required": ["repeat_last_n"]}}
 
 Real = Annotated[float, Field(allow_inf_nan=False)]

@@ -223,7 +223,8 @@ def test_the_routes_are_in_the_served_schema(client):
     validator = jsonschema_rs.validator_for({**body, "components": doc["components"]})
     for case in ({"prompt": PROMPT, "mirostat": 2}, {"prompt": PROMPT, "repeat_penalty": 1.2},
                  {"prompt": PROMPT, "samplers": ["top_k"]}, {"prompt": PROMPT, "n_predict": 0},
-                 {"prompt": PROMPT, "n_predict": 3}, {"prompt": PROMPT, "repeat_penalty": 1.2, "repeat_last_n": -1}):
+                 {"prompt": PROMPT, "n_predict": 3}, {"prompt": PROMPT, "repeat_penalty": 1.2, "repeat_last_n": -1},
+                 {"prompt": PROMPT, "repeat_penalty": None}):     # null: absent (the schema fuzz's find)
         served = client.post("/completion", json=case).status_code == 200
         assert validator.is_valid(case) == served, (case, served)
     assert "/infill" in doc["paths"] and "get" in doc["paths"]["/ping"]
