@@ -2,8 +2,9 @@
 (seed 000 / seed 003: the KV cache bounds the batch, so a smaller cache holds more tokens;
 int8 or fp8 holds about 2x the tokens of bf16, 4x of float32).
 
-`kv_cache_dtype` uses vLLM's names: "auto" (the model dtype, no scales), "bfloat16" (a float32
-model's K/V rounded to bfloat16 as they are written: half the bytes, no scales), "int8" (symmetric,
+`kv_cache_dtype` uses vLLM's names: "auto" (the model dtype, no scales; worker/build.py decides
+it before here), "float32" (a float32 model's), "bfloat16" (a float32 model's K/V rounded to
+bfloat16 as they are written: half the bytes, no scales), "int8" (symmetric,
 scale = amax / 127), "fp8_e4m3" / "fp8_e5m2" (scale = amax / the format's max). Each token's
 K / V row of one KV head is quantized once, when it is written into its slot, so a sequence's
 cache content never depends on how its prompt was chunked or batched.
@@ -25,13 +26,14 @@ TINY = 1e-12                     # floor of a scale, so an all-zero row divides 
 
 
 def is_quantized(name: str) -> bool:
-    """A cache of values and scales (int8, fp8); "auto" and "bfloat16" are plain tensors."""
+    """A cache of values and scales (int8, fp8); "auto", "float32" and "bfloat16" are plain tensors."""
     return name in STORAGE
 
 
 def plain_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """A plain cache's dtype: the model's ("auto"), or bfloat16 whatever the model's."""
-    return torch.bfloat16 if name == "bfloat16" else model_dtype
+    """A plain cache's dtype: the model's ("auto"), or the one named (float32 only for a float32
+    model: worker/build.py refuses it for another)."""
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(name, model_dtype)
 
 
 def bytes_per_token_head(name: str, head_dim: int, model_dtype: torch.dtype) -> int:

@@ -22,7 +22,7 @@ from typing import Any
 FOREIGN_FLAGS = {
     ("-b", "--batch-size", "-ub", "--ubatch-size"): "--max-num-batched-tokens N",
     ("-tb", "--threads-batch", "--threads-http"): "--engine-threads N (-t)",
-    ("-ctk", "--cache-type-k", "-ctv", "--cache-type-v"): "--kv-cache-dtype auto|int8|fp8_e4m3|fp8_e5m2",
+    ("-ctk", "--cache-type-k", "-ctv", "--cache-type-v"): "--kv-cache-dtype auto|float32|bfloat16|int8|fp8_e4m3|fp8_e5m2",
     ("-fa", "--flash-attn"): "--attention-backend NAME",
     ("-a", "--alias"): "--served-model-name NAME",
     ("--chat-template-file",): "--chat-template FILE",

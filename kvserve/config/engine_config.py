@@ -83,9 +83,10 @@ class EngineConfig:
         "batches, a little less exact"))
     # KV-cache quantization (kvserve/attention/kv_quant.py): one byte per element + a scale per token-head
     kv_cache_dtype: str = field(default="auto", metadata=flag(
-        "KV cache storage: auto (the model dtype), bfloat16 (half a float32 model's bytes), or one "
-        "byte per element with a scale per token and KV head (int8, fp8_*: about 2x the tokens of "
-        "bf16)", choices=tuple(KV_CACHE_DTYPES)))
+        "KV cache storage: auto (the model dtype; bfloat16 for a GGUF file's quantized weights run in "
+        "float32, as llama.cpp keeps float16), float32 (a float32 model's own), bfloat16 (half a "
+        "float32 model's bytes), or one byte per element with a scale per token and KV head (int8, "
+        "fp8_*: about 2x the tokens of bf16)", choices=tuple(KV_CACHE_DTYPES)))
     # Attention (kvserve/attention/selector.py): "auto" decided once per model, logged at start
     attention_backend: str = field(default="auto", metadata=flag(
         "attention over the paged KV cache: torch (portable, CPU and CUDA), cpu_fused (kvserve's C++ "

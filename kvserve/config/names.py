@@ -10,7 +10,7 @@ DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16
                "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
 # --kv-cache-dtype: vLLM's names (attention/kv_quant.py stores each)
-KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")
 
 # --quantization: weight-only formats kvserve quantizes to at load (model/quant/formats.py)
 QUANTIZATION_METHODS = ("int8", "int4")

@@ -2,8 +2,8 @@
 worker, the draft proposer and the embedder all call `build_model`.
 
     load_and_resolve(engine_config) -> (Config, loaded)             the file read once; every "auto"
-                                                         decided: dtype, max_model_len, the
-                                                         attention backend
+                                                         decided: dtype, kv_cache_dtype,
+                                                         max_model_len, the attention backend
     build_model(config.model, block_size, kv_cache_dtype, device, rank=, tp_size=, attention=, loaded=)
         -> BuiltModel(model: this rank's slice, config: the whole model's ModelConfig, tokenizer)
 
@@ -15,6 +15,7 @@ overrides it: the embedder's prompt-only attention). With tp_size > 1 the weight
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,9 +23,10 @@ import torch
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.selector import select_attention_backend
+from kvserve.config.names import DTYPE_NAMES
 from kvserve.worker.device import cuda_available, resolve_device, torch_dtype
 from kvserve.model.config import ModelConfig
-from kvserve.model.loaders.checkpoint import checkpoint_dtype, load_model_dir, resolve_dtype
+from kvserve.model.loaders.checkpoint import checkpoint_dtype, load_model_dir, quantized_gguf, resolve_dtype
 from kvserve.model.registry import architecture
 from kvserve.model.sharding import TPGroup, check_expert_parallel, shard_config, shard_weights
 from kvserve.model.stages import stage_config, stage_of, stage_weights
@@ -33,6 +35,8 @@ from kvserve.model.tokenizers.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from kvserve.config.engine_config import EngineConfig
     from kvserve.config.resolved import Config, ModelLoadConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -44,11 +48,25 @@ class BuiltModel:
 
 def with_checkpoint_dtype(config: "EngineConfig") -> "EngineConfig":
     """`config` with dtype "auto" decided: the checkpoint's dtype, or this CPU's fastest for it
-    (loader.resolve_dtype; reads the checkpoint's headers only)."""
-    if config.dtype != "auto":
-        return config
-    dtype = resolve_dtype("auto", checkpoint_dtype(config.model), torch.device(resolve_device(config.device)))
-    return dataclasses.replace(config, dtype=str(dtype).removeprefix("torch."))
+    (loader.resolve_dtype; reads the checkpoint's headers only); and kv_cache_dtype "float32"
+    (a float32 model's own: "auto") or "auto" (for a GGUF file's quantized weights run in float32:
+    "bfloat16", as llama.cpp keeps its cache in float16 -- half the bytes a decode step reads, and
+    the file's perplexity within 0.01%: docs/models/quantization.md)."""
+    if config.dtype == "auto":
+        dtype = resolve_dtype("auto", checkpoint_dtype(config.model), torch.device(resolve_device(config.device)))
+        config = dataclasses.replace(config, dtype=str(dtype).removeprefix("torch."))
+    float32 = DTYPE_NAMES[config.dtype] == "float32"
+    if config.kv_cache_dtype == "float32":
+        if not float32:
+            raise ValueError(f"kv_cache_dtype float32 keeps a float32 model's K/V as they are; this model runs "
+                             f"in {config.dtype}: give dtype float32 too, or kv_cache_dtype auto.")
+        return dataclasses.replace(config, kv_cache_dtype="auto")
+    if (config.kv_cache_dtype == "auto" and float32 and config.quantization != "dequant"
+            and quantized_gguf(config.model)):
+        logger.info("GGUF file of quantized weights run in float32: its KV cache in bfloat16 "
+                    "(kv_cache_dtype float32 keeps float32)")
+        return dataclasses.replace(config, kv_cache_dtype="bfloat16")
+    return config
 
 
 def load_checkpoint(config, device: torch.device | str) -> tuple[ModelConfig, dict, Tokenizer | None]:

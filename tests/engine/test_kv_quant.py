@@ -24,7 +24,7 @@ SAMPLE = Path(__file__).resolve().parents[2] / "docs" / "sample-story.txt"
 
 
 def test_unknown_kv_cache_dtype_is_refused_at_config_time():
-    with pytest.raises(ValueError, match="auto, bfloat16, int8, fp8_e4m3, fp8_e5m2"):
+    with pytest.raises(ValueError, match="auto, float32, bfloat16, int8, fp8_e4m3, fp8_e5m2"):
         EngineConfig(model="x", kv_cache_dtype="int4")
 
 

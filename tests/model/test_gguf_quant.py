@@ -315,6 +315,20 @@ def test_explicit_methods_on_a_gguf_file(random_model_dir, tmp_path):
         EngineConfig(model=path, quantization="dequant", quantization_group_size=32)
 
 
+def test_a_quantized_gguf_file_keeps_its_kv_cache_in_bfloat16(random_model_dir, tmp_path):
+    """kv_cache_dtype auto for a GGUF file of quantized weights run in float32: bfloat16 (as
+    llama.cpp keeps float16: half the bytes a decode step reads); float32 keeps the model's own, as
+    do a float GGUF file and dequant (exact weights); float32 for a bfloat16 model refused."""
+    def cache(path, **kw):
+        return {t.dtype for t in LLM(path, num_kv_blocks=8, **kw).engine.core.runner.kv_cache_tensors()}
+    q4 = str(write_hf_as_gguf(random_model_dir("llama"), tmp_path / "q.gguf", "Q4_1"))
+    f32 = str(write_hf_as_gguf(random_model_dir("llama"), tmp_path / "f.gguf", "F32"))
+    assert cache(q4) == {torch.bfloat16}
+    assert cache(q4, kv_cache_dtype="float32") == cache(q4, quantization="dequant") == cache(f32) == {torch.float32}
+    with pytest.raises(ValueError, match="kv_cache_dtype float32 keeps a float32 model"):
+        LLM(q4, dtype="bfloat16", kv_cache_dtype="float32")
+
+
 def test_rows_the_int4_kernel_cannot_take_run_dequantized(caplog):
     """A (fused) matrix whose rows are not a multiple of 16 stays int4: kvserve's kernels take
     any row count; where only torch's is there, on the dequantize path (one warning for the

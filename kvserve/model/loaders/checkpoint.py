@@ -64,6 +64,21 @@ def checkpoint_dtype(path: str) -> torch.dtype:
     float type (F32, BF16, F16) holding the most elements of every safetensors tensor; of a GGUF
     file's tensors the type holding the most elements, float32 when that is a quantized type
     (a quantized file computes in float32, as llama.cpp does); float32 for llama2.c."""
+    kind, counts = _type_counts(path)
+    if kind == "gguf" and counts and counts.most_common(1)[0][0] not in FLOAT_TYPES:
+        return torch.float32
+    floats = [(n, t) for t, n in counts.most_common() if t in FLOAT_TYPES]
+    return FLOAT_TYPES[floats[0][1]] if floats else torch.float32
+
+
+def quantized_gguf(path: str) -> bool:
+    """A GGUF file whose tensors are mostly of a quantized type (Q4_1, Q4_K, Q8_0, ...)."""
+    kind, counts = _type_counts(path)
+    return kind == "gguf" and bool(counts) and counts.most_common(1)[0][0] not in FLOAT_TYPES
+
+
+def _type_counts(path: str) -> tuple[str, Counter]:
+    """(checkpoint kind, elements per tensor type name), from the headers."""
     kind, files = _locate(path)
     counts: Counter = Counter()
     if kind == "hf":
@@ -77,10 +92,7 @@ def checkpoint_dtype(path: str) -> torch.dtype:
         from kvserve.model.loaders.gguf import open_gguf
         for t in open_gguf(files[0]).tensors:
             counts[t.tensor_type.name] += int(t.n_elements)
-    if kind == "gguf" and counts and counts.most_common(1)[0][0] not in FLOAT_TYPES:
-        return torch.float32
-    floats = [(n, t) for t, n in counts.most_common() if t in FLOAT_TYPES]
-    return FLOAT_TYPES[floats[0][1]] if floats else torch.float32
+    return kind, counts
 
 
 def resolve_dtype(config_dtype: str, checkpoint_dtype: torch.dtype, device) -> torch.dtype:
