@@ -139,6 +139,7 @@ def test_linear_int8(bits, seed, blocks, N, T, n_threads):
 @example(seed=5, blocks=17, N=37, T=1, n_threads=2)      # odd blocks: the last one alone (AVX-512: masked)
 @example(seed=6, blocks=18, N=9, T=3, n_threads=1)
 @example(seed=7, blocks=1, N=5, T=2, n_threads=1)
+@example(seed=959233579, blocks=2, N=75, T=1, n_threads=1)   # a product within an ulp of a half
 def test_linear_q8_0(bits, seed, blocks, N, T, n_threads):
     g = torch.Generator().manual_seed(seed)
     K = 32 * blocks
@@ -204,7 +205,9 @@ def q16_activations(x: torch.Tensor) -> torch.Tensor:
     T, K = x.shape
     xb = x.view(T, K // 32, 32)
     amax = xb.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 32767 / amax, torch.zeros_like(amax))
+    # 32767 / amax rounded once, as the kernel divides (torch's `32767 / amax` multiplies by a
+    # reciprocal: an ulp off, and a product within it of a half rounded the other way)
+    inv = torch.where(amax > 0, (32767 / amax.double()).float(), torch.zeros_like(amax))
     return (torch.round(xb * inv).double() * (amax / 32767).double()).view(T, K)
 
 
