@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve import LLM
+from kvserve import LLM, SamplingParams
 from kvserve.analysis import kvmath
 from kvserve.config import EngineConfig
 from kvserve.model.config import ModelConfig
@@ -109,9 +109,25 @@ def _ppl(kv_cache_dtype: str) -> float:
 
 def test_quantized_cache_perplexity_within_one_percent():
     """Measured on docs/sample-story.txt (15 chunks of 128): float32 cache 5.0160, int8 5.0254
-    (+0.19%), fp8_e4m3 5.0511 (+0.70%), fp8_e5m2 5.1832 (+3.3%: 2 mantissa bits)."""
+    (+0.19%), fp8_e4m3 5.0511 (+0.70%), fp8_e5m2 5.1832 (+3.3%: 2 mantissa bits), bfloat16 (its
+    prefill attention in bfloat16 too) 5.0166 (+0.01%)."""
     base = _ppl("auto")
-    for name, bound in (("int8", 0.01), ("fp8_e4m3", 0.01), ("fp8_e5m2", 0.05)):
+    for name, bound in (("int8", 0.01), ("fp8_e4m3", 0.01), ("fp8_e5m2", 0.05), ("bfloat16", 0.005)):
         ppl = _ppl(name)
         print(name, base, ppl, ppl / base - 1)
         assert abs(ppl / base - 1) < bound, (name, base, ppl)
+
+
+def test_a_float32_models_bfloat16_cache_attends_in_bfloat16_on_prefill(monkeypatch):
+    """kv_cache_dtype bfloat16 under a float32 model: a prefill's attention runs in bfloat16 (K/V
+    are the cache's values; q and the probabilities rounded too, as llama.cpp rounds both to
+    float16), its output back in float32; the model's own cache attends in float32."""
+    import kvserve.attention.torch_paged as tp
+    seen, sdpa = [], tp.F.scaled_dot_product_attention
+    monkeypatch.setattr(tp.F, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: seen.append((q.dtype, k.dtype, v.dtype)) or sdpa(q, k, v, **kw))
+    for name, dtype in (("bfloat16", torch.bfloat16), ("auto", torch.float32)):
+        seen.clear()
+        out = LLM(str(STORIES_HF), kv_cache_dtype=name, num_kv_blocks=16).generate(
+            [{"prompt_token_ids": [1, 5, 9, 14, 30]}], SamplingParams(max_tokens=2, temperature=0.0))
+        assert len(out[0].outputs[0].token_ids) == 2 and seen and set(seen) == {(dtype,) * 3}
