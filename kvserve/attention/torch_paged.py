@@ -37,6 +37,12 @@ def write_slots(k, v, k_cache, v_cache, meta: AttentionMetadata, block_size: int
     return out[0], out[1]
 
 
+def bf16_attention(device: torch.device) -> bool:
+    """torch's bfloat16 attention runs here: a GPU, or a CPU at torch's AVX512 capability (its
+    bfloat16 flash kernel refuses less: "pack_vnni2 is only supported when avx512 is supported")."""
+    return device.type != "cpu" or torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
 def gather_blocks(cache, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Blocks `index` of a pool as [n, KV, bs, D] in `dtype` (dequantized if need be)."""
     if isinstance(cache, tuple):
@@ -117,8 +123,10 @@ class TorchPagedAttention(AttentionBackend):
         flash kernel takes 4-D inputs): q, k, v [T_prefill, *, D] -> [T_prefill, H, D]. A float32
         model's bfloat16 cache: in bfloat16 (K and V are the cache's values already; q and the
         probabilities rounded too, as llama.cpp rounds both to float16 against its float16
-        cache), 2-2.7x torch's float32 kernel on SmolLM2's 64 x 128 prompts."""
-        dtype = torch.bfloat16 if q.dtype == torch.float32 and self._plain_cache(k_cache, torch.bfloat16) else q.dtype
+        cache), 2-2.7x torch's float32 kernel on SmolLM2's 64 x 128 prompts, where bfloat16 is
+        native (`bf16_attention`)."""
+        bf16 = q.dtype == torch.float32 and self._plain_cache(k_cache, torch.bfloat16) and bf16_attention(q.device)
+        dtype = torch.bfloat16 if bf16 else q.dtype
         lay = meta.prefill_layout(self.block_size, self.sliding_window, dtype)
         C, Q, D = lay.num_chunks, lay.max_q, self.head_dim
 
