@@ -38,9 +38,14 @@ def write_slots(k, v, k_cache, v_cache, meta: AttentionMetadata, block_size: int
 
 
 def bf16_attention(device: torch.device) -> bool:
-    """torch's bfloat16 attention runs here: a GPU, or a CPU at torch's AVX512 capability (its
-    bfloat16 flash kernel refuses less: "pack_vnni2 is only supported when avx512 is supported")."""
-    return device.type != "cpu" or torch.backends.cpu.get_cpu_capability() == "AVX512"
+    """torch's bfloat16 attention runs here, natively: a GPU, or a CPU at torch's AVX512 capability
+    (its bfloat16 flash kernel refuses less: "pack_vnni2 is only supported when avx512 is
+    supported") with AVX-512 BF16 or AMX (without, bfloat16 is converted, not multiplied)."""
+    if device.type != "cpu":
+        return True
+    native = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)() or \
+        getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and bool(native)
 
 
 def gather_blocks(cache, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -121,13 +121,13 @@ def test_quantized_cache_perplexity_within_one_percent():
 def test_a_float32_models_bfloat16_cache_attends_in_bfloat16_on_prefill(monkeypatch):
     """kv_cache_dtype bfloat16 under a float32 model: a prefill's attention runs in bfloat16 (K/V
     are the cache's values; q and the probabilities rounded too, as llama.cpp rounds both to
-    float16) where torch's bfloat16 kernel runs (AVX512; under a forced AVX2 or DEFAULT capability
-    in float32), its output back in float32; the model's own cache attends in float32."""
+    float16) where torch's bfloat16 kernel runs natively (AVX512 with AVX-512 BF16 or AMX; under a
+    forced AVX2 or DEFAULT capability in float32), its output back in float32; the model's own cache attends in float32."""
     import kvserve.attention.torch_paged as tp
     seen, sdpa = [], tp.F.scaled_dot_product_attention
     monkeypatch.setattr(tp.F, "scaled_dot_product_attention",
                         lambda q, k, v, **kw: seen.append((q.dtype, k.dtype, v.dtype)) or sdpa(q, k, v, **kw))
-    bf16 = torch.bfloat16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else torch.float32
+    bf16 = torch.bfloat16 if tp.bf16_attention(torch.device("cpu")) else torch.float32
     for name, dtype in (("bfloat16", bf16), ("auto", torch.float32)):
         seen.clear()
         out = LLM(str(STORIES_HF), kv_cache_dtype=name, num_kv_blocks=16).generate(
