@@ -130,7 +130,7 @@ class TorchPagedAttention(AttentionBackend):
         probabilities rounded too, as llama.cpp rounds both to float16 against its float16
         cache), 2-2.7x torch's float32 kernel on SmolLM2's 64 x 128 prompts, where bfloat16 is
         native (`bf16_attention`)."""
-        bf16 = q.dtype == torch.float32 and self._plain_cache(k_cache, torch.bfloat16) and bf16_attention(q.device)
+        bf16 = q.dtype == torch.float32 and self.kv_cache_dtype == "bfloat16" and bf16_attention(q.device)
         dtype = torch.bfloat16 if bf16 else q.dtype
         lay = meta.prefill_layout(self.block_size, self.sliding_window, dtype)
         C, Q, D = lay.num_chunks, lay.max_q, self.head_dim
@@ -150,11 +150,6 @@ class TorchPagedAttention(AttentionBackend):
             o = self._softcapped(padded(q), keys, values, lay.mask)
         o = o.transpose(1, 2).reshape(C * Q, self.num_heads, D).to(q.dtype)  # [C * Q, H, D]
         return o if lay.out_index is None else o.index_select(0, lay.out_index)
-
-    @staticmethod
-    def _plain_cache(cache, dtype: torch.dtype) -> bool:
-        """A plain (unquantized) pool of `dtype`."""
-        return isinstance(cache, torch.Tensor) and cache.dtype == dtype
 
     def _softcapped(self, q, keys, values, mask):
         """Attention with soft-capped scores (no fused kernel has it): q [C, H, Q, D], keys and

@@ -106,13 +106,18 @@ static void each_row(int B, const F& fn) {
 // layer-by-layer twin by 1.5e-3 in a logprob (test_fused_step_with_experts), the chain by < 7e-6.
 // The layer-by-layer path's float32 norms take the same arithmetic (add_rms_norm_rows below), so
 // the two paths' norms of one row agree bit for bit.
+// out = x / sqrt(ss / n + eps) * w: one row of `n` normed from its sum of squares `ss`.
+static inline void scale_row(const float* x, float ss, const float* w, float eps, int n, float* out) {
+  const float r = 1.0f / std::sqrt(ss / n + eps);
+  for (int i = 0; i < n; ++i) out[i] = x[i] * r * w[i];
+}
+
 static void add_rms_norm(float* x, const float* delta, const float* w, float eps, int n, float* out) {
   if (delta)
     for (int i = 0; i < n; ++i) x[i] += delta[i];
   float ss = 0.0f;
   for (int i = 0; i < n; ++i) ss += x[i] * x[i];
-  const float r = 1.0f / std::sqrt(ss / n + eps);
-  for (int i = 0; i < n; ++i) out[i] = x[i] * r * w[i];
+  scale_row(x, ss, w, eps, n, out);
 }
 
 void add_rms_norm_rows(const float* x, const float* delta, const float* w, float eps, int T, int n, float* xo,
@@ -125,10 +130,7 @@ void add_rms_norm_rows(const float* x, const float* delta, const float* w, float
     float ss[R] = {};
     for (int i = 0; i < n; ++i)
       for (int r = 0; r < R; ++r) ss[r] += s[(size_t)r * n + i] * s[(size_t)r * n + i];
-    for (int r = 0; r < R; ++r) {
-      const float k = 1.0f / std::sqrt(ss[r] / n + eps);
-      for (int i = 0; i < n; ++i) out[(size_t)(t + r) * n + i] = s[(size_t)r * n + i] * k * w[i];
-    }
+    for (int r = 0; r < R; ++r) scale_row(s + (size_t)r * n, ss[r], w, eps, n, out + (size_t)(t + r) * n);
   }
   for (; t < T; ++t) {
     for (int i = 0; i < n; ++i) xo[(size_t)t * n + i] = x[(size_t)t * n + i];
