@@ -96,6 +96,7 @@ def q16_rounding(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
 @example(seed=12, group=32, blocks=3, N=20, T=2, few=True, zeros=True, n_threads=1, fifth=True)     # int5: K % 64, float
 @example(seed=13, group=32, blocks=40, N=35, T=40, few=False, zeros=True, n_threads=2, fifth=True)  # int5: tiles
 @example(seed=14, group=64, blocks=9, N=20, T=150, few=False, zeros=True, n_threads=2, fifth=True)  # int5: AMX
+@example(seed=15, group=256, blocks=9, N=37, T=250, few=False, zeros=True, n_threads=2, fifth=False)  # AMX: two blocks of x
 def test_linear_int4(bits, seed, group, blocks, N, T, few, zeros, n_threads, fifth):
     """Every route (int16 for <= KERNEL_ROWS rows, float blocks to 8 rows, float tiles past
     that) against the float64 product of the dequantized weight; int4 and int5 (a fifth bit)."""
@@ -140,6 +141,7 @@ def test_linear_int8(bits, seed, blocks, N, T, n_threads):
 @example(seed=6, blocks=18, N=9, T=3, n_threads=1)
 @example(seed=7, blocks=1, N=5, T=2, n_threads=1)
 @example(seed=959233579, blocks=2, N=75, T=1, n_threads=1)   # a product within an ulp of a half
+@example(seed=16, blocks=48, N=37, T=340, n_threads=2)   # AMX: two blocks of x, a partial weight pair
 def test_linear_q8_0(bits, seed, blocks, N, T, n_threads):
     g = torch.Generator().manual_seed(seed)
     K = 32 * blocks
@@ -166,6 +168,7 @@ def test_linear_q8_0(bits, seed, blocks, N, T, n_threads):
 @given(seed=st.integers(0, 2**31), blocks=st.integers(1, 48), N=st.integers(1, 80), T=st.integers(1, 70),
        n_threads=st.sampled_from([1, 2]))
 @example(seed=8, blocks=40, N=35, T=1, n_threads=2)      # 1,280 columns: two slabs; a partial last tile
+@example(seed=17, blocks=48, N=37, T=350, n_threads=2)   # AMX: two blocks of x (320 + 30 rows), a partial pair
 def test_linear_bf16(bits, seed, blocks, N, T, n_threads):
     """A bfloat16 weight: on AMX tiles at every row count where the CPU has them (x rounded to
     bfloat16, float32 sums), else torch's bfloat16 GEMM (its output rounded to bfloat16 too)."""

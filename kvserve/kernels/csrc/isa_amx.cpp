@@ -1,14 +1,18 @@
 // Batched GEMMs on Intel AMX (AMX-BF16 tiles; Sapphire Rapids and later): y = x @ W.T for a step
-// of a few or more activation rows (64 at a time), W in any of kvserve's formats (ops.h Format:
-// int4, int8, Q8_0, or a dense bfloat16 matrix). Per 16 weight rows: the rows dequantized, 32
-// weights at a time, to bfloat16 (each weight's exact value rounded once to float32, then to
-// bfloat16 -- what dequantize_int4 / dequantize_q8_0 give) into a slab that stays in L1/L2 (rows
-// of up to 2,048 columns once for all activation rows, wider ones 1,024 columns at a time for
-// each 64); then per 32 columns one tile of weights (A: 16 rows x 32 bfloat16) against up to four tiles of x
-// (B: 32 columns x 16 activation rows, in the VNNI pair layout ops.cpp packs) into four float32
+// of a few or more activation rows, W in any of kvserve's formats (ops.h Format: int4, int8, Q8_0,
+// or a dense bfloat16 matrix). Per 32 weight rows: the rows dequantized, 32 weights at a time, to
+// bfloat16 (each weight's exact value rounded once to float32, then to bfloat16 -- what
+// dequantize_int4 / dequantize_q8_0 give) into a slab that stays in L1/L2 (rows of up to 2,048
+// columns once for a block of x, wider ones 512 columns at a time for every 32 activation rows);
+// then per 32 columns two tiles of weights (A: 16 rows x 32 bfloat16) against two tiles of x (B:
+// 32 columns x 16 activation rows, in the VNNI pair layout ops.cpp packs) into four float32
 // accumulator tiles (C: 16 weight rows x 16 activation rows each). A dense bfloat16 weight's
-// tiles are loaded from the matrix itself. One tdpbf16ps is 8,192 multiply-adds, so the step
-// costs what its weights take to dequantize, not what it multiplies.
+// tiles are loaded from the matrix itself. One tdpbf16ps is 8,192 multiply-adds, so a step of a
+// few rows costs what its weights take to dequantize, not what it multiplies. x is taken in
+// blocks that stay in L2 (XB_BYTES), each passed over by every weight row of a thread's range:
+// a 2,048-row prefill chunk's packed x (2.4 MB at 576 columns) read once per 16 weight rows from
+// L3 had made an int4 3072 x 576 GEMM of 2,048 rows 1.5x slower (5.9 against 4.0 ms).
+#include <algorithm>
 #include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -38,7 +42,10 @@ bool amx_ready() {
 
 namespace isa_amx {
 
-constexpr int SLAB = 1024;       // columns of a 16-row weight slab dequantized at a time (32 KB)
+constexpr int PAIR = 32;         // weight rows a step of the GEMM covers: two A tiles
+constexpr int WHOLE = 2048;      // rows of at most WHOLE columns are dequantized once per block of x
+constexpr int SLAB = 512;        // wider ones SLAB columns at a time for every 32 activation rows (32 KB)
+constexpr int XB_BYTES = 1 << 20;       // the packed activation rows a block of x holds (half of L2)
 constexpr int AHEAD = 4096;      // bytes of a weight row prefetched ahead (vec.h's KV_AHEAD: the same reason)
 
 struct TileConfig {
@@ -126,75 +133,69 @@ static void dequant_row(const AmxWeight& w, int n, int k0, int kn, uint16_t* out
   }
 }
 
-// Weight rows n0..n0+rn, columns k0..k0+kn, dequantized into `slab` (row stride ld), the rows
-// past rn zero.
+// Weight rows n0..n0+rn (rn <= PAIR), columns k0..k0+kn, dequantized into `slab` (row stride ld),
+// the rows past rn up to PAIR zero.
 static void fill_slab(const AmxWeight& w, int n0, int rn, int k0, int kn, uint16_t* slab, int ld) {
   for (int r = 0; r < rn; ++r) dequant_row(w, n0 + r, k0, kn, slab + (size_t)r * ld);
-  for (int r = rn; r < 16; ++r)
+  for (int r = rn; r < PAIR; ++r)
     for (int c = 0; c < kn; c += 32) _mm512_storeu_si512((void*)(slab + (size_t)r * ld + c), _mm512_setzero_si512());
 }
 
-// Weight rows of at most WHOLE columns are dequantized once for every 64 activation rows;
-// wider ones a SLAB at a time for each 64.
-constexpr int WHOLE = 2048;
-
-// y rows t0..t0+16G (at most T), columns n0..n0+rn: C tiles 0..G-1 += A (16 weight rows x 32
-// columns) x B (x group g) over K, then stored. A comes from the matrix itself (a dense bfloat16
-// weight's whole tile), from `slab` filled once by the caller (`ready`: K <= WHOLE), or from
-// `slab` filled here SLAB columns at a time. A alternates between tiles 4 and 6 and B between 5
-// and 7, so a tile load need not wait for the multiply still reading that tile. A dense weight's
-// tiles are read straight from memory, 16 rows at once, left to the hardware prefetcher: asking
-// for the next block's rows as this one's are multiplied (16 prefetches a tile, into L1, L2 or
-// L3) made every bfloat16 GEMM of a SmolLM2 step 10-20% slower at 16 and 64 rows. Tile ids are
+// y rows t0..t0+16G (at most T), columns n0..n0+rn (two blocks of 16 weight rows): C tile 2g + b
+// += A_b (block b: 16 weight rows x 32 columns) x B_g (activation group g: 32 columns x 16 rows)
+// over K, then stored. Each A and each B tile is loaded once for two multiplies (oneDNN's 2 x 2
+// blocking; one A against four B tiles loaded 1.25 tiles a multiply). A is read from `a` (row
+// stride lda: the matrix itself for a dense bfloat16 pair of whole blocks, or the slab the caller
+// filled once), or, when `fill`, from `slab` filled here SLAB columns at a time. Tile ids are
 // immediates.
 template <int G>
-static void chunk(const uint16_t* xb, int T, int t0, const AmxWeight& w, int n0, int rn, bool ready,
-                  uint16_t* slab, float* cbuf, float* y) {
+static void chunk(const uint16_t* xb, int T, int t0, const AmxWeight& w, int n0, int rn,
+                  const uint16_t* a, int lda, bool fill, uint16_t* slab, float* cbuf, float* y) {
   const int K = w.K;
-  const bool direct = w.format == 0 && rn == 16;
-  const int width = direct || ready ? K : SLAB;        // columns a pass over A covers
+  const int width = fill ? SLAB : K;                 // columns a pass over A covers
+  if (fill) lda = SLAB;
   const uint16_t* xg = xb + (size_t)(t0 / 16) * (K / 2) * 32;
-  if (G > 0) _tile_zero(0);
-  if (G > 1) _tile_zero(1);
-  if (G > 2) _tile_zero(2);
-  if (G > 3) _tile_zero(3);
+  _tile_zero(0);
+  _tile_zero(1);
+  if (G > 1) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
   for (int k0 = 0; k0 < K; k0 += width) {
     const int kn = K - k0 < width ? K - k0 : width;
-    if (!direct && !ready) fill_slab(w, n0, rn, k0, kn, slab, SLAB);
-    const uint16_t* a = direct ? (const uint16_t*)w.a + (size_t)n0 * K + k0 : slab;
+    if (fill) fill_slab(w, n0, rn, k0, kn, slab, SLAB);
+    const uint16_t* a0 = fill ? slab : a + k0;
+    const uint16_t* a1 = a0 + (size_t)16 * lda;
     const uint16_t* bx = xg + (size_t)k0 / 2 * 32;
-#define KV_DP(g, A, B)                                                                 \
-      if (G > g) {                                                                     \
-        _tile_loadd(B, bx + (size_t)(g) * (K / 2) * 32 + (size_t)kk / 2 * 32, 64);      \
-        _tile_dpbf16ps(g, A, B);                                                       \
+    for (int kk = 0; kk < kn; kk += 32) {
+      _tile_loadd(4, a0 + kk, lda * 2);
+      _tile_loadd(6, bx + (size_t)kk / 2 * 32, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(5, a1 + kk, lda * 2);
+      _tile_dpbf16ps(1, 5, 6);
+      if (G > 1) {
+        _tile_loadd(7, bx + (size_t)(K / 2) * 32 + (size_t)kk / 2 * 32, 64);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_dpbf16ps(3, 5, 7);
       }
-#define KV_STEP(A)                                                                     \
-      _tile_loadd(A, a + kk, width * 2);                                               \
-      KV_DP(0, A, 5) KV_DP(1, A, 7) KV_DP(2, A, 5) KV_DP(3, A, 7)
-    int kk = 0;
-    for (; kk + 32 < kn; kk += 32) {
-      KV_STEP(4)
-      kk += 32;
-      KV_STEP(6)
     }
-    if (kk < kn) {
-      KV_STEP(4)
-    }
-#undef KV_STEP
-#undef KV_DP
   }
-  if (G > 0) _tile_stored(0, cbuf, 64);
-  if (G > 1) _tile_stored(1, cbuf + 256, 64);
-  if (G > 2) _tile_stored(2, cbuf + 512, 64);
-  if (G > 3) _tile_stored(3, cbuf + 768, 64);
+  _tile_stored(0, cbuf, 64);
+  _tile_stored(1, cbuf + 256, 64);
+  if (G > 1) {
+    _tile_stored(2, cbuf + 512, 64);
+    _tile_stored(3, cbuf + 768, 64);
+  }
   // each C tile is [16 weight rows][16 activation rows]: transposed in registers into y's rows
-  const __mmask16 cols = rn == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << rn) - 1);
-  for (int g = 0; g < G; ++g) {
-    __m512 c[16];
-    for (int r = 0; r < 16; ++r) c[r] = _mm512_load_ps(cbuf + g * 256 + r * 16);
-    transpose16(c);
+  for (int c = 0; c < 2 * G; ++c) {
+    const int g = c / 2, rb = rn - 16 * (c & 1);     // weight rows of block c & 1
+    if (rb <= 0) continue;
+    const __mmask16 cols = rb >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << rb) - 1);
+    __m512 r[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(cbuf + c * 256 + i * 16);
+    transpose16(r);
     for (int t = 0; t < 16 && t0 + g * 16 + t < T; ++t)
-      _mm512_mask_storeu_ps(y + (size_t)(t0 + g * 16 + t) * w.N + n0, cols, c[t]);
+      _mm512_mask_storeu_ps(y + (size_t)(t0 + g * 16 + t) * w.N + n0 + 16 * (c & 1), cols, r[t]);
   }
 }
 
@@ -229,18 +230,23 @@ void amx_linear(const uint16_t* xb, int T, const AmxWeight& w, float* y, int n0,
     cfg.colsb[i] = 64;
   }
   _tile_loadconfig(&cfg);
-  alignas(64) uint16_t slab[16 * WHOLE];
+  alignas(64) static thread_local uint16_t slab[PAIR * WHOLE];
   alignas(64) float cbuf[4 * 256];
-  for (int n = n0; n < n1; n += 16) {
-    const int rn = n1 - n < 16 ? n1 - n : 16;
-    const bool ready = w.K <= WHOLE && !(w.format == 0 && rn == 16);
-    if (ready) fill_slab(w, n, rn, 0, w.K, slab, w.K);
-    for (int t0 = 0; t0 < T; t0 += 64) {
-      switch ((T - t0 + 15) / 16) {
-        case 1: chunk<1>(xb, T, t0, w, n, rn, ready, slab, cbuf, y); break;
-        case 2: chunk<2>(xb, T, t0, w, n, rn, ready, slab, cbuf, y); break;
-        case 3: chunk<3>(xb, T, t0, w, n, rn, ready, slab, cbuf, y); break;
-        default: chunk<4>(xb, T, t0, w, n, rn, ready, slab, cbuf, y); break;
+  // Activation rows a block of at most XB_BYTES of xb at a time (a multiple of 32), so that the
+  // block stays in L2 while every weight row of the range passes over it.
+  const int K = w.K, block = std::max(32, XB_BYTES / (K * 2) / 32 * 32);
+  for (int tb = 0; tb < T; tb += block) {
+    const int te = T - tb < block ? T : tb + block;
+    for (int n = n0; n < n1; n += PAIR) {
+      const int rn = n1 - n < PAIR ? n1 - n : PAIR;
+      const bool direct = w.format == 0 && rn == PAIR, ready = !direct && K <= WHOLE;
+      if (ready) fill_slab(w, n, rn, 0, K, slab, K);
+      const uint16_t* a = direct ? (const uint16_t*)w.a + (size_t)n * K : slab;
+      for (int t0 = tb; t0 < te; t0 += 32) {
+        if (te - t0 > 16)
+          chunk<2>(xb, te, t0, w, n, rn, a, K, !direct && !ready, slab, cbuf, y);
+        else
+          chunk<1>(xb, te, t0, w, n, rn, a, K, !direct && !ready, slab, cbuf, y);
       }
     }
   }

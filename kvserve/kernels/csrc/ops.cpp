@@ -7,7 +7,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "ops.h"
@@ -178,9 +180,17 @@ void linear_into(const float* x, int T, const Linear& w, float* y, float* xp) {
   const int N = w.N, K = w.K;
   if (amx_route(w, T)) {
     const AmxWeight aw{w.format, N, K, w.G, w.a.data_ptr(), w.b.defined() ? w.b.data_ptr() : nullptr, high_bits(w)};
-    std::vector<uint16_t> xb((size_t)(T + 15) / 16 * 16 * K);
-    amx_pack(x, T, K, xb.data());
-    parallel_rows(N, K, T, [&](int n0, int n1) { amx_linear(xb.data(), T, aw, y, n0, n1); });
+    const int groups = (T + 15) / 16;
+    // amx_pack writes all of it; 64-byte aligned, so that no tile row straddles two cache lines
+    std::unique_ptr<uint16_t, decltype(&std::free)> xb(
+        (uint16_t*)std::aligned_alloc(64, ((size_t)groups * 16 * K * 2 + 63) / 64 * 64), &std::free);
+    TORCH_CHECK(xb, "out of memory packing ", T, " rows for AMX");
+    // packed 16 rows at a time, on every thread once a step is big enough to pay for the fork
+    at::parallel_for(0, groups, std::max<int64_t>(1, 131072 / (16 * K)), [&](int64_t g0, int64_t g1) {
+      amx_pack(x + (size_t)g0 * 16 * K, (int)std::min<int64_t>(T - g0 * 16, (g1 - g0) * 16), K,
+               xb.get() + (size_t)g0 * 16 * K);
+    });
+    parallel_rows(N, K, T, [&](int n0, int n1) { amx_linear(xb.get(), T, aw, y, n0, n1); });
   } else if (w.format == DENSE) {
     at::Tensor xt = at::from_blob(const_cast<float*>(x), {T, K}, at::kFloat);
     at::Tensor yt = at::from_blob(y, {T, N}, at::kFloat);
