@@ -578,24 +578,22 @@ static inline void store_row(const float* w, int n, float* f, uint16_t* b) {
 // out rows [n1 - n0, K] (f or b).
 static void dequant_int4(const uint8_t* nib, const uint16_t* sz, const uint8_t* hb, int K, int G, int n0, int n1,
                          float* f, uint16_t* b) {
-  float w[32];
   const int groups = K / G;
   for (int n = n0; n < n1; ++n) {
     const uint8_t* row = nib + (size_t)n * (K / 2);
     const uint16_t* srow = sz + (size_t)n * 2 * groups;
     const size_t o = (size_t)(n - n0) * K;
     for (int c = 0; c < K; c += 32) {
-      // (q - 8) * s is exact in float32, so w is the exact value rounded once
-      const float s = bf16_to_f32(srow[c / G]), z = bf16_to_f32(srow[groups + c / G]);
-      const uint8_t* p = row + c / 2;
+      VF w[32 / KV_W];
       uint32_t bits = 0;
       if (hb) __builtin_memcpy(&bits, hb + (size_t)n * (K / 8) + c / 8, 4);
-#pragma omp simd
-      for (int j = 0; j < 16; ++j) {
-        w[2 * j] = (float)((p[j] & 15) + 16 * (int)((bits >> j) & 1) - 8) * s + z;
-        w[2 * j + 1] = (float)((p[j] >> 4) + 16 * (int)((bits >> (16 + j)) & 1) - 8) * s + z;
+      deq32(row + c / 2, bits, vset(bf16_to_f32(srow[c / G])), vset(bf16_to_f32(srow[groups + c / G])), w);
+      for (int v = 0; v < 32 / KV_W; ++v) {
+        if (f)
+          vstore(f + o + c + v * KV_W, w[v]);
+        else
+          vstore_bf16(b + o + c + v * KV_W, w[v]);
       }
-      store_row(w, 32, f ? f + o + c : nullptr, b ? b + o + c : nullptr);
     }
   }
 }

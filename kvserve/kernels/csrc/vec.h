@@ -9,6 +9,10 @@
 //                 in 32 / KV_W vectors
 //   high32(hb, s, out)  a fifth bit per weight (a GGUF Q5 file's): out[i] += 16 s where bit i of
 //                 the 32-bit word at hb is set, bit i the i-th weight in nib32's order
+//   deq32(p, bits, s, z, out)  16 bytes of nibbles -> the 32 weights (q + 16 fifth - 8) * s + z in
+//                 weight order, in 32 / KV_W vectors (each the exact value rounded once: the
+//                 product is exact); `bits` the fifth bits, bit j weight 2j, bit 16 + j weight 2j + 1
+//   vstore_bf16(p, v)  KV_W floats -> bfloat16 (nearest even, as f32_to_bf16) at p
 //   i8f(p)        KV_W int8 -> KV_W floats  vmul(a, b)
 //   h2f(h)        one float16 (its bits) -> float (GGUF Q8_0's d)
 //   vload_bf16(p) KV_W bfloat16 -> KV_W floats
@@ -53,6 +57,21 @@ static inline void high32(const uint8_t* hb, VF s, VF* out) {
   out[1] = _mm512_mask_add_ps(out[1], (__mmask16)(bits >> 16), out[1], s16);
 }
 static inline VF vmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+static inline void deq32(const uint8_t* p, uint32_t bits, VF s, VF z, VF* out) {
+  const __m128i b = _mm_loadu_si128((const __m128i*)p), m = _mm_set1_epi8(15), h = _mm_set1_epi8(16);
+  __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+  lo = _mm_mask_add_epi8(lo, (__mmask16)(bits & 0xFFFF), lo, h);
+  hi = _mm_mask_add_epi8(hi, (__mmask16)(bits >> 16), hi, h);
+  const __m512i eight = _mm512_set1_epi32(8);
+  out[0] = vfma(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), eight)), s, z);
+  out[1] = vfma(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)), eight)), s, z);
+}
+static inline void vstore_bf16(uint16_t* p, VF v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                                                       _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(r));
+}
 static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
 static inline VF i8f(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
@@ -110,6 +129,31 @@ static inline void high32(const uint8_t* hb, VF s, VF* out) {
   }
 }
 static inline VF vmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+static inline void deq32(const uint8_t* p, uint32_t bits, VF s, VF z, VF* out) {
+  const __m128i b = _mm_loadu_si128((const __m128i*)p), m = _mm_set1_epi8(15);
+  __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+  if (bits) {       // 16 bits -> 16 byte masks: byte j of the pair (j / 8) tested against 1 << (j % 8)
+    const __m128i sel = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, (char)128, 1, 2, 4, 8, 16, 32, 64, (char)128);
+    const __m128i spread = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m128i h = _mm_set1_epi8(16);
+    const __m128i ml = _mm_cmpeq_epi8(_mm_and_si128(_mm_shuffle_epi8(_mm_cvtsi32_si128((int)(bits & 0xFFFF)), spread), sel), sel);
+    const __m128i mh = _mm_cmpeq_epi8(_mm_and_si128(_mm_shuffle_epi8(_mm_cvtsi32_si128((int)(bits >> 16)), spread), sel), sel);
+    lo = _mm_add_epi8(lo, _mm_and_si128(ml, h));
+    hi = _mm_add_epi8(hi, _mm_and_si128(mh, h));
+  }
+  const __m128i q0 = _mm_unpacklo_epi8(lo, hi), q1 = _mm_unpackhi_epi8(lo, hi);
+  const __m256i eight = _mm256_set1_epi32(8);
+  out[0] = vfma(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(q0), eight)), s, z);
+  out[1] = vfma(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(q0, 8)), eight)), s, z);
+  out[2] = vfma(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(q1), eight)), s, z);
+  out[3] = vfma(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(q1, 8)), eight)), s, z);
+}
+static inline void vstore_bf16(uint16_t* p, VF v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
+                                                       _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))), 16);
+  _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08)));
+}
 static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
 static inline VF i8f(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
@@ -158,6 +202,13 @@ static inline void high32(const uint8_t* hb, VF s, VF* out) {
     if ((hb[i / 8] >> (i % 8)) & 1) out[i] += 16.0f * s;
 }
 static inline VF vmul(VF a, VF b) { return a * b; }
+static inline void deq32(const uint8_t* p, uint32_t bits, VF s, VF z, VF* out) {
+  for (int j = 0; j < 16; ++j) {
+    out[2 * j] = (float)((int)(p[j] & 15) + 16 * (int)((bits >> j) & 1) - 8) * s + z;
+    out[2 * j + 1] = (float)((int)(p[j] >> 4) + 16 * (int)((bits >> (16 + j)) & 1) - 8) * s + z;
+  }
+}
+static inline void vstore_bf16(uint16_t* p, VF v) { *p = f32_to_bf16(v); }
 static inline float h2f(uint16_t h) { return f16_to_f32(h); }
 static inline VF i8f(const int8_t* p) { return (float)p[0]; }
 static inline VF vmax(VF a, VF b) { return a > b ? a : b; }
