@@ -564,16 +564,6 @@ static void gemv_q8_0_q16(const int16_t* xq, const uint8_t* xl, const int8_t* xh
 // Each weight is its exact value ((q - 8) * s + zero, q * d) rounded once to float32, then to
 // bfloat16 (common.h f32_to_bf16) when asked.
 
-static inline void store_row(const float* w, int n, float* f, uint16_t* b) {
-  if (f) {
-#pragma omp simd
-    for (int i = 0; i < n; ++i) f[i] = w[i];
-  } else {
-#pragma omp simd
-    for (int i = 0; i < n; ++i) b[i] = f32_to_bf16(w[i]);
-  }
-}
-
 // int4 rows n0..n1 (nibbles [N, K/2], scales [N, 2, K/G], fifth bits hb [N, K/8] or null) ->
 // out rows [n1 - n0, K] (f or b).
 static void dequant_int4(const uint8_t* nib, const uint16_t* sz, const uint8_t* hb, int K, int G, int n0, int n1,
@@ -600,15 +590,18 @@ static void dequant_int4(const uint8_t* nib, const uint16_t* sz, const uint8_t* 
 
 // Q8_0 rows n0..n1 (q [N, K] int8, d [N, K/32] float16) -> out rows [n1 - n0, K] (f or b).
 static void dequant_q8_0(const int8_t* q, const uint16_t* d, int K, int n0, int n1, float* f, uint16_t* b) {
-  float w[32];
   for (int n = n0; n < n1; ++n) {
     const size_t o = (size_t)(n - n0) * K;
     for (int c = 0; c < K; c += 32) {
-      const float s = h2f(d[(size_t)n * (K / 32) + c / 32]);
+      const VF s = vset(h2f(d[(size_t)n * (K / 32) + c / 32]));
       const int8_t* p = q + (size_t)n * K + c;
-#pragma omp simd
-      for (int j = 0; j < 32; ++j) w[j] = (float)p[j] * s;
-      store_row(w, 32, f ? f + o + c : nullptr, b ? b + o + c : nullptr);
+      for (int v = 0; v < 32 / KV_W; ++v) {
+        const VF w = vmul(i8f(p + v * KV_W), s);        // exact: 8 bits times float16's 11
+        if (f)
+          vstore(f + o + c + v * KV_W, w);
+        else
+          vstore_bf16(b + o + c + v * KV_W, w);
+      }
     }
   }
 }
