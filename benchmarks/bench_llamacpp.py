@@ -22,6 +22,8 @@ medians of the repeats. llama-bench runs with `-r 1` (one timed repetition after
         --out benchmarks/results/llamacpp.json
     # a Q8_0 file of the same model: llama-quantize --allow-requantize Q4_1.gguf Q8_0.gguf Q8_0
     python benchmarks/bench_llamacpp.py --llama-cpp-bin DIR --gguf Q8_0.gguf --out ...
+    # llama.cpp built -march=native on an AMX host: its prompt / batched runs without repacking
+    python benchmarks/bench_llamacpp.py --llama-cpp-bin DIR --llama-no-repack-batched --out ...
 """
 from __future__ import annotations
 
@@ -102,26 +104,31 @@ def llama_bench(bindir: Path, model: str, args: list[str]) -> dict:
     return rows[0]
 
 
-def llama_batched(bindir: Path, model: str, batches: list[int]) -> dict:
+def llama_batched(bindir: Path, model: str, batches: list[int], repack: bool = True) -> dict:
     """llama-batched-bench's text-generation tokens/s with `b` sequences of N prompt + N new tokens."""
     out = run([str(bindir / "llama-batched-bench"), "-m", model, "-t", str(THREADS), "-c", str(2 * N * max(batches)),
                "-b", "2048", "-ub", "512", "-npp", str(N), "-ntg", str(N),
-               "-npl", ",".join(map(str, batches)), "--output-format", "jsonl"])
+               "-npl", ",".join(map(str, batches)), "--output-format", "jsonl", *([] if repack else ["-nr"])])
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     return {f"decode_b{r['pl']}_tok_s": r["speed_tg"] for r in rows}
 
 
-def measure_speed(bindir: Path, model: str, repeats: int, batches: list[int], kwargs: dict) -> dict:
+def measure_speed(bindir: Path, model: str, repeats: int, batches: list[int], kwargs: dict,
+                  repack_batched: bool = True) -> dict:
+    no_repack = [] if repack_batched else ["--repack", "0"]
     tasks = {
         "llama_tg128": lambda rep: llama_bench(bindir, model, ["-p", "0", "-n", str(N)])["avg_ts"],
         "kvserve": lambda rep: python_child(KVSERVE_CHILD.format(threads=THREADS, path=model, n=N, rep=rep,
                                                                  batches=batches, kwargs=kwargs)),
-        "llama_pp128": lambda rep: llama_bench(bindir, model, ["-p", str(N), "-n", "0"])["avg_ts"],
+        "llama_pp128": lambda rep: llama_bench(bindir, model, ["-p", str(N), "-n", "0", *no_repack])["avg_ts"],
         "llama_tg128_d128": lambda rep: llama_bench(
-            bindir, model, ["-p", "0", "-n", str(N), "-d", str(N)])["avg_ts"],
+            bindir, model, ["-p", "0", "-n", str(N), "-d", str(N), *no_repack])["avg_ts"],
     }
     if batches:
-        tasks["llama_batched"] = lambda rep: llama_batched(bindir, model, batches)
+        tasks["llama_batched"] = lambda rep: llama_batched(bindir, model, batches, repack_batched)
+    if not repack_batched:      # single-stream decode as the batched runs have it, for reference
+        tasks["llama_tg128_norepack"] = lambda rep: llama_bench(
+            bindir, model, ["-p", "0", "-n", str(N), *no_repack])["avg_ts"]
     runs: dict = {name: [] for name in tasks}
     for rep in range(repeats):
         order = list(tasks) if rep % 2 == 0 else list(reversed(tasks))
@@ -144,6 +151,8 @@ def measure_speed(bindir: Path, model: str, repeats: int, batches: list[int], kw
         key = f"decode_b{b}_tok_s"
         med["llama_" + key] = statistics.median(r[key] for r in runs["llama_batched"])
         med["kvserve_" + key] = statistics.median(r[key] for r in runs["kvserve"])
+    if not repack_batched:
+        med["llama_tg128_norepack"] = statistics.median(runs["llama_tg128_norepack"])
     return {"medians": med, "runs": runs}
 
 
@@ -160,9 +169,11 @@ def read_llama_tokens(path: str) -> tuple[int, int, list[int]]:
 FINAL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
 
 
-def measure_perplexity(bindir: Path, model: str, ctx: int, quantize_activations: bool = False) -> dict:
+def measure_perplexity(bindir: Path, model: str, ctx: int, quantize_activations: bool = False,
+                       repack: bool = True) -> dict:
     res: dict = {}
-    cmd = [str(bindir / "llama-perplexity"), "-m", model, "-f", str(STORY), "-c", str(ctx), "-t", str(THREADS)]
+    cmd = [str(bindir / "llama-perplexity"), "-m", model, "-f", str(STORY), "-c", str(ctx), "-t", str(THREADS),
+           *([] if repack else ["-nr"])]
     t = time.perf_counter()
     out = run(cmd)
     res["llama_wall_s"] = time.perf_counter() - t
@@ -199,7 +210,7 @@ def measure_perplexity(bindir: Path, model: str, ctx: int, quantize_activations:
     with tempfile.TemporaryDirectory() as tmp:
         base = os.path.join(tmp, "llama.kld")
         run([str(bindir / "llama-perplexity"), "-m", model, "-f", str(STORY), "-c", str(ctx),
-             "-t", str(THREADS), "--kl-divergence-base", base])
+             "-t", str(THREADS), "--kl-divergence-base", base, *([] if repack else ["-nr"])])
         _, n_chunk, llama_tokens = read_llama_tokens(base)
     kv = python_child(KVSERVE_TOKENS.format(path=model, story=str(STORY)))
     kv_tokens = kv["tokens"]
@@ -232,6 +243,11 @@ def main() -> None:
     ap.add_argument("--quantize-activations", action="store_true",
                     help="kvserve runs int8 weights W8A8 above 8 rows (also in its perplexity run)")
     ap.add_argument("--no-perplexity", action="store_true", help="speed only (a random-weight file)")
+    ap.add_argument("--llama-no-repack-batched", action="store_true",
+                    help="llama.cpp's weight repacking off for its runs with a prompt (pp128, tg128 at "
+                         "depth 128, llama-batched-bench, llama-perplexity): with -march=native on an AMX host its repacked weights take "
+                         "AMX tiles there, which died of SIGILL on kvserve's Xeon VM; single-stream decode "
+                         "keeps llama.cpp's default, and a tg128 row without repacking is added")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -241,16 +257,20 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",") if b]
     print(f"model {model}\nspeed: {args.repeats} repeats, {THREADS} threads", flush=True)
     kwargs = {"quantize_activations": True} if args.quantize_activations else {}
-    speed = measure_speed(args.llama_cpp_bin, model, args.repeats, batches, kwargs)
+    speed = measure_speed(args.llama_cpp_bin, model, args.repeats, batches, kwargs,
+                          repack_batched=not args.llama_no_repack_batched)
     ppl = None
     if not args.no_perplexity:
         print(f"perplexity of {STORY.relative_to(ROOT)}, ctx {args.ctx}", flush=True)
-        ppl = measure_perplexity(args.llama_cpp_bin, model, args.ctx, args.quantize_activations)
+        ppl = measure_perplexity(args.llama_cpp_bin, model, args.ctx, args.quantize_activations,
+                                 repack=not args.llama_no_repack_batched)
 
     m = speed["medians"]
     rows = [
         ("decode tok/s (tg128)", m["llama_tg128"], m["kvserve_decode"]),
         ("decode tok/s (tg128 @ d128)", m["llama_tg128_d128"], m["kvserve_decode"]),
+        *([("decode tok/s (tg128, llama.cpp --repack 0)", m["llama_tg128_norepack"], m["kvserve_decode"])]
+          if "llama_tg128_norepack" in m else []),
         *((f"decode tok/s, batch {b}", m[f"llama_decode_b{b}_tok_s"], m[f"kvserve_decode_b{b}_tok_s"])
           for b in batches),
         ("prefill tok/s (pp128)", m["llama_pp128"], m["kvserve_prefill"]),
