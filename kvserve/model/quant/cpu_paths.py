@@ -186,11 +186,12 @@ def kernel_plan() -> KernelPlan:
 
 # kvserve's int4 / Q8_0 op on AMX tiles (kvserve/kernels/csrc/isa_amx.cpp: each weight dequantized once
 # for a block of x, in L1/L2) against dequantizing the whole matrix into oneDNN's bf16 GEMM
-# (`bench_cpu_paths.py --entries avx512_bf16`, i4o against i4d.b; 2026-12-07, Intel Xeon with AMX, 2
-# threads), in us for 3072 x 576, 960 x 576 and 576 x 1536: 256 rows 448 / 864, 143 / 280, 250 / 534;
-# 512 rows 827 / 1139, 290 / 367, 503 / 576; 1,024 rows 1774 / 1566, 586 / 526, 1007 / 1404; 2,048
-# rows 3359 / 2427. Where AMX runs, the op takes steps to 512 rows (mixed prefill + decode steps)
-# instead of the entry's 64.
+# (`bench_cpu_paths.py --entries avx512_bf16`, i4o against i4d.b, bfloat16 activations; 2026-12-07,
+# Intel Xeon with AMX, 2 threads), in us for 3072 x 576, 960 x 576 and 576 x 1536: 256 rows 449 / 569,
+# 169 / 203, 237 / 361; 512 rows 830 / 826, 299 / 268, 500 / 415; 1,024 rows 1736 / 1216, 577 / 430,
+# 998 / 1194. At 512 rows the dequantize path is ahead on two matrices, but a float32 model's x and
+# y are converted around it (the op takes and gives float32): where AMX runs, the op takes steps to
+# 512 rows (mixed prefill + decode steps) instead of the entry's 64.
 AMX_INT4_ROWS = 512
 
 
