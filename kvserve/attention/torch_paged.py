@@ -43,9 +43,7 @@ def bf16_attention(device: torch.device) -> bool:
     supported") with AVX-512 BF16 or AMX (without, bfloat16 is converted, not multiplied)."""
     if device.type != "cpu":
         return True
-    native = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)() or \
-        getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-    return torch.backends.cpu.get_cpu_capability() == "AVX512" and bool(native)
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and kernels.cpu_bf16()
 
 
 def gather_blocks(cache, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -138,6 +138,20 @@ def available(device="cpu") -> bool:
     return torch.device(device).type == "cpu" and load()
 
 
+def cpu_flag(name: str) -> bool:
+    """torch.cpu's cpuinfo query `name` (absent on some builds and platforms, or failing: False)."""
+    query = getattr(torch.cpu, name, None)
+    try:
+        return bool(query()) if query is not None else False
+    except Exception:      # noqa: BLE001 - a query that fails means the feature cannot be relied on
+        return False
+
+
+def cpu_bf16() -> bool:
+    """The CPU multiplies bfloat16 in hardware: AVX-512 BF16 or AMX tiles."""
+    return cpu_flag("_is_avx512_bf16_supported") or cpu_flag("_is_amx_tile_supported")
+
+
 @functools.cache
 def amx() -> bool:
     """The CPU runs kvserve's AMX tiles (csrc/isa_amx.cpp: AMX-BF16, granted by the OS) and

@@ -15,6 +15,7 @@ overrides it: the embedder's prompt-only attention). With tp_size > 1 the weight
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -26,7 +27,7 @@ from kvserve.attention.selector import select_attention_backend
 from kvserve.config.names import DTYPE_NAMES
 from kvserve.worker.device import cuda_available, resolve_device, torch_dtype
 from kvserve.model.config import ModelConfig
-from kvserve.model.loaders.checkpoint import checkpoint_dtype, load_model_dir, quantized_gguf, resolve_dtype
+from kvserve.model.loaders.checkpoint import checkpoint_types, load_model_dir, resolve_dtype
 from kvserve.model.registry import architecture
 from kvserve.model.sharding import TPGroup, check_expert_parallel, shard_config, shard_weights
 from kvserve.model.stages import stage_config, stage_of, stage_weights
@@ -52,8 +53,9 @@ def with_checkpoint_dtype(config: "EngineConfig") -> "EngineConfig":
     (a float32 model's own: "auto") or "auto" (for a GGUF file's quantized weights run in float32:
     "bfloat16", as llama.cpp keeps its cache in float16 -- half the bytes a decode step reads, and
     the file's perplexity within 0.01%: docs/models/quantization.md)."""
+    types = functools.cache(lambda: checkpoint_types(config.model))      # the headers read once, if at all
     if config.dtype == "auto":
-        dtype = resolve_dtype("auto", checkpoint_dtype(config.model), torch.device(resolve_device(config.device)))
+        dtype = resolve_dtype("auto", types().dtype, torch.device(resolve_device(config.device)))
         config = dataclasses.replace(config, dtype=str(dtype).removeprefix("torch."))
     float32 = DTYPE_NAMES[config.dtype] == "float32"
     if config.kv_cache_dtype == "float32":
@@ -62,7 +64,7 @@ def with_checkpoint_dtype(config: "EngineConfig") -> "EngineConfig":
                              f"in {config.dtype}: give dtype float32 too, or kv_cache_dtype auto.")
         return dataclasses.replace(config, kv_cache_dtype="auto")
     if (config.kv_cache_dtype == "auto" and float32 and config.quantization != "dequant"
-            and quantized_gguf(config.model)):
+            and types().quantized_gguf):
         logger.info("GGUF file of quantized weights run in float32: its KV cache in bfloat16 "
                     "(kv_cache_dtype float32 keeps float32)")
         return dataclasses.replace(config, kv_cache_dtype="bfloat16")

@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, SamplingParams, kernels
 from kvserve.model.quant import cpu_paths
 from kvserve.model.quant.cpu_paths import TABLE, entry_for, kernel_plan, native_bf16
 from kvserve.model.quant.formats import Int4Weight, quantize
@@ -61,13 +61,13 @@ def test_onednn_capped_below_bf16_is_not_native_bf16(monkeypatch):
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     assert not native_bf16()
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
-    assert native_bf16() == (cpu_paths._flag("_is_avx512_bf16_supported")
-                             or cpu_paths._flag("_is_amx_tile_supported"))
+    assert native_bf16() == (kernels.cpu_flag("_is_avx512_bf16_supported")
+                             or kernels.cpu_flag("_is_amx_tile_supported"))
 
 
 def test_missing_cpuinfo_query_reads_as_absent(monkeypatch):
     monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported")
-    assert cpu_paths._flag("_is_avx512_bf16_supported") is False
+    assert kernels.cpu_flag("_is_avx512_bf16_supported") is False
 
 
 @pytest.mark.parametrize("broken", ["raises", "wrong"])

@@ -144,7 +144,7 @@ static void fill_slab(const AmxWeight& w, int n0, int rn, int k0, int kn, uint16
 // y rows t0..t0+16G (at most T), columns n0..n0+rn (two blocks of 16 weight rows): C tile 2g + b
 // += A_b (block b: 16 weight rows x 32 columns) x B_g (activation group g: 32 columns x 16 rows)
 // over K, then stored. Each A and each B tile is loaded once for two multiplies (oneDNN's 2 x 2
-// blocking; one A against four B tiles loaded 1.25 tiles a multiply). A is read from `a` (row
+// blocking; one A against four B tiles, as before, loaded 1.25 tiles a multiply). A is read from `a` (row
 // stride lda: the matrix itself for a dense bfloat16 pair of whole blocks, or the slab the caller
 // filled once), or, when `fill`, from `slab` filled here SLAB columns at a time. Tile ids are
 // immediates.

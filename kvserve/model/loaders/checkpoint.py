@@ -9,6 +9,7 @@ import json
 import struct
 from collections import Counter
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -59,22 +60,26 @@ def _locate(path: str) -> tuple[str, tuple]:
                      f"tokenizers {[p.name for p in toks]}; need exactly one of each).")
 
 
+class CheckpointTypes(NamedTuple):
+    dtype: torch.dtype            # checkpoint_dtype's
+    quantized_gguf: bool          # a GGUF file whose tensors are mostly of a quantized type (Q4_1, Q8_0, ...)
+
+
+def checkpoint_types(path: str) -> CheckpointTypes:
+    """What a checkpoint stores its weights as, from one read of its headers (checkpoint_dtype)."""
+    kind, counts = _type_counts(path)
+    quantized = kind == "gguf" and bool(counts) and counts.most_common(1)[0][0] not in FLOAT_TYPES
+    floats = [(n, t) for t, n in counts.most_common() if t in FLOAT_TYPES]
+    dtype = FLOAT_TYPES[floats[0][1]] if floats and not quantized else torch.float32
+    return CheckpointTypes(dtype, quantized)
+
+
 def checkpoint_dtype(path: str) -> torch.dtype:
     """The floating-point dtype a checkpoint stores its weights in, read from its headers: the
     float type (F32, BF16, F16) holding the most elements of every safetensors tensor; of a GGUF
     file's tensors the type holding the most elements, float32 when that is a quantized type
     (a quantized file computes in float32, as llama.cpp does); float32 for llama2.c."""
-    kind, counts = _type_counts(path)
-    if kind == "gguf" and counts and counts.most_common(1)[0][0] not in FLOAT_TYPES:
-        return torch.float32
-    floats = [(n, t) for t, n in counts.most_common() if t in FLOAT_TYPES]
-    return FLOAT_TYPES[floats[0][1]] if floats else torch.float32
-
-
-def quantized_gguf(path: str) -> bool:
-    """A GGUF file whose tensors are mostly of a quantized type (Q4_1, Q4_K, Q8_0, ...)."""
-    kind, counts = _type_counts(path)
-    return kind == "gguf" and bool(counts) and counts.most_common(1)[0][0] not in FLOAT_TYPES
+    return checkpoint_types(path).dtype
 
 
 def _type_counts(path: str) -> tuple[str, Counter]:

@@ -103,21 +103,12 @@ TABLE = {
 }
 
 
-def _flag(name: str) -> bool:
-    """torch.cpu's cpuinfo query `name` (absent on some builds and platforms: False)."""
-    query = getattr(torch.cpu, name, None)
-    try:
-        return bool(query()) if query is not None else False
-    except Exception:      # noqa: BLE001 - a query that fails means the feature cannot be relied on
-        return False
-
-
 def native_bf16() -> bool:
     """bf16 GEMMs run on bf16 instructions: AVX-512 BF16 (or AMX) present, and oneDNN, which runs
     them, not capped below it (ONEDNN_MAX_CPU_ISA, as a benchmark emulating an older CPU sets)."""
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
     capped = cap != "ALL" and "BF16" not in cap and "AMX" not in cap and "FP16" not in cap
-    return (_flag("_is_avx512_bf16_supported") or _flag("_is_amx_tile_supported")) and not capped
+    return kernels.cpu_bf16() and not capped
 
 
 def entry_for(capability: str, bf16: bool) -> str:
