@@ -92,7 +92,9 @@ def q16_rounding(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
 @example(seed=4, group=32, blocks=40, N=35, T=40, few=False, zeros=True, n_threads=2, fifth=False)  # 1,280 wide: slabs
 @example(seed=9, group=64, blocks=9, N=20, T=150, few=False, zeros=True, n_threads=2, fifth=False)  # AMX: 150 rows, 576 wide
 @example(seed=10, group=256, blocks=9, N=17, T=130, few=False, zeros=False, n_threads=1, fifth=False)  # AMX: 2,304 wide
-@example(seed=11, group=32, blocks=18, N=20, T=3, few=True, zeros=True, n_threads=1, fifth=True)    # int5: int16 route
+@example(seed=11, group=32, blocks=18, N=20, T=2, few=True, zeros=True, n_threads=1, fifth=True)    # int5: int16 route, 3 rows
+@example(seed=16, group=32, blocks=18, N=22, T=0, few=True, zeros=True, n_threads=1, fifth=True)    # int5: int16 route, 1 row, K % 128
+@example(seed=17, group=64, blocks=12, N=23, T=1, few=True, zeros=False, n_threads=2, fifth=False)  # int16 route, 2 rows
 @example(seed=12, group=32, blocks=3, N=20, T=2, few=True, zeros=True, n_threads=1, fifth=True)     # int5: K % 64, float
 @example(seed=13, group=32, blocks=40, N=35, T=40, few=False, zeros=True, n_threads=2, fifth=True)  # int5: tiles
 @example(seed=14, group=64, blocks=9, N=20, T=150, few=False, zeros=True, n_threads=2, fifth=True)  # int5: AMX

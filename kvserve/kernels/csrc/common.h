@@ -39,6 +39,9 @@ static inline float f16_to_f32(uint16_t h) {
   return f;
 }
 
+// Bytes a row of x takes as the int16 route's planes (kernels.h q16_rows): K rounded up to 128, twice.
+static inline size_t q16_plane_bytes(int K) { return (size_t)(K + 127) / 128 * 256; }
+
 // One decode-attention call over the paged KV cache (seed 003): q [B, H, D] float32; the caches
 // [num_blocks, KV, block_size, D] in float32, bfloat16 or int8 (then one float32 scale per token
 // and KV head, [num_blocks, KV, block_size]); block_tables [B, max_blocks] int64.
@@ -62,7 +65,8 @@ struct AttnArgs {
 //              the 16 even ones, then the 16 odd ones). `hb`: null, or a fifth bit per weight [N, K / 8]
 //              (GGUF Q5_0 / Q5_1 / Q5_K held in their own type): q = nibble + 16 bit, 0..31; per 32
 //              weights a little-endian 32-bit word, bit i the i-th weight in x's int4 order.
-//   gemv_int4_q16: the same weights times x quantized to int16 per 32 weights (kernels.h: q16_row).
+//   gemv_int4_q16: the same weights times x quantized to int16 per 32 weights, as byte planes (kernels.h: q16_rows),
+//              which quantize_planes writes.
 //   gemv_int8: W = q * scale[n], q [N, K] int8, scale [N] bfloat16.
 //   gemv_q8_0: W = q * d[n, k / 32] (GGUF Q8_0), q [N, K] int8, d [N, K / 32] float16 (its bits: the file's d).
 //   gemv_q8_0_q16: the same weights times x quantized to int16 per 32 weights (kernels.h: q8_q16_rows).
@@ -82,9 +86,10 @@ struct IsaKernels {
   int width;      // floats per vector: head dims must be a multiple for attn_part
   void (*gemv_int4)(const float* xp, int T, int K, const uint8_t* nib, const uint16_t* sz, const uint8_t* hb,
                     int N, int G, float* y, int n0, int n1);
-  void (*gemv_int4_q16)(const int16_t* xq, const float* dx, const float* xsum, int T, int K, int Bp,
+  void (*gemv_int4_q16)(const uint8_t* xb, const float* dx, const float* xsum, int T, int K, int Bp,
                        const uint8_t* nib, const uint16_t* sz, const uint8_t* hb, int N, int G, float* y,
                        int n0, int n1);
+  void (*quantize_planes)(const float* x, int T, int K, int Bp, uint8_t* xb, float* dx, float* xs);
   void (*gemv_int8)(const float* x, int T, int K, const int8_t* q, const uint16_t* scale, int N,
                     float* y, int n0, int n1);
   void (*gemv_q8_0)(const float* x, int T, int K, const int8_t* q, const uint16_t* d, int N,

@@ -140,12 +140,20 @@ static void int4_tile(const float* xp, int T, int K, const uint8_t* nib, const u
 
 // Few activation rows, integer dot products: x quantized per 32 weights to int16 (xq = round(x /
 // dx), dx = max |x| / 32767: about 2^-16 of the block's largest, as exact as float32 at these
-// sizes), each block's sum of q * xq exact in int32 (VNNI vpdpwssd / AVX2 vpmaddwd), then
+// sizes) and held as its two bytes, xq = 256 xh + xl (xh signed, xl unsigned); each block's
+//   sum(q * xq) = 256 sum(q * xh) + sum(xl * q)
+// exact in int32 from byte products (VNNI vpdpbusd, AVX2 vpmaddubsw: the nibbles and xl unsigned,
+// xh and q, <= 31, signed), then
 //   y[n] += s[n, b] * dx[b] * (sum(q * xq) - 8 sum(xq)) + zero[n, b] * sum(x)
-// xq layout per pair of blocks (b, b+1): their 16 even weights each, then their 16 odd ones.
+// x's planes (quantize_planes below), per 128 weights 256 bytes: xh of the even weights, xh of
+// the odd ones, xl of the even ones, xl of the odd ones (64 each), so that a row's 64 bytes of
+// nibbles, masked (the even weights) and shifted (the odd ones), meet their x byte for byte: 32-bit
+// lane l of a product holds weights 8l .. 8l + 7, all of block l / 4. [T, QP] bytes, QP = K rounded
+// up to 128, twice (a row of K % 128 == 64 ends in half a chunk, zero-padded).
 // dx [T, Bp] and xs [T, 2, Bp] (per block sum(x), then dx * sum(xq)), Bp = K / 32 padded to 16
 // with zeros. The weight's scales and zeros per group, [N, 2, K / G] bfloat16 as every int4
 // kernel reads them, give each block of 32 its group's pair.
+
 // 16 bfloat16 values as float32, the first n of them (n <= 16) read, the rest zero.
 static inline void bf16x16(const uint16_t* p, int n, float* out) {
 #if KV_ISA == 512
@@ -178,136 +186,260 @@ static inline void block_scales16(const uint16_t* row, int K, int G, int b0, int
   }
 }
 
-// hb: the fifth bits (null for int4): q = nibble + 16 bit, 0..31, added to the words before the
-// products (the - 8 sum(xq) term is the same).
-template <int TB>
-static inline void q16_row(const int16_t* xq, const float* dx, const float* xs, int K, int Bp,
-                           const uint8_t* nib, const uint16_t* sz, const uint8_t* hb, int G, float* y, int N, int n) {
-  const int nb = K / 32;
-  const uint8_t* w = nib + (size_t)n * (K / 2);
-  const uint8_t* h = hb ? hb + (size_t)n * (K / 8) : nullptr;
-  const uint16_t* srow = sz + (size_t)n * 2 * (K / G);
-  float acc[TB], s16[16], z16[16];
-  for (int t = 0; t < TB; ++t) acc[t] = 0.0f;
 #if KV_ISA == 512
-  __m512 facc[TB];
-  for (int t = 0; t < TB; ++t) facc[t] = _mm512_setzero_ps();
-  const __m512i m4w = _mm512_set1_epi16(15);
+// The sums of four vectors.
+static inline __m128 vsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+                           _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
+  s = _mm512_add_ps(s, _mm512_shuffle_f32x4(s, s, 0x4E));
+  s = _mm512_add_ps(s, _mm512_shuffle_f32x4(s, s, 0xB1));
+  return _mm512_castps512_ps128(s);
+}
 #elif KV_ISA == 256
-  __m256 facc[TB];
-  for (int t = 0; t < TB; ++t) facc[t] = _mm256_setzero_ps();
-  const __m128i m4 = _mm_set1_epi8(15);
+// 32 bits -> 32 byte masks (byte j: bit j set).
+static inline __m256i byte_masks(uint32_t bits) {
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
+                                          3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i sel = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+  return _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread), sel), sel);
+}
 #endif
+
+// RB weight rows n.. times TB activation rows. hb: the fifth bits (null for int4), bits 0-15 of a
+// block's word its even weights, 16-31 its odd ones: q = nibble + 16 bit, 0..31 (the - 8 sum(xq)
+// term is the same).
+template <int RB, int TB>
+static inline void q16_rows(const uint8_t* xb, const float* dx, const float* xs, int K, int Bp,
+                            const uint8_t* nib, const uint16_t* sz, const uint8_t* hb, int G, float* y, int N, int n) {
+  const int nb = K / 32, groups = K / G;
+  const size_t QP = q16_plane_bytes(K);
+  alignas(64) float s16[16], z16[16];
+#if KV_ISA == 512
+  __m512 facc[RB][TB];
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < TB; ++t) facc[r][t] = _mm512_setzero_ps();
+  const __m512i m4 = _mm512_set1_epi8(15), v16 = _mm512_set1_epi8(16), four = _mm512_set1_epi32(4);
   for (int b0 = 0; b0 < nb; b0 += 16) {
     const int bn = imin(16, nb - b0);
-    block_scales16(srow, K, G, b0, bn, s16, z16);
-#if KV_ISA == 512
-    const __m512 s8 = _mm512_mul_ps(_mm512_set1_ps(-8.0f), _mm512_loadu_ps(s16)), zv = _mm512_loadu_ps(z16);
-    __m512 sv[TB];
-    for (int t = 0; t < TB; ++t) {
-      const float* st = xs + (size_t)t * 2 * Bp + b0;
-      facc[t] = _mm512_fmadd_ps(zv, _mm512_loadu_ps(st), _mm512_fmadd_ps(s8, _mm512_loadu_ps(st + Bp), facc[t]));
-      sv[t] = _mm512_mul_ps(_mm512_loadu_ps(s16), _mm512_loadu_ps(dx + (size_t)t * Bp + b0));
-    }
-    for (int p = 0; p < bn; p += 2) {           // two blocks: 64 weights, 32 in each zmm
-      if (!(p & 2)) ahead(w + (size_t)(b0 + p) * 16);
-      __m256i bytes = _mm256_loadu_si256((const __m256i*)(w + (size_t)(b0 + p) * 16));
-      const __m512i wb = _mm512_cvtepu8_epi16(bytes);          // a word per byte: lo | hi << 4
-      __m512i lo = _mm512_and_si512(wb, m4w);                  // evens of b, b+1
-      __m512i hi = _mm512_srli_epi16(wb, 4);                   // odds (the word's bits 4..7)
-      if (h) {                                                 // bits 0-15 of a block: its evens, 16-31: odds
-        uint32_t b2[2];
-        __builtin_memcpy(b2, h + (size_t)(b0 + p) * 4, 8);
-        const __m512i v16 = _mm512_set1_epi16(16);
-        lo = _mm512_mask_add_epi16(lo, (__mmask32)((b2[0] & 0xFFFF) | (b2[1] << 16)), lo, v16);
-        hi = _mm512_mask_add_epi16(hi, (__mmask32)((b2[0] >> 16) | (b2[1] & 0xFFFF0000u)), hi, v16);
-      }
-      const __m512i idx = _mm512_setr_epi32(p, p, p, p, p, p, p, p, p + 1, p + 1, p + 1, p + 1, p + 1, p + 1, p + 1, p + 1);
+    __m512 sv[RB][TB];
+    for (int r = 0; r < RB; ++r) {
+      block_scales16(sz + (size_t)(n + r) * 2 * groups, K, G, b0, bn, s16, z16);
+      const __m512 s = _mm512_load_ps(s16), s8 = _mm512_mul_ps(_mm512_set1_ps(-8.0f), s), zv = _mm512_load_ps(z16);
       for (int t = 0; t < TB; ++t) {
-        const int16_t* xp = xq + (size_t)t * K + (size_t)(b0 + p) * 32;
-        __m512i d = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void*)xp));
-        d = _mm512_dpwssd_epi32(d, hi, _mm512_loadu_si512((const void*)(xp + 32)));
-        facc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(idx, sv[t]), facc[t]);
+        const float* st = xs + (size_t)t * 2 * Bp + b0;
+        facc[r][t] = _mm512_fmadd_ps(zv, _mm512_loadu_ps(st), _mm512_fmadd_ps(s8, _mm512_loadu_ps(st + Bp), facc[r][t]));
+        sv[r][t] = _mm512_mul_ps(s, _mm512_loadu_ps(dx + (size_t)t * Bp + b0));
       }
     }
-#elif KV_ISA == 256
-    __m256 sv[TB][2];
-    for (int h = 0; h < 2; ++h) {
-      const __m256 s8 = _mm256_mul_ps(_mm256_set1_ps(-8.0f), _mm256_loadu_ps(s16 + 8 * h)), zv = _mm256_loadu_ps(z16 + 8 * h);
-      for (int t = 0; t < TB; ++t) {
-        const float* st = xs + (size_t)t * 2 * Bp + b0 + 8 * h;
-        facc[t] = _mm256_fmadd_ps(zv, _mm256_loadu_ps(st), _mm256_fmadd_ps(s8, _mm256_loadu_ps(st + Bp), facc[t]));
-        sv[t][h] = _mm256_mul_ps(_mm256_loadu_ps(s16 + 8 * h), _mm256_loadu_ps(dx + (size_t)t * Bp + b0 + 8 * h));
+    __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);   // lane -> block of sv
+    for (int p = 0; p < bn; p += 4) {           // four blocks: 128 weights, 64 bytes of nibbles
+      const int left = imin(4, bn - p);
+      const __mmask64 m = left == 4 ? ~0ull : (1ull << (16 * left)) - 1;
+      __m512i xv[TB][4];
+      for (int t = 0; t < TB; ++t)
+        for (int k = 0; k < 4; ++k) xv[t][k] = _mm512_loadu_si512((const void*)(xb + t * QP + (size_t)(b0 + p) * 64 + 64 * k));
+      for (int r = 0; r < RB; ++r) {
+        const uint8_t* w = nib + (size_t)(n + r) * (K / 2) + (size_t)(b0 + p) * 16;
+        ahead(w);
+        const __m512i bytes = _mm512_maskz_loadu_epi8(m, w);
+        __m512i lo = _mm512_and_si512(bytes, m4);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), m4);
+        if (hb) {        // the words' low halves (the evens) and high halves (the odds) as two byte masks
+          const __m128i words = _mm_maskz_loadu_epi32((__mmask8)((1u << left) - 1), hb + (size_t)(n + r) * (K / 8) + (size_t)(b0 + p) * 4);
+          const __m128i halves = _mm_shuffle_epi8(words, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+          lo = _mm512_mask_add_epi8(lo, (__mmask64)_mm_cvtsi128_si64(halves), lo, v16);
+          hi = _mm512_mask_add_epi8(hi, (__mmask64)_mm_extract_epi64(halves, 1), hi, v16);
+        }
+        for (int t = 0; t < TB; ++t) {
+          __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xv[t][0]);
+          d = _mm512_dpbusd_epi32(d, hi, xv[t][1]);
+          d = _mm512_slli_epi32(d, 8);
+          d = _mm512_dpbusd_epi32(d, xv[t][2], lo);
+          d = _mm512_dpbusd_epi32(d, xv[t][3], hi);
+          facc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(idx, sv[r][t]), facc[r][t]);
+        }
       }
+      idx = _mm512_add_epi32(idx, four);
     }
-    for (int p = 0; p < bn; ++p) {              // one block: 32 weights, 16 in each ymm
-      if (!(p & 3)) ahead(w + (size_t)(b0 + p) * 16);
-      __m128i bytes = _mm_loadu_si128((const __m128i*)(w + (size_t)(b0 + p) * 16));
-      __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, m4));
-      __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), m4));
-      if (h) {                                                 // 16 bits each as 16 word masks
-        uint32_t bits;
-        __builtin_memcpy(&bits, h + (size_t)(b0 + p) * 4, 4);
-        const __m256i sel = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
-                                              16384, (short)-32768);
-        const __m256i be = _mm256_and_si256(_mm256_set1_epi16((short)(bits & 0xFFFF)), sel);
-        const __m256i bo = _mm256_and_si256(_mm256_set1_epi16((short)(bits >> 16)), sel);
-        lo = _mm256_add_epi16(lo, _mm256_and_si256(_mm256_cmpeq_epi16(be, sel), _mm256_set1_epi16(16)));
-        hi = _mm256_add_epi16(hi, _mm256_and_si256(_mm256_cmpeq_epi16(bo, sel), _mm256_set1_epi16(16)));
-      }
-      const __m256i idx = _mm256_set1_epi32(p & 7);
-      const size_t off = (size_t)(b0 + (p & ~1)) * 32 + (p & 1) * 16;   // within the pair layout
-      for (int t = 0; t < TB; ++t) {
-        const int16_t* xp = xq + (size_t)t * K + off;
-        __m256i d = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i*)xp)),
-                                     _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i*)(xp + 32))));
-        facc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_permutevar8x32_ps(sv[t][p >> 3], idx), facc[t]);
-      }
-    }
-#else
-    for (int t = 0; t < TB; ++t)
-      for (int i = 0; i < 16; ++i)
-        acc[t] += z16[i] * xs[(size_t)t * 2 * Bp + b0 + i] - 8.0f * s16[i] * xs[(size_t)t * 2 * Bp + Bp + b0 + i];
-    for (int p = 0; p < bn; ++p) {
-      const uint8_t* bw = w + (size_t)(b0 + p) * 16;
-      const size_t off = (size_t)(b0 + (p & ~1)) * 32 + (p & 1) * 16;
-      for (int t = 0; t < TB; ++t) {
-        const int16_t* xb = xq + (size_t)t * K + off;
-        int32_t d = 0;
-        uint32_t bits = 0;
-        if (h) __builtin_memcpy(&bits, h + (size_t)(b0 + p) * 4, 4);
-        for (int j = 0; j < 16; ++j)
-          d += ((bw[j] & 15) + 16 * (int)((bits >> j) & 1)) * xb[j] + ((bw[j] >> 4) + 16 * (int)((bits >> (16 + j)) & 1)) * xb[32 + j];
-        acc[t] += (float)d * s16[p] * dx[(size_t)t * Bp + b0 + p];
-      }
-    }
-#endif
   }
   for (int t = 0; t < TB; ++t) {
-#if KV_ISA == 512
-    acc[t] += _mm512_reduce_add_ps(facc[t]);
+    if (RB == 4) {
+      _mm_storeu_ps(y + (size_t)t * N + n, vsum4(facc[0][t], facc[RB > 1][t], facc[RB > 2 ? 2 : 0][t], facc[RB > 3 ? 3 : 0][t]));
+    } else {
+      for (int r = 0; r < RB; ++r) y[(size_t)t * N + n + r] = _mm512_reduce_add_ps(facc[r][t]);
+    }
+  }
 #elif KV_ISA == 256
-    acc[t] += vsum(facc[t]);
+  __m256 facc[RB][TB];
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < TB; ++t) facc[r][t] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(15), v16 = _mm256_set1_epi8(16);
+  const __m256i ones = _mm256_set1_epi16(1), c256 = _mm256_set1_epi16(256);
+  for (int b0 = 0; b0 < nb; b0 += 16) {
+    const int bn = imin(16, nb - b0);
+    __m256 sv[RB][TB][2];
+    for (int r = 0; r < RB; ++r) {
+      block_scales16(sz + (size_t)(n + r) * 2 * groups, K, G, b0, bn, s16, z16);
+      for (int h = 0; h < 2; ++h) {
+        const __m256 s = _mm256_load_ps(s16 + 8 * h), s8 = _mm256_mul_ps(_mm256_set1_ps(-8.0f), s);
+        const __m256 zv = _mm256_load_ps(z16 + 8 * h);
+        for (int t = 0; t < TB; ++t) {
+          const float* st = xs + (size_t)t * 2 * Bp + b0 + 8 * h;
+          facc[r][t] = _mm256_fmadd_ps(zv, _mm256_loadu_ps(st), _mm256_fmadd_ps(s8, _mm256_loadu_ps(st + Bp), facc[r][t]));
+          sv[r][t][h] = _mm256_mul_ps(s, _mm256_loadu_ps(dx + (size_t)t * Bp + b0 + 8 * h));
+        }
+      }
+    }
+    for (int p = 0; p < bn; p += 2) {           // two blocks: 64 weights, 32 bytes of nibbles
+      const int j = p & 7;
+      const __m256i idx = _mm256_setr_epi32(j, j, j, j, j + 1, j + 1, j + 1, j + 1);
+      const size_t xo = (size_t)(b0 + p) / 4 * 256 + ((b0 + p) & 2) * 16;   // the half of the chunk
+      for (int r = 0; r < RB; ++r) {
+        const uint8_t* w = nib + (size_t)(n + r) * (K / 2) + (size_t)(b0 + p) * 16;
+        if (!(p & 2)) ahead(w);
+        const __m256i bytes = _mm256_loadu_si256((const __m256i*)w);
+        __m256i lo = _mm256_and_si256(bytes, m4);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), m4);
+        if (hb) {
+          uint32_t wd[2];
+          __builtin_memcpy(wd, hb + (size_t)(n + r) * (K / 8) + (size_t)(b0 + p) * 4, 8);
+          lo = _mm256_add_epi8(lo, _mm256_and_si256(byte_masks((wd[0] & 0xFFFF) | (wd[1] << 16)), v16));
+          hi = _mm256_add_epi8(hi, _mm256_and_si256(byte_masks((wd[0] >> 16) | (wd[1] & 0xFFFF0000u)), v16));
+        }
+        for (int t = 0; t < TB; ++t) {
+          const uint8_t* xp = xb + t * QP + xo;
+          // each 16-bit sum of two byte products: |q xh| <= 31 * 128, xl q <= 255 * 31, so the pairs
+          // of lo and hi together stay under 2^15: no saturation
+          const __m256i mh = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)xp)),
+                                              _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(xp + 64))));
+          const __m256i ml = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i*)(xp + 128)), lo),
+                                              _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i*)(xp + 192)), hi));
+          const __m256i d = _mm256_add_epi32(_mm256_madd_epi16(mh, c256), _mm256_madd_epi16(ml, ones));
+          facc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_permutevar8x32_ps(sv[r][t][p >> 3], idx), facc[r][t]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < TB; ++t) y[(size_t)t * N + n + r] = vsum(facc[r][t]);
+#else
+  float acc[RB][TB] = {};
+  for (int b0 = 0; b0 < nb; b0 += 16) {
+    const int bn = imin(16, nb - b0);
+    for (int r = 0; r < RB; ++r) {
+      block_scales16(sz + (size_t)(n + r) * 2 * groups, K, G, b0, bn, s16, z16);
+      const uint8_t* w = nib + (size_t)(n + r) * (K / 2);
+      for (int t = 0; t < TB; ++t) {
+        for (int i = 0; i < 16; ++i)
+          acc[r][t] += z16[i] * xs[(size_t)t * 2 * Bp + b0 + i] - 8.0f * s16[i] * xs[(size_t)t * 2 * Bp + Bp + b0 + i];
+        for (int p = 0; p < bn; ++p) {
+          const int b = b0 + p;
+          const uint8_t* bw = w + (size_t)b * 16;
+          const uint8_t* xc = xb + t * QP + (size_t)(b / 4) * 256 + (b % 4) * 16;
+          uint32_t bits = 0;
+          if (hb) __builtin_memcpy(&bits, hb + (size_t)(n + r) * (K / 8) + (size_t)b * 4, 4);
+          int32_t d = 0;
+          for (int j = 0; j < 16; ++j) {
+            const int even = (bw[j] & 15) + 16 * (int)((bits >> j) & 1), odd = (bw[j] >> 4) + 16 * (int)((bits >> (16 + j)) & 1);
+            d += even * (256 * (int8_t)xc[j] + xc[128 + j]) + odd * (256 * (int8_t)xc[64 + j] + xc[192 + j]);
+          }
+          acc[r][t] += (float)d * s16[p] * dx[(size_t)t * Bp + b];
+        }
+      }
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < TB; ++t) y[(size_t)t * N + n + r] = acc[r][t];
 #endif
-    y[(size_t)t * N + n] = acc[t];
+}
+
+// x [T, K] -> the activations q16_rows reads: per 32 weights xq = round(x / dx) (nearest even),
+// dx = max |x| / 32767, as the byte planes xb [T, q16_plane_bytes(K)] (zero-padded); dx [T, Bp]
+// and xs [T, 2, Bp] (each block's sum of x, then dx * the sum of its xq), zero past K / 32.
+static void quantize_planes(const float* x, int T, int K, int Bp, uint8_t* xb, float* dx, float* xs) {
+  const size_t QP = q16_plane_bytes(K);
+  for (int t = 0; t < T; ++t) {
+    uint8_t* xt = xb + (size_t)t * QP;
+    for (size_t i = (size_t)K / 128 * 256; i < QP; ++i) xt[i] = 0;     // a half chunk's other half
+    for (int b = 0; b < Bp; ++b) {
+      float* d = dx + (size_t)t * Bp + b;
+      float* s = xs + (size_t)t * 2 * Bp + b;
+      if (b >= K / 32) { *d = s[0] = s[Bp] = 0.0f; continue; }
+      const float* xv = x + (size_t)t * K + (size_t)b * 32;
+      uint8_t* c = xt + (size_t)(b / 4) * 256 + (b % 4) * 16;    // this block's 16 bytes of each plane
+      float amax = 0.0f, sum = 0.0f;
+      int64_t qsum = 0;
+#if KV_ISA == 512
+      const __m512 a = _mm512_loadu_ps(xv), e = _mm512_loadu_ps(xv + 16);
+      amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(e)));
+      sum = _mm512_reduce_add_ps(_mm512_add_ps(a, e));
+      const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qe = _mm512_cvtps_epi32(_mm512_mul_ps(e, inv));
+      qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qe));
+      const __m512i ev = _mm512_permutex2var_epi32(qa, _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30), qe);
+      const __m512i od = _mm512_permutex2var_epi32(qa, _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31), qe);
+      _mm_storeu_si128((__m128i*)c, _mm512_cvtepi32_epi8(_mm512_srai_epi32(ev, 8)));
+      _mm_storeu_si128((__m128i*)(c + 64), _mm512_cvtepi32_epi8(_mm512_srai_epi32(od, 8)));
+      _mm_storeu_si128((__m128i*)(c + 128), _mm512_cvtepi32_epi8(ev));
+      _mm_storeu_si128((__m128i*)(c + 192), _mm512_cvtepi32_epi8(od));
+#else
+      int32_t q[32];
+#if KV_ISA == 256
+      __m256 v[4], m = _mm256_setzero_ps(), sv = _mm256_setzero_ps();
+      const __m256 sign = _mm256_set1_ps(-0.0f);
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(xv + 8 * i);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+        sv = _mm256_add_ps(sv, v[i]);
+      }
+      amax = vhmax(m);
+      sum = vsum(sv);
+      const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+      for (int i = 0; i < 4; ++i) _mm256_storeu_si256((__m256i*)(q + 8 * i), _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)));
+#else
+      for (int j = 0; j < 32; ++j) { amax = xv[j] > amax ? xv[j] : (-xv[j] > amax ? -xv[j] : amax); sum += xv[j]; }
+      const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+      for (int j = 0; j < 32; ++j) q[j] = (int32_t)__builtin_nearbyintf(xv[j] * inv);
+#endif
+      for (int j = 0; j < 32; ++j) {
+        const int at = (j & 1) * 64 + j / 2;
+        c[at] = (uint8_t)(q[j] >> 8);
+        c[128 + at] = (uint8_t)(q[j] & 255);
+        qsum += q[j];
+      }
+#endif
+      *d = amax / 32767.0f;
+      s[0] = sum;
+      s[Bp] = *d * (float)qsum;
+    }
   }
 }
 
-static void gemv_int4_q16(const int16_t* xq, const float* dx, const float* xs, int T, int K, int Bp,
-                         const uint8_t* nib, const uint16_t* sz, const uint8_t* hb, int N, int G, float* y,
-                         int n0, int n1) {
-  for (int n = n0; n < n1; ++n)
-    for (int t = 0; t < T; t += 4) {
-      const int16_t* xt = xq + (size_t)t * K;
-      const float *dt = dx + (size_t)t * Bp, *st = xs + (size_t)t * 2 * Bp;
-      float* yt = y + (size_t)t * N;
-      switch (imin(4, T - t)) {
-        case 4: q16_row<4>(xt, dt, st, K, Bp, nib, sz, hb, G, yt, N, n); break;
-        case 3: q16_row<3>(xt, dt, st, K, Bp, nib, sz, hb, G, yt, N, n); break;
-        case 2: q16_row<2>(xt, dt, st, K, Bp, nib, sz, hb, G, yt, N, n); break;
-        default: q16_row<1>(xt, dt, st, K, Bp, nib, sz, hb, G, yt, N, n); break;
-      }
+// Weight rows in fours for one activation row, twos for two; each activation at most 3 a pass.
+template <int TB>
+static void q16_tb(const uint8_t* xb, const float* dx, const float* xs, int K, int Bp, const uint8_t* nib,
+                   const uint16_t* sz, const uint8_t* hb, int N, int G, float* y, int n0, int n1) {
+  constexpr int RB = KV_ISA == 512 ? (TB == 1 ? 4 : TB == 2 ? 2 : 1) : 1;
+  int n = n0;
+  for (; n + RB <= n1; n += RB) q16_rows<RB, TB>(xb, dx, xs, K, Bp, nib, sz, hb, G, y, N, n);
+  for (; n < n1; ++n) q16_rows<1, TB>(xb, dx, xs, K, Bp, nib, sz, hb, G, y, N, n);
+}
+
+static void gemv_int4_q16(const uint8_t* xb, const float* dx, const float* xs, int T, int K, int Bp,
+                          const uint8_t* nib, const uint16_t* sz, const uint8_t* hb, int N, int G, float* y,
+                          int n0, int n1) {
+  for (int t = 0; t < T; t += 3) {
+    const uint8_t* xt = xb + (size_t)t * q16_plane_bytes(K);
+    const float *dt = dx + (size_t)t * Bp, *st = xs + (size_t)t * 2 * Bp;
+    float* yt = y + (size_t)t * N;
+    switch (imin(3, T - t)) {
+      case 3: q16_tb<3>(xt, dt, st, K, Bp, nib, sz, hb, N, G, yt, n0, n1); break;
+      case 2: q16_tb<2>(xt, dt, st, K, Bp, nib, sz, hb, N, G, yt, n0, n1); break;
+      default: q16_tb<1>(xt, dt, st, K, Bp, nib, sz, hb, N, G, yt, n0, n1); break;
     }
+  }
 }
 
 template <int RB>

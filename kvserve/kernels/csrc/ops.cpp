@@ -109,32 +109,6 @@ static void parallel_rows(int N, int K, int T, const F& fn) {
   });
 }
 
-// x [T, K] -> xq int16 per 32 weights (dx = max |x| / 32767) in kernels.h's pair layout (per two
-// blocks: their even weights, then their odd ones); dx [T, Bp] and xs [T, 2, Bp] (each block's
-// exact sum, then dx * the sum of its xq), zero-padded.
-static void quantize_blocks(const float* x, int T, int K, int Bp, int16_t* xq, float* dx, float* xs) {
-  for (int t = 0; t < T; ++t)
-    for (int b = 0; b < Bp; ++b) {
-      float* d = dx + (size_t)t * Bp + b;
-      float* s = xs + (size_t)t * 2 * Bp + b;
-      if (b >= K / 32) { *d = s[0] = s[Bp] = 0.0f; continue; }
-      const float* xb = x + (size_t)t * K + (size_t)b * 32;
-      float amax = 0.0f, sum = 0.0f;
-      for (int j = 0; j < 32; ++j) { amax = std::max(amax, std::fabs(xb[j])); sum += xb[j]; }
-      const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
-      int16_t* q = xq + (size_t)t * K + (size_t)(b & ~1) * 32 + (b & 1) * 16;
-      int64_t qsum = 0;
-      for (int j = 0; j < 16; ++j) {
-        q[j] = (int16_t)std::nearbyint(xb[2 * j] * inv);
-        q[32 + j] = (int16_t)std::nearbyint(xb[2 * j + 1] * inv);
-        qsum += q[j] + q[32 + j];
-      }
-      *d = amax / 32767.0f;
-      s[0] = sum;
-      s[Bp] = *d * (float)qsum;
-    }
-}
-
 const uint8_t* high_bits(const Linear& w) {
   return w.format == INT4 && w.c.defined() && w.c.numel() > 0 ? w.c.data_ptr<uint8_t>() : nullptr;
 }
@@ -201,12 +175,12 @@ void linear_into(const float* x, int T, const Linear& w, float* y, float* xp) {
   } else if (int4_q16_route(w, T)) {
     const int Bp = (K / 32 + 15) / 16 * 16;
     std::vector<float> dx((size_t)T * Bp), xs((size_t)T * 2 * Bp);
-    int16_t* xq = (int16_t*)xp;   // T * K int16 in the float scratch
-    quantize_blocks(x, T, K, Bp, xq, dx.data(), xs.data());
+    uint8_t* xb = (uint8_t*)xp;   // T * q16_plane_bytes(K) <= 4 T K bytes (K % 64 == 0): the float scratch
+    k.quantize_planes(x, T, K, Bp, xb, dx.data(), xs.data());
     const uint8_t* nib = w.a.data_ptr<uint8_t>();
     const uint16_t* sz = (const uint16_t*)w.b.data_ptr<at::BFloat16>();
     parallel_rows(N, K, T, [&](int n0, int n1) {
-      k.gemv_int4_q16(xq, dx.data(), xs.data(), T, K, Bp, nib, sz, high_bits(w), N, w.G, y, n0, n1);
+      k.gemv_int4_q16(xb, dx.data(), xs.data(), T, K, Bp, nib, sz, high_bits(w), N, w.G, y, n0, n1);
     });
   } else if (w.format == INT4) {
     int4_order(x, T, K, xp);
