@@ -14,6 +14,6 @@ namespace isa_scalar {
 
 const kvk::IsaKernels& kvk::scalar_kernels() {
   using namespace isa_scalar;
-  static const IsaKernels k{"scalar", KV_W, gemv_int4, gemv_int4_q16, quantize_planes, gemv_int8, gemv_q8_0, gemv_q8_0_q16, attn_part, silu_mul, dequant_int4, dequant_q8_0, draw_row, argmax_row, silu_mul_bf16, silu_mul_bf16_f32, rms_norm_bf16, rope_bf16, rope_f32};
+  static const IsaKernels k{"scalar", KV_W, gemv_int4, gemv_int4_q16, quantize_planes, gemv_int8, gemv_q8_0, gemv_q8_0_q16, quantize_q8, attn_part, silu_mul, dequant_int4, dequant_q8_0, draw_row, argmax_row, silu_mul_bf16, silu_mul_bf16_f32, rms_norm_bf16, rope_bf16, rope_f32};
   return k;
 }

@@ -669,6 +669,54 @@ static inline void q8_q16_rows(const int16_t* xq, const uint8_t* xl, const int8_
     }
 }
 
+// x [T, K] -> the activations gemv_q8_0_q16 reads: per 32 weights xq = round(x / dx) (nearest even),
+// dx = max |x| / 32767, in order [T, K], dx [T, K / 32]; on AVX-512 also xq's two bytes as planes,
+// xq = 256 xh + xl (xh int8, xl uint8), and xc [T, K / 4] = -128 * the sum of each four xh (the
+// other ISAs read xq alone).
+static void quantize_q8(const float* x, int T, int K, int16_t* xq, uint8_t* xl, int8_t* xh, int32_t* xc, float* dx) {
+  for (int t = 0; t < T; ++t)
+    for (int b = 0; b < K / 32; ++b) {
+      const size_t o = (size_t)t * K + (size_t)b * 32;
+      const float* xv = x + o;
+      float amax = 0.0f;
+#if KV_ISA == 512
+      const __m512 a = _mm512_loadu_ps(xv), e = _mm512_loadu_ps(xv + 16);
+      amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(e)));
+      const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qe = _mm512_cvtps_epi32(_mm512_mul_ps(e, inv));
+      _mm256_storeu_si256((__m256i*)(xq + o), _mm512_cvtepi32_epi16(qa));
+      _mm256_storeu_si256((__m256i*)(xq + o + 16), _mm512_cvtepi32_epi16(qe));
+      _mm_storeu_si128((__m128i*)(xl + o), _mm512_cvtepi32_epi8(qa));
+      _mm_storeu_si128((__m128i*)(xl + o + 16), _mm512_cvtepi32_epi8(qe));
+      const __m128i ha = _mm512_cvtepi32_epi8(_mm512_srai_epi32(qa, 8)), he = _mm512_cvtepi32_epi8(_mm512_srai_epi32(qe, 8));
+      _mm_storeu_si128((__m128i*)(xh + o), ha);
+      _mm_storeu_si128((__m128i*)(xh + o + 16), he);
+      // each four xh summed (unsigned ones times signed bytes), times -128
+      const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1), _mm256_set_m128i(he, ha));
+      _mm256_storeu_si256((__m256i*)(xc + o / 4), _mm256_slli_epi32(_mm256_sub_epi32(_mm256_setzero_si256(), sums), 7));
+#elif KV_ISA == 256
+      __m256 v[4], m = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(xv + 8 * i);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[i]));
+      }
+      amax = vhmax(m);
+      const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+      for (int i = 0; i < 4; i += 2) {     // int32 -> int16 (in range: no saturation), lanes back in order
+        const __m256i w = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)), _mm256_cvtps_epi32(_mm256_mul_ps(v[i + 1], inv)));
+        _mm256_storeu_si256((__m256i*)(xq + o + 8 * i), _mm256_permute4x64_epi64(w, 0xD8));
+      }
+      (void)xl; (void)xh; (void)xc;
+#else
+      for (int j = 0; j < 32; ++j) amax = xv[j] > amax ? xv[j] : (-xv[j] > amax ? -xv[j] : amax);
+      const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+      for (int j = 0; j < 32; ++j) xq[o + j] = (int16_t)__builtin_nearbyintf(xv[j] * inv);
+      (void)xl; (void)xh; (void)xc;
+#endif
+      dx[(size_t)t * (K / 32) + b] = amax / 32767.0f;
+    }
+}
+
 template <int RB>
 static void q8_q16_tb(const int16_t* xq, const uint8_t* xl, const int8_t* xh, const int32_t* xc, const float* dx,
                       int T, int K, const int8_t* q, const uint16_t* d, float* y, int N, int n) {

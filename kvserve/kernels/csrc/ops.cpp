@@ -115,29 +115,6 @@ const uint8_t* high_bits(const Linear& w) {
 
 bool int4_q16_route(const Linear& w, int T) { return w.format == INT4 && T <= Q8_ROWS && w.K % 64 == 0; }
 
-// x [T, K] -> xq int16 per 32 weights in order (dx = max |x| / 32767, half to even), dx [T, K/32];
-// and xq's two bytes as planes, xq = 256 xh + xl (xh int8, xl uint8), xc [T, K/4] = -128 * the sum
-// of each four xh (kernels.h q8_q16_rows).
-static void quantize_q16(const float* x, int T, int K, int16_t* xq, uint8_t* xl, int8_t* xh, int32_t* xc, float* dx) {
-  for (int t = 0; t < T; ++t)
-    for (int b = 0; b < K / 32; ++b) {
-      const size_t o = (size_t)t * K + (size_t)b * 32;
-      const float* xb = x + o;
-      float amax = 0.0f;
-      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
-      const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
-      for (int j = 0; j < 32; ++j) {
-        const int16_t v = (int16_t)std::nearbyint(xb[j] * inv);
-        xq[o + j] = v;
-        xl[o + j] = (uint8_t)(v & 255);
-        xh[o + j] = (int8_t)(v >> 8);
-      }
-      for (int j = 0; j < 8; ++j)
-        xc[o / 4 + j] = -128 * (xh[o + 4 * j] + xh[o + 4 * j + 1] + xh[o + 4 * j + 2] + xh[o + 4 * j + 3]);
-      dx[(size_t)t * (K / 32) + b] = amax / 32767.0f;
-    }
-}
-
 bool q8_0_q16_route(const Linear& w, int T) { return w.format == Q8_0 && T <= Q8_ROWS; }
 
 // The fewest rows a quantized step runs on AMX with the ISA now allowed (0: it does not).
@@ -197,7 +174,7 @@ void linear_into(const float* x, int T, const Linear& w, float* y, float* xp) {
     int16_t* xq = (int16_t*)xp;                         // T * K int16, then the two planes, in the float scratch
     uint8_t* xl = (uint8_t*)(xq + (size_t)T * K);
     int8_t* xh = (int8_t*)(xl + (size_t)T * K);
-    quantize_q16(x, T, K, xq, xl, xh, xc.data(), dx.data());
+    k.quantize_q8(x, T, K, xq, xl, xh, xc.data(), dx.data());
     const int8_t* q = w.a.data_ptr<int8_t>();
     const uint16_t* d = (const uint16_t*)w.b.data_ptr<at::Half>();
     parallel_rows(N, K, T, [&](int n0, int n1) {
