@@ -42,6 +42,7 @@ CAPABILITY_BITS = {"AVX512": 512, "AVX2": 256}
 # to 8 rows, dequantized tiles past them: faster than torch's int4 kernel from 5 rows,
 # benchmarks/bench_decode_kernels.py) and torch's int8 kernel. csrc/ops.h's Q8_ROWS is the same.
 KERNEL_ROWS = 3
+INT4_Q16_ROWS = 8      # int4 steps of up to this many rows on int16 dot products (csrc/ops.h)
 # -fno-trapping-math: no kernel reads floating-point exception flags, and without it gcc keeps
 # every loop that calls floorf scalar (kernels.h's exp_inplace: the softmax of decode attention,
 # SwiGLU, sampling's draws); it changes no result.

@@ -2,10 +2,10 @@
 matmuls of the dequantized weights, on every ISA allowed here, property-based over shapes.
 
 Tolerances, per output y[t, n], with M = |x| @ |W|.T (the sum of the absolute products):
-  float routes (int4 without block scales or with > KERNEL_ROWS rows, int8, Q8_0 with more rows):  4e-6 * M
+  float routes (int4 without block scales or with > INT4_Q16_ROWS rows, int8, Q8_0 with more rows):  4e-6 * M
     (float32 accumulation over K <= 2304; measured up to 1.2e-6 * M, about 5e-7 of max |y|, on the
     portable code's one-accumulator sums)
-  int4 with block scales, <= KERNEL_ROWS rows (activations in int16 per 32 weights):
+  int4 with block scales, <= INT4_Q16_ROWS rows (activations in int16 per 32 weights):
     1.01 * (|(q - 8) * scale| @ amax32(x).T) / 65534 + 4e-6 * M: the activation rounding of at
     most half a step (amax of the 32-block / 32767) times the weights it multiplies (measured
     about 2e-5 of max |y|, 3e-6 * M). Where block scales are given but the route falls back (more
@@ -95,12 +95,15 @@ def q16_rounding(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
 @example(seed=11, group=32, blocks=18, N=20, T=2, few=True, zeros=True, n_threads=1, fifth=True)    # int5: int16 route, 3 rows
 @example(seed=16, group=32, blocks=18, N=22, T=0, few=True, zeros=True, n_threads=1, fifth=True)    # int5: int16 route, 1 row, K % 128
 @example(seed=17, group=64, blocks=12, N=23, T=1, few=True, zeros=False, n_threads=2, fifth=False)  # int16 route, 2 rows
+@example(seed=18, group=32, blocks=18, N=21, T=3, few=True, zeros=True, n_threads=2, fifth=True)    # int5: int16 route, 4 rows
+@example(seed=19, group=128, blocks=6, N=19, T=4, few=True, zeros=True, n_threads=1, fifth=False)   # int16 route, 5 rows
+@example(seed=20, group=32, blocks=18, N=18, T=7, few=True, zeros=True, n_threads=2, fifth=True)    # int16 route (not AMX), 8 rows
 @example(seed=12, group=32, blocks=3, N=20, T=2, few=True, zeros=True, n_threads=1, fifth=True)     # int5: K % 64, float
 @example(seed=13, group=32, blocks=40, N=35, T=40, few=False, zeros=True, n_threads=2, fifth=True)  # int5: tiles
 @example(seed=14, group=64, blocks=9, N=20, T=150, few=False, zeros=True, n_threads=2, fifth=True)  # int5: AMX
 @example(seed=15, group=256, blocks=9, N=37, T=250, few=False, zeros=True, n_threads=2, fifth=False)  # AMX: two blocks of x
 def test_linear_int4(bits, seed, group, blocks, N, T, few, zeros, n_threads, fifth):
-    """Every route (int16 for <= KERNEL_ROWS rows, float blocks to 8 rows, float tiles past
+    """Every route (int16 for <= INT4_Q16_ROWS rows, float blocks to 8 rows, float tiles past
     that) against the float64 product of the dequantized weight; int4 and int5 (a fifth bit)."""
     g = torch.Generator().manual_seed(seed)
     K = group * blocks
@@ -112,7 +115,7 @@ def test_linear_int4(bits, seed, group, blocks, N, T, few, zeros, n_threads, fif
     with on_isa(bits), threads(n_threads):
         y = torch.ops.kvserve.linear_int4(x, w.nibbles, w.scales, group, w.high)
         amx = on_amx(T)
-    int16_route = T <= kernels.KERNEL_ROWS and K % 64 == 0
+    int16_route = T <= kernels.INT4_Q16_ROWS and K % 64 == 0
     if amx:
         check(y, *bf16_operands(x, w.dequantize(dtype=torch.float32)))
     else:

@@ -417,7 +417,7 @@ static void quantize_planes(const float* x, int T, int K, int Bp, uint8_t* xb, f
   }
 }
 
-// Weight rows in fours for one activation row, twos for two; each activation at most 3 a pass.
+// Weight rows in fours for one activation row, twos for two, one for more; up to 8 activation rows a pass.
 template <int TB>
 static void q16_tb(const uint8_t* xb, const float* dx, const float* xs, int K, int Bp, const uint8_t* nib,
                    const uint16_t* sz, const uint8_t* hb, int N, int G, float* y, int n0, int n1) {
@@ -430,11 +430,16 @@ static void q16_tb(const uint8_t* xb, const float* dx, const float* xs, int K, i
 static void gemv_int4_q16(const uint8_t* xb, const float* dx, const float* xs, int T, int K, int Bp,
                           const uint8_t* nib, const uint16_t* sz, const uint8_t* hb, int N, int G, float* y,
                           int n0, int n1) {
-  for (int t = 0; t < T; t += 3) {
+  for (int t = 0; t < T; t += 8) {
     const uint8_t* xt = xb + (size_t)t * q16_plane_bytes(K);
     const float *dt = dx + (size_t)t * Bp, *st = xs + (size_t)t * 2 * Bp;
     float* yt = y + (size_t)t * N;
-    switch (imin(3, T - t)) {
+    switch (imin(8, T - t)) {
+      case 8: q16_tb<8>(xt, dt, st, K, Bp, nib, sz, hb, N, G, yt, n0, n1); break;
+      case 7: q16_tb<7>(xt, dt, st, K, Bp, nib, sz, hb, N, G, yt, n0, n1); break;
+      case 6: q16_tb<6>(xt, dt, st, K, Bp, nib, sz, hb, N, G, yt, n0, n1); break;
+      case 5: q16_tb<5>(xt, dt, st, K, Bp, nib, sz, hb, N, G, yt, n0, n1); break;
+      case 4: q16_tb<4>(xt, dt, st, K, Bp, nib, sz, hb, N, G, yt, n0, n1); break;
       case 3: q16_tb<3>(xt, dt, st, K, Bp, nib, sz, hb, N, G, yt, n0, n1); break;
       case 2: q16_tb<2>(xt, dt, st, K, Bp, nib, sz, hb, N, G, yt, n0, n1); break;
       default: q16_tb<1>(xt, dt, st, K, Bp, nib, sz, hb, N, G, yt, n0, n1); break;

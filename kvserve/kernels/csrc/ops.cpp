@@ -113,7 +113,7 @@ const uint8_t* high_bits(const Linear& w) {
   return w.format == INT4 && w.c.defined() && w.c.numel() > 0 ? w.c.data_ptr<uint8_t>() : nullptr;
 }
 
-bool int4_q16_route(const Linear& w, int T) { return w.format == INT4 && T <= Q8_ROWS && w.K % 64 == 0; }
+bool int4_q16_route(const Linear& w, int T) { return w.format == INT4 && T <= INT4_Q16_ROWS && w.K % 64 == 0; }
 
 bool q8_0_q16_route(const Linear& w, int T) { return w.format == Q8_0 && T <= Q8_ROWS; }
 

@@ -16,15 +16,19 @@ const IsaKernels& isa_dividing(int n);
 //   DENSE: a float32 or bfloat16 tensor [N, K] (bfloat16: x rounded to bfloat16 for the GEMM); INT4: nibbles [N, K/2] uint8 + scales and zeros [N, 2, K/G]
 //   bfloat16; INT8: q [N, K] int8 + scale [N] bfloat16; Q8_0: q [N, K] int8 + d [N, K/32] float16.
 //   `c`: an INT4 weight's fifth bits [N, K/8] uint8 (a GGUF Q5 type; common.h gemv_int4's hb), else
-//   unused (empty). Steps of <= Q8_ROWS rows of an INT4 weight take the integer-dot route
-//   (activations in int16 per 32 weights), of a Q8_0 weight too (int16 in two byte planes); more rows
-//   the float route.
+//   unused (empty). Steps of <= INT4_Q16_ROWS rows of an INT4 weight take the integer-dot route
+//   (activations in int16 per 32 weights), of <= Q8_ROWS rows of a Q8_0 weight too (int16 in two
+//   byte planes); more rows the float route (or AMX).
 enum Format { DENSE = 0, INT4 = 1, INT8 = 2, Q8_0 = 3 };
 struct Linear {
   int format = DENSE, N = 0, K = 0, G = 0;
   at::Tensor a, b, c;
 };
 constexpr int Q8_ROWS = 3;      // kvserve/kernels/__init__.py: KERNEL_ROWS
+// int4 from 4 to 8 rows (where AMX does not take them): the int16 route 1.15-1.75x the float
+// route's register blocks (benchmarks/bench_decode_kernels.py, SmolLM2's matrices, 2 threads, AVX2,
+// and AVX512 with AMX off); past 8 rows it takes two passes over the weights and the tiles win.
+constexpr int INT4_Q16_ROWS = 8;   // kvserve/kernels/__init__.py: INT4_Q16_ROWS
 // Steps of at least AMX_ROWS rows run on AMX tiles where the CPU has them (isa_amx.cpp; int4,
 // int8 and Q8_0 weights; a bfloat16 weight at any row count; the `amx_rows` op says which apply).
 // Measured (3072 x 576 and 576 x 1536, 2 threads): kvserve's float route wins at 4 rows, they
