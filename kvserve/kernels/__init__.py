@@ -37,12 +37,13 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("ops.cpp", "layers.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_scalar.cpp", "isa_amx.cpp")
 CAPABILITY_BITS = {"AVX512": 512, "AVX2": 256}
-# Steps of up to this many rows run int4 weights on int16 dot products (a decode of a few
-# streams) and int8 ones on kvserve's GEMV; more rows take int4's float route (register blocks
-# to 8 rows, dequantized tiles past them: faster than torch's int4 kernel from 5 rows,
-# benchmarks/bench_decode_kernels.py) and torch's int8 kernel. csrc/ops.h's Q8_ROWS is the same.
+# Steps of up to KERNEL_ROWS rows run Q8_0 weights on int16 dot products (a decode of a few
+# streams) and int8 ones on kvserve's GEMV; more rows take the float routes and torch's int8
+# kernel. csrc/ops.h's Q8_ROWS is the same. int4 takes the int16 route to INT4_Q16_ROWS rows
+# (csrc/ops.h; AMX, where present, from 6), then dequantized tiles (faster than torch's int4
+# kernel, benchmarks/bench_decode_kernels.py).
 KERNEL_ROWS = 3
-INT4_Q16_ROWS = 8      # int4 steps of up to this many rows on int16 dot products (csrc/ops.h)
+INT4_Q16_ROWS = 8
 # -fno-trapping-math: no kernel reads floating-point exception flags, and without it gcc keeps
 # every loop that calls floorf scalar (kernels.h's exp_inplace: the softmax of decode attention,
 # SwiGLU, sampling's draws); it changes no result.
