@@ -355,6 +355,38 @@ static inline void q16_rows(const uint8_t* xb, const float* dx, const float* xs,
 #endif
 }
 
+// One block of 32 activations -> q[j] = round(x[j] / dx) (nearest even), dx = max |x| / 32767;
+// returns max |x|, and the block's sum of x in *sum where it is asked for. (quantize_planes and
+// quantize_q8 then lay q out as their routes read it.)
+static inline float q16_block(const float* xv, int32_t* q, float* sum) {
+#if KV_ISA == 512
+  const __m512 a = _mm512_loadu_ps(xv), e = _mm512_loadu_ps(xv + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(e)));
+  if (sum) *sum = _mm512_reduce_add_ps(_mm512_add_ps(a, e));
+  const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+  _mm512_storeu_si512((void*)q, _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)));
+  _mm512_storeu_si512((void*)(q + 16), _mm512_cvtps_epi32(_mm512_mul_ps(e, inv)));
+#elif KV_ISA == 256
+  __m256 v[4], m = _mm256_setzero_ps(), sv = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(xv + 8 * i);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[i]));
+    sv = _mm256_add_ps(sv, v[i]);
+  }
+  const float amax = vhmax(m);
+  if (sum) *sum = vsum(sv);
+  const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+  for (int i = 0; i < 4; ++i) _mm256_storeu_si256((__m256i*)(q + 8 * i), _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)));
+#else
+  float amax = 0.0f, s = 0.0f;
+  for (int j = 0; j < 32; ++j) { amax = xv[j] > amax ? xv[j] : (-xv[j] > amax ? -xv[j] : amax); s += xv[j]; }
+  if (sum) *sum = s;
+  const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+  for (int j = 0; j < 32; ++j) q[j] = (int32_t)__builtin_nearbyintf(xv[j] * inv);
+#endif
+  return amax;
+}
+
 // x [T, K] -> the activations q16_rows reads: per 32 weights xq = round(x / dx) (nearest even),
 // dx = max |x| / 32767, as the byte planes xb [T, q16_plane_bytes(K)] (zero-padded); dx [T, Bp]
 // and xs [T, 2, Bp] (each block's sum of x, then dx * the sum of its xq), zero past K / 32.
@@ -367,16 +399,12 @@ static void quantize_planes(const float* x, int T, int K, int Bp, uint8_t* xb, f
       float* d = dx + (size_t)t * Bp + b;
       float* s = xs + (size_t)t * 2 * Bp + b;
       if (b >= K / 32) { *d = s[0] = s[Bp] = 0.0f; continue; }
-      const float* xv = x + (size_t)t * K + (size_t)b * 32;
       uint8_t* c = xt + (size_t)(b / 4) * 256 + (b % 4) * 16;    // this block's 16 bytes of each plane
-      float amax = 0.0f, sum = 0.0f;
+      alignas(64) int32_t q[32];
+      const float amax = q16_block(x + (size_t)t * K + (size_t)b * 32, q, s);
       int64_t qsum = 0;
 #if KV_ISA == 512
-      const __m512 a = _mm512_loadu_ps(xv), e = _mm512_loadu_ps(xv + 16);
-      amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(e)));
-      sum = _mm512_reduce_add_ps(_mm512_add_ps(a, e));
-      const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
-      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qe = _mm512_cvtps_epi32(_mm512_mul_ps(e, inv));
+      const __m512i qa = _mm512_load_si512((const void*)q), qe = _mm512_load_si512((const void*)(q + 16));
       qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qe));
       const __m512i ev = _mm512_permutex2var_epi32(qa, _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30), qe);
       const __m512i od = _mm512_permutex2var_epi32(qa, _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31), qe);
@@ -385,24 +413,6 @@ static void quantize_planes(const float* x, int T, int K, int Bp, uint8_t* xb, f
       _mm_storeu_si128((__m128i*)(c + 128), _mm512_cvtepi32_epi8(ev));
       _mm_storeu_si128((__m128i*)(c + 192), _mm512_cvtepi32_epi8(od));
 #else
-      int32_t q[32];
-#if KV_ISA == 256
-      __m256 v[4], m = _mm256_setzero_ps(), sv = _mm256_setzero_ps();
-      const __m256 sign = _mm256_set1_ps(-0.0f);
-      for (int i = 0; i < 4; ++i) {
-        v[i] = _mm256_loadu_ps(xv + 8 * i);
-        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
-        sv = _mm256_add_ps(sv, v[i]);
-      }
-      amax = vhmax(m);
-      sum = vsum(sv);
-      const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
-      for (int i = 0; i < 4; ++i) _mm256_storeu_si256((__m256i*)(q + 8 * i), _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)));
-#else
-      for (int j = 0; j < 32; ++j) { amax = xv[j] > amax ? xv[j] : (-xv[j] > amax ? -xv[j] : amax); sum += xv[j]; }
-      const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
-      for (int j = 0; j < 32; ++j) q[j] = (int32_t)__builtin_nearbyintf(xv[j] * inv);
-#endif
       for (int j = 0; j < 32; ++j) {
         const int at = (j & 1) * 64 + j / 2;
         c[at] = (uint8_t)(q[j] >> 8);
@@ -411,7 +421,6 @@ static void quantize_planes(const float* x, int T, int K, int Bp, uint8_t* xb, f
       }
 #endif
       *d = amax / 32767.0f;
-      s[0] = sum;
       s[Bp] = *d * (float)qsum;
     }
   }
@@ -682,13 +691,10 @@ static void quantize_q8(const float* x, int T, int K, int16_t* xq, uint8_t* xl, 
   for (int t = 0; t < T; ++t)
     for (int b = 0; b < K / 32; ++b) {
       const size_t o = (size_t)t * K + (size_t)b * 32;
-      const float* xv = x + o;
-      float amax = 0.0f;
+      alignas(64) int32_t q[32];
+      dx[(size_t)t * (K / 32) + b] = q16_block(x + o, q, nullptr) / 32767.0f;
 #if KV_ISA == 512
-      const __m512 a = _mm512_loadu_ps(xv), e = _mm512_loadu_ps(xv + 16);
-      amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(e)));
-      const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
-      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qe = _mm512_cvtps_epi32(_mm512_mul_ps(e, inv));
+      const __m512i qa = _mm512_load_si512((const void*)q), qe = _mm512_load_si512((const void*)(q + 16));
       _mm256_storeu_si256((__m256i*)(xq + o), _mm512_cvtepi32_epi16(qa));
       _mm256_storeu_si256((__m256i*)(xq + o + 16), _mm512_cvtepi32_epi16(qe));
       _mm_storeu_si128((__m128i*)(xl + o), _mm512_cvtepi32_epi8(qa));
@@ -699,26 +705,10 @@ static void quantize_q8(const float* x, int T, int K, int16_t* xq, uint8_t* xl, 
       // each four xh summed (unsigned ones times signed bytes), times -128
       const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1), _mm256_set_m128i(he, ha));
       _mm256_storeu_si256((__m256i*)(xc + o / 4), _mm256_slli_epi32(_mm256_sub_epi32(_mm256_setzero_si256(), sums), 7));
-#elif KV_ISA == 256
-      __m256 v[4], m = _mm256_setzero_ps();
-      for (int i = 0; i < 4; ++i) {
-        v[i] = _mm256_loadu_ps(xv + 8 * i);
-        m = _mm256_max_ps(m, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[i]));
-      }
-      amax = vhmax(m);
-      const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
-      for (int i = 0; i < 4; i += 2) {     // int32 -> int16 (in range: no saturation), lanes back in order
-        const __m256i w = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)), _mm256_cvtps_epi32(_mm256_mul_ps(v[i + 1], inv)));
-        _mm256_storeu_si256((__m256i*)(xq + o + 8 * i), _mm256_permute4x64_epi64(w, 0xD8));
-      }
-      (void)xl; (void)xh; (void)xc;
 #else
-      for (int j = 0; j < 32; ++j) amax = xv[j] > amax ? xv[j] : (-xv[j] > amax ? -xv[j] : amax);
-      const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
-      for (int j = 0; j < 32; ++j) xq[o + j] = (int16_t)__builtin_nearbyintf(xv[j] * inv);
+      for (int j = 0; j < 32; ++j) xq[o + j] = (int16_t)q[j];
       (void)xl; (void)xh; (void)xc;
 #endif
-      dx[(size_t)t * (K / 32) + b] = amax / 32767.0f;
     }
 }
 
