@@ -4,7 +4,7 @@ kvserve/kernels), instead of ~220 eager ATen calls a layer.
 
 Chosen once at load: the model must be float32 or bfloat16 on the CPU, without tensor
 parallelism, with a KV cache in the model's dtype or int8, head dims and GQA ratios the attention kernel holds,
-and linear weights the kernels read (float32 or bfloat16 tensors, int4, int8, GGUF Q8_0), dense MLPs or mixtures of experts
+and linear weights the kernels read (float32 or bfloat16 tensors, int4, int8, GGUF Q8_0 and Q6_K), dense MLPs or mixtures of experts
 (kvserve/model/moe_models.py: softmax top-k routing, a shared expert; the router and its
 scale go to the kernel, which reads only the chosen experts), per-head q/k norms and no clip_qkv. Anything else runs the
 layer-by-layer torch path, with one log line naming why. A step with prefill chunks always takes
@@ -35,7 +35,7 @@ def linear_spec(w) -> tuple | None:
     if isinstance(w, Int8Weight) and w.shape[1] % 32 == 0:
         return INT8, 0, w.q, w.scale, EMPTY
     if isinstance(w, Int8BlockWeight) and w.q is not None:
-        return Q8_0, 32, w.q, w.d, EMPTY
+        return Q8_0, w.block, w.q, w.d, EMPTY
     return None
 
 

@@ -20,6 +20,25 @@ def _format(w) -> tuple:
     return ("float",)
 
 
+def _int8_blocks(parts: list, dtype: torch.dtype, device) -> Int8BlockWeight | None:
+    """Parts of mixed formats as one Int8BlockWeight with the same values, where one of them is
+    (Q8_0, Q6_K) and every other one is d times integers (Int4Values.int8_blocks: Q4_0, Q5_0),
+    as Q4_K_M's q, k (Q5_0) and v (Q8_0) are; else None."""
+    if not any(isinstance(p, Int8BlockWeight) for p in parts):
+        return None
+    blocks = []
+    for p in parts:
+        if isinstance(p, Int4Values):
+            qd = p.int8_blocks()
+            if qd is None:
+                return None
+            p = Int8BlockWeight(*qd, dtype, "cpu")
+        elif not isinstance(p, Int8BlockWeight):
+            return None
+        blocks.append(p)
+    return Int8BlockWeight.cat(blocks, dtype, device)
+
+
 def _fuse(parts: list, dtype: torch.dtype, device, name: str):
     """Parts of one quantized format stacked as they are."""
     first = parts[0]
@@ -70,14 +89,17 @@ def _linear_weight(parts: list, name: str, method: str | None, group_size: int |
     tensor in `dtype` (method None or "dequant"), or are quantized with `method`. Parts that
     arrive quantized (a GGUF file: Int4Values, Int8Weight) keep their format when `method` is
     None or already that format, and they share it; with method None, quantized parts of
-    different formats become int8 part by part (its rows are independent); otherwise every part
-    is dequantized first."""
+    different formats become one Int8BlockWeight where their values allow (`_int8_blocks`), else
+    int8 part by part (its rows are independent); otherwise every part is dequantized first."""
     formats = {_format(p) for p in parts}
     fmt = _format(parts[0])
     wanted = method is None or (method == fmt[0] and (group_size is None or fmt[1:2] == (group_size,)))
     if len(formats) == 1 and fmt[0] != "float" and wanted:
         return _fuse(parts, dtype, device, name)
     if method is None and ("float",) not in formats:
+        blocks = _int8_blocks(parts, dtype, device)
+        if blocks is not None:
+            return blocks
         as_int8 = [p if isinstance(p, Int8Weight) else quantize(_float(p), "int8", None, dtype, device, name)
                    for p in parts]
         return Int8Weight.cat(as_int8, dtype, device)

@@ -39,6 +39,10 @@ def test_decode_attention_refuses_heads_and_dims_it_does_not_hold():
                                           torch.zeros(16, 2, 2, dtype=torch.bfloat16), 32, high)
     with pytest.raises(RuntimeError, match="Q8_0 takes"):     # d float32: the float16 the file holds only
         torch.ops.kvserve.linear_q8_0(torch.randn(1, 64), torch.zeros(16, 64, dtype=torch.int8), torch.zeros(16, 2))
+    for cols in (8, 1, 3, 0):                                # blocks of 8, 64, K / 3; no d at all: 32 or 16 only
+        with pytest.raises(RuntimeError, match="Q8_0 takes"):
+            torch.ops.kvserve.linear_q8_0(torch.randn(1, 64), torch.zeros(16, 64, dtype=torch.int8),
+                                          torch.zeros(16, cols, dtype=torch.float16))
 
 
 def test_decode_attention_refuses_int8_scales_of_the_wrong_shape():

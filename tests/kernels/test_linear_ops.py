@@ -141,24 +141,30 @@ def test_linear_int8(bits, seed, blocks, N, T, n_threads):
 @pytest.mark.parametrize("bits", ISA_BITS)
 @SETTINGS
 @given(seed=st.integers(0, 2**31), blocks=st.integers(1, 48), N=st.integers(1, 80), T=st.integers(1, 40),
-       n_threads=st.sampled_from([1, 2]))
-@example(seed=5, blocks=17, N=37, T=1, n_threads=2)      # odd blocks: the last one alone (AVX-512: masked)
-@example(seed=6, blocks=18, N=9, T=3, n_threads=1)
-@example(seed=7, blocks=1, N=5, T=2, n_threads=1)
-@example(seed=959233579, blocks=2, N=75, T=1, n_threads=1)   # a product within an ulp of a half
-@example(seed=16, blocks=48, N=37, T=340, n_threads=2)   # AMX: two blocks of x, a partial weight pair
-def test_linear_q8_0(bits, seed, blocks, N, T, n_threads):
+       n_threads=st.sampled_from([1, 2]), block=st.sampled_from([32, 16]))
+@example(seed=5, blocks=17, N=37, T=1, n_threads=2, block=32)      # odd blocks: the last one alone (AVX-512: masked)
+@example(seed=6, blocks=18, N=9, T=3, n_threads=1, block=32)
+@example(seed=7, blocks=1, N=5, T=2, n_threads=1, block=32)
+@example(seed=959233579, blocks=2, N=75, T=1, n_threads=1, block=32)   # a product within an ulp of a half
+@example(seed=16, blocks=48, N=37, T=340, n_threads=2, block=32)   # AMX: two blocks of x, a partial weight pair
+@example(seed=18, blocks=3, N=11, T=1, n_threads=1, block=16)    # Q6_K's blocks of 16: the int16 route
+@example(seed=21, blocks=17, N=37, T=3, n_threads=2, block=16)   # three rows, an odd last block
+@example(seed=22, blocks=40, N=9, T=2, n_threads=1, block=16)    # two windows of 8 blocks and a part
+@example(seed=19, blocks=5, N=13, T=6, n_threads=2, block=16)    # the tile path (AMX where present)
+@example(seed=20, blocks=48, N=37, T=340, n_threads=2, block=16)
+def test_linear_q8_0(bits, seed, blocks, N, T, n_threads, block):
+    """GGUF Q8_0 (a float16 d per 32 weights) and the same format with d per 16 (Q6_K)."""
     g = torch.Generator().manual_seed(seed)
     K = 32 * blocks
     q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
-    d = (torch.rand(N, K // 32, generator=g) * 0.01).half()                  # [N, K/32] float16 (GGUF's d)
+    d = (torch.rand(N, K // block, generator=g) * 0.01).half()               # [N, K/B] float16 (GGUF's d)
     if N > 2:
         d[0, 0], d[1, -1] = 3e-7, 6e-5                                       # float16 subnormals: exact too
     x = activations(g, T, K)
     with on_isa(bits), threads(n_threads):
         y = torch.ops.kvserve.linear_q8_0(x, q, d)
         amx = on_amx(T)
-    w = q.double() * d.double().repeat_interleave(32, dim=1)
+    w = q.double() * d.double().repeat_interleave(block, dim=1)
     if amx:
         check(y, *bf16_operands(x, w))
     elif T <= kernels.KERNEL_ROWS:            # the int16 route: exactly x's int16 blocks times W, summed in float32
@@ -237,14 +243,15 @@ def test_dequantize_ops_round_each_exact_value_once(bits, seed, group, blocks, N
     scale, zero = (t.double().repeat_interleave(group, dim=1) for t in w.scales.unbind(1))     # [N, K]
     exact = (q - 8) * scale + zero
     q8 = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
-    d = (torch.rand(N, K // 32, generator=g) * 0.01).half()
-    d[0, 0] = 3e-7                                                           # a float16 subnormal
-    exact8 = q8.double() * d.double().repeat_interleave(32, dim=1)
     with on_isa(bits):
         for dtype in (torch.float32, torch.bfloat16):
             got = torch.ops.kvserve.dequantize_int4(w.nibbles, w.scales, group, dtype, w.high)
             assert torch.equal(got, exact.float().to(dtype))
-            assert torch.equal(torch.ops.kvserve.dequantize_q8_0(q8, d, dtype), exact8.float().to(dtype))
+            for block in (32, 16):            # Q8_0; Q6_K's sub-blocks
+                d = (torch.rand(N, K // block, generator=g) * 0.01).half()
+                d[0, 0] = 3e-7                                               # a float16 subnormal
+                exact8 = q8.double() * d.double().repeat_interleave(block, dim=1)
+                assert torch.equal(torch.ops.kvserve.dequantize_q8_0(q8, d, dtype), exact8.float().to(dtype))
 
 
 def test_quantized_weights_run_kvserves_ops():

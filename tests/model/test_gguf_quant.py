@@ -10,14 +10,15 @@ import torch
 
 from kvserve import LLM, kernels
 from kvserve.config import EngineConfig
+from kvserve.model.fusion import linear_weight
 from kvserve.model.loaders.gguf import load_gguf
-from kvserve.model.quant.gguf_types import UNPACK_INT4, UNPACK_INT5, unpack_q4_k, unpack_q5_k, unpack_q8_0
+from kvserve.model.quant.gguf_types import UNPACK_INT4, UNPACK_INT5, unpack_q4_k, unpack_q5_k, unpack_q6_k, unpack_q8_0
 from kvserve.model.quant import cpu_paths
 from kvserve.model.quant.cpu_paths import kernel_plan
 from kvserve.model.quant.formats import Int4Weight, Int8Weight, keeps_quantized
 from kvserve.model.quant.gguf_blocks import Int4Values, Int8BlockWeight
 from tests.kernels.test_linear_ops import q16_activations
-from tests.model.gguf_files import quantize_q4_k, write_hf_as_gguf, write_mixed_types
+from tests.model.gguf_files import quantize_q4_k, random_k_quant, write_hf_as_gguf, write_mixed_types
 from tests.model.test_gguf_tokenizer import SMOLLM2, needs_smollm2
 from tests.model.test_quant import greedy, teacher_forced
 
@@ -108,6 +109,24 @@ def test_q5_k_any_bits():
     ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q5_K)
     q, scale, zero = unpack_q5_k(raw, N, K)
     assert q.max() == 31 and np.array_equal(bits(int4_values(q, scale, zero)), bits(ref))
+
+
+def test_q6_k_any_bits():
+    """Q6_K from random bytes (every low nibble, high bit pair and signed scale), d over three
+    decades: q in -32..31 and q * d the gguf value, d (d_super * sc, exact in float32) rounded to
+    float16: within 2^-11 of each weight."""
+    rng = np.random.default_rng(3)
+    N, K = 24, 512
+    blocks = random_k_quant(N, K, "Q6_K", rng).reshape(-1, 210)
+    blocks[:, 208:210] = (10.0 ** rng.uniform(-5, -2, size=(len(blocks), 1))).astype(np.float16).view(np.uint8)
+    raw = blocks.reshape(N, -1)
+    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q6_K)
+    q, d = unpack_q6_k(raw, N, K)
+    assert q.dtype == np.int8 and (q.min(), q.max()) == (-32, 31) and d.shape == (N, K // 16)
+    assert np.array_equal(d, d.astype(np.float16).astype(np.float32))
+    got = (q.reshape(N, -1, 16).astype(np.float64) * d[..., None]).reshape(N, K)
+    assert (np.abs(got - ref) <= 2.0 ** -11 * np.abs(ref)).all()
+    assert np.abs(got - ref).max() > 0              # the float16 rounding is real: not the gguf values
 
 
 def test_int5_needs_kvserves_kernels(monkeypatch):
@@ -225,25 +244,64 @@ def test_int8_block_weight_computes_x_times_w(rows, own, monkeypatch):
     assert [torch.equal(a, b) for a, b in zip(w.values(), (torch.from_numpy(q), stored))] == [True, True]
 
 
+def test_int8_blocks_of_16_and_32_fuse_into_blocks_of_16():
+    """A Q8_0 part beside a Q6_K one (Q4_K_M's q, k and v): one weight of 16-weight blocks, each
+    Q8_0 d repeated, the same values; the kernels' product of it is x times those values."""
+    if not kernels.available("cpu"):
+        pytest.skip("kvserve's kernels are not built here")
+    g = torch.Generator().manual_seed(1)
+    q32, q16 = (torch.randint(-128, 128, (n, 64), generator=g, dtype=torch.int8) for n in (8, 5))
+    d32 = (torch.rand(8, 2, generator=g) * 0.01).half().float()
+    d16 = (torch.rand(5, 4, generator=g) * 0.01).half().float()
+    parts = [Int8BlockWeight(q32, d32), Int8BlockWeight(q16, d16)]
+    w = Int8BlockWeight.cat(parts, torch.float32, "cpu")
+    assert w.block == 16 and w.shape == (13, 64)
+    exact = torch.cat([p.dequantize() for p in parts])
+    assert torch.equal(w.dequantize(), exact)
+    x = torch.randn(2, 64, generator=g)
+    ref = q16_activations(x) @ exact.double().T           # two rows: the int16 route
+    assert (w.linear(x).double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@pytest.mark.parametrize("other", ["Q5_0", "Q4_0", "Q4_1"])
+def test_mixed_parts_fuse_into_int8_blocks_where_their_values_allow(other):
+    """Q4_K_M's q and k (Q5_0) with its v (Q8_0): one Int8BlockWeight of the same values, bit for
+    bit (Q5_0 and Q4_0 are d times integers); a part with a min (Q4_1) cannot, and the whole
+    matrix is per-row int8 as before."""
+    if not kernels.available("cpu"):
+        pytest.skip("kvserve's kernels are not built here")
+    a = sample_weights(64, 256)
+    arrays = {**UNPACK_INT4, **UNPACK_INT5}[other](encode(a[:40], other), 40, 256)
+    part = Int4Values(*[None if x is None else torch.from_numpy(x) for x in arrays])
+    v = Int8BlockWeight(*[torch.from_numpy(x) for x in unpack_q8_0(encode(a[40:], "Q8_0"), 24, 256)])
+    w = linear_weight([part, v], "qkv", None, None, torch.device("cpu"), torch.float32)
+    if other == "Q4_1":
+        assert isinstance(w, Int8Weight)
+        return
+    assert isinstance(w, Int8BlockWeight) and w.block == 32
+    exact = torch.cat([part.dequantize(), v.dequantize()])
+    assert torch.equal((w.dequantize() + 0).view(torch.int32), (exact + 0).view(torch.int32))    # bits.__doc__
+
+
 # Native against quantization="dequant" on the same file, teacher-forced over the dequantized
 # run's greedy tokens (6 prompts x 16): (min top-1 agreement, max mean KL). What differs: scales
 # and zeros in bfloat16 and bfloat16 matmuls (int4), per-row int8 (Q8_0 and Q5 layers without kvserve's
 # kernels, and the mixed file's Q6/Q2/Q3_K), the mixed file's q/k/v fused as int8 (Q4_K + Q3_K + Q2_K).
 # Measured (1 thread): Q4_0 top-1 0.979, KL 0.00014; Q4_1 0.969, 0.00016; Q8_0 0.969, 0.00041;
 # Q4_K 1.000, 0.00056; mixed 0.990, 0.00006. With the Q5 types held as int5 (gate Q5_0 + up Q5_1 no
-# longer int8): Q5_0 0.958, 0.00014; mixed 1.000, 0.00003 (2026-12-07). The random weights' top-1 margins are small (see
+# longer int8): Q5_0 0.958, 0.00014; mixed 1.000, 0.00003 (2026-12-07). Q6_K in blocks of 16 on the kernels
+# (the mixed file's embedding too): Q6_K 1.000, KL under 0.000005; mixed 1.000, 0.00001. The random weights' top-1 margins are small (see
 # test_quant.py), so one flip changes the rest of a greedy run: whole runs are not compared.
 AGREEMENT = {"Q4_0": (0.9, 0.003), "Q4_1": (0.9, 0.003), "Q8_0": (0.9, 0.003), "Q4_K": (0.9, 0.003),
-             "Q5_0": (0.9, 0.003), "mixed": (0.9, 0.003)}
-ALL_Q4_K = {name: "Q4_K" for name in ("token_embd.weight", "output.weight", "blk.0.attn_q.weight",
-                                      "blk.0.attn_k.weight", "blk.0.attn_v.weight",
-                                      "blk.0.attn_output.weight", "blk.0.ffn_gate.weight",
-                                      "blk.0.ffn_up.weight", "blk.0.ffn_down.weight")}
+             "Q5_0": (0.9, 0.003), "Q6_K": (0.9, 0.003), "mixed": (0.9, 0.003)}
+ALL_TENSORS = ("token_embd.weight", "output.weight", "blk.0.attn_q.weight", "blk.0.attn_k.weight",
+               "blk.0.attn_v.weight", "blk.0.attn_output.weight", "blk.0.ffn_gate.weight",
+               "blk.0.ffn_up.weight", "blk.0.ffn_down.weight")   # the mixed file's, all in one type
 
 
 def gguf_file(qtype: str, random_model_dir, path):
-    if qtype in ("mixed", "Q4_K"):
-        return write_mixed_types(path, types=ALL_Q4_K if qtype == "Q4_K" else None)
+    if qtype in ("mixed", "Q4_K", "Q6_K"):
+        return write_mixed_types(path, types={n: qtype for n in ALL_TENSORS} if qtype != "mixed" else None)
     return write_hf_as_gguf(random_model_dir("llama"), path, qtype)
 
 
@@ -266,7 +324,8 @@ def test_native_engine_tracks_the_dequantized_one(qtype, random_model_dir, tmp_p
     own = kernels.available()
     expect = {"Q4_0": "Int4Weight", "Q4_1": "Int4Weight", "Q4_K": "Int4Weight",
               "Q5_0": "Int4Weight" if own else "Int8Weight",
-              "Q8_0": "Int8BlockWeight" if own else "Int8Weight"}
+              "Q8_0": "Int8BlockWeight" if own else "Int8Weight",
+              "Q6_K": "Int8BlockWeight" if own else "Int8Weight"}
     if not keeps_quantized("cpu"):      # this CPU's plan holds every weight dequantized
         assert set(kinds.values()) == {"Tensor"}
     elif qtype in expect:
@@ -276,6 +335,9 @@ def test_native_engine_tracks_the_dequantized_one(qtype, random_model_dir, tmp_p
     else:   # q Q4_K + k Q3_K + v Q2_K -> int8; o BF16, down F16 -> the dtype; gate Q5_0 + up Q5_1 -> int5
         assert kinds == {"qkv": "Int8Weight", "o": "Tensor", "gate_up": "Int4Weight" if own else "Int8Weight",
                          "down": "Tensor"}
+        embed = llm.engine.model.embed                                  # Q6_K: blocks of 16 on the kernels
+        assert type(embed).__name__ == ("Int8BlockWeight" if own else "Int8Weight")
+        assert not own or embed.block == 16
 
 
 def int4_bytes(n: int, k: int) -> int:

@@ -68,7 +68,8 @@ struct AttnArgs {
 //   gemv_int4_q16: the same weights times x quantized to int16 per 32 weights, as byte planes (kernels.h: q16_rows),
 //              which quantize_planes writes.
 //   gemv_int8: W = q * scale[n], q [N, K] int8, scale [N] bfloat16.
-//   gemv_q8_0: W = q * d[n, k / 32] (GGUF Q8_0), q [N, K] int8, d [N, K / 32] float16 (its bits: the file's d).
+//   gemv_q8_0: W = q * d[n, k / G] (GGUF Q8_0: G 32, d the file's bits; Q6_K: G 16, d its super-block's
+//              d times the sub-block's scale, rounded to float16), q [N, K] int8, d [N, K / G] float16.
 //   gemv_q8_0_q16: the same weights times x quantized to int16 per 32 weights (kernels.h: q8_q16_rows),
 //              which quantize_q8 writes.
 //   attn_part: query heads of KV head `kvh` of sequence b over tokens t0..t1: the unnormalised
@@ -93,16 +94,16 @@ struct IsaKernels {
   void (*quantize_planes)(const float* x, int T, int K, int Bp, uint8_t* xb, float* dx, float* xs);
   void (*gemv_int8)(const float* x, int T, int K, const int8_t* q, const uint16_t* scale, int N,
                     float* y, int n0, int n1);
-  void (*gemv_q8_0)(const float* x, int T, int K, const int8_t* q, const uint16_t* d, int N,
+  void (*gemv_q8_0)(const float* x, int T, int K, const int8_t* q, const uint16_t* d, int G, int N,
                     float* y, int n0, int n1);
   void (*gemv_q8_0_q16)(const int16_t* xq, const uint8_t* xl, const int8_t* xh, const int32_t* xc, const float* dx,
-                        int T, int K, const int8_t* q, const uint16_t* d, int N, float* y, int n0, int n1);
+                        int T, int K, const int8_t* q, const uint16_t* d, int G, int N, float* y, int n0, int n1);
   void (*quantize_q8)(const float* x, int T, int K, int16_t* xq, uint8_t* xl, int8_t* xh, int32_t* xc, float* dx);
   void (*attn_part)(const AttnArgs& a, int b, int kvh, int t0, int t1, float* out, float* ml);
   void (*silu_mul)(const float* gu, int T, int I, float* out);
   void (*dequant_int4)(const uint8_t* nib, const uint16_t* sz, const uint8_t* hb, int K, int G, int n0, int n1,
                        float* f, uint16_t* b);
-  void (*dequant_q8_0)(const int8_t* q, const uint16_t* d, int K, int n0, int n1, float* f, uint16_t* b);
+  void (*dequant_q8_0)(const int8_t* q, const uint16_t* d, int K, int G, int n0, int n1, float* f, uint16_t* b);
   int64_t (*draw_row)(const float* x, int V, float u, float* e);
   int64_t (*argmax_row)(const float* x, int V);
   void (*silu_mul_bf16)(const uint16_t* gu, int T, int I, uint16_t* out, bool once);

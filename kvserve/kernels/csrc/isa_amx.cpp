@@ -114,14 +114,15 @@ static void dequant_row(const AmxWeight& w, int n, int k0, int kn, uint16_t* out
       }
       _mm512_storeu_si512((void*)(out + c), _mm512_permutexvar_epi16(idx, table));
     }
-  } else if (w.format == 2 || w.format == 3) {   // int8: q * scale[n]; Q8_0: q * d[n, k / 32]
+  } else if (w.format == 2 || w.format == 3) {   // int8: q * scale[n]; Q8_0: q * d[n, k / G] (G 32 or 16)
     const int8_t* q = (const int8_t*)w.a + (size_t)n * K;
+    const uint16_t* d = (const uint16_t*)w.b + (w.format == 3 ? (size_t)n * (K / w.G) : 0);
     for (int c = 0; c < kn; c += 32) {
       if (!(c & 63)) __builtin_prefetch(q + k0 + c + AHEAD, 0, 3);
-      const float s = w.format == 2 ? bf16_to_f32(((const uint16_t*)w.b)[n]) : _cvtsh_ss(((const uint16_t*)w.b)[(size_t)n * (K / 32) + (k0 + c) / 32]);
-      const __m512 sv = _mm512_set1_ps(s);
-      const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + k0 + c)))), sv);
-      const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + k0 + c + 16)))), sv);
+      const float s = w.format == 2 ? bf16_to_f32(((const uint16_t*)w.b)[n]) : _cvtsh_ss(d[(k0 + c) / w.G]);
+      const float s2 = w.format == 3 && w.G == 16 ? _cvtsh_ss(d[(k0 + c) / 16 + 1]) : s;
+      const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + k0 + c)))), _mm512_set1_ps(s));
+      const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + k0 + c + 16)))), _mm512_set1_ps(s2));
       _mm512_storeu_si512((void*)(out + c), bf16x32(lo, hi));
     }
   } else {                                   // dense bfloat16

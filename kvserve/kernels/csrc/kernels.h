@@ -493,8 +493,20 @@ static void gemv_int4(const float* xp, int T, int K, const uint8_t* nib, const u
   }
 }
 
-// ---- int8 GEMVs: one scale per row (int8) or per 32 weights (GGUF Q8_0) -----------------
-template <int RB, int TB, bool BLOCKS>
+// ---- int8 GEMVs: one scale per row (int8) or per BG weights (blocks: GGUF Q8_0, BG 32; Q6_K's
+// sub-blocks, BG 16) ----------------------------------------------------------------------------
+// The scales of the 32 / KV_W vectors of 32 weights from column c of a block row `dr` [K / BG].
+template <int BG>
+static inline void block_scales(const uint16_t* dr, int c, VF* dv) {
+  if constexpr (BG == 32) {
+    const VF s = vset(h2f(dr[c / 32]));
+    for (int v = 0; v < 32 / KV_W; ++v) dv[v] = s;
+  } else {
+    for (int v = 0; v < 32 / KV_W; ++v) dv[v] = vset(h2f(dr[(c + v * KV_W) / BG]));
+  }
+}
+
+template <int RB, int TB, int BG>
 static inline void int8_block(const float* x, int K, const int8_t* q, const uint16_t* row_scale,
                               const uint16_t* d, float* y, int N, int n, int t0) {
   constexpr int NV = 32 / KV_W, NA = TB <= 2 ? 2 : 1;
@@ -510,9 +522,10 @@ static inline void int8_block(const float* x, int K, const int8_t* q, const uint
       const int8_t* p = q + (size_t)(n + r) * K + c;
       if (!(c & 63)) ahead(p);
       VF w[NV];
-      if (BLOCKS) {
-        VF dv = vset(h2f(d[(size_t)(n + r) * (K / 32) + c / 32]));
-        for (int v = 0; v < NV; ++v) w[v] = vmul(i8f(p + v * KV_W), dv);
+      if constexpr (BG > 0) {
+        VF dv[NV];
+        block_scales<BG>(d + (size_t)(n + r) * (K / BG), c, dv);
+        for (int v = 0; v < NV; ++v) w[v] = vmul(i8f(p + v * KV_W), dv[v]);
       } else {
         for (int v = 0; v < NV; ++v) w[v] = i8f(p + v * KV_W);
       }
@@ -521,7 +534,7 @@ static inline void int8_block(const float* x, int K, const int8_t* q, const uint
     }
   }
   for (int r = 0; r < RB; ++r) {
-    float sc = BLOCKS ? 1.0f : bf16_to_f32(row_scale[n + r]);
+    float sc = BG > 0 ? 1.0f : bf16_to_f32(row_scale[n + r]);
     for (int t = 0; t < TB; ++t) {
       VF s = acc[r][t][0];
       for (int a = 1; a < NA; ++a) s = s + acc[r][t][a];
@@ -530,53 +543,57 @@ static inline void int8_block(const float* x, int K, const int8_t* q, const uint
   }
 }
 
-template <int RB, bool BLOCKS>
+template <int RB, int BG>
 static void int8_rows(const float* x, int T, int K, const int8_t* q, const uint16_t* rs,
                       const uint16_t* d, float* y, int N, int n) {
   int t = 0;
-  for (; t + 4 <= T; t += 4) int8_block<RB, 4, BLOCKS>(x, K, q, rs, d, y, N, n, t);
+  for (; t + 4 <= T; t += 4) int8_block<RB, 4, BG>(x, K, q, rs, d, y, N, n, t);
   switch (T - t) {
-    case 3: int8_block<RB, 3, BLOCKS>(x, K, q, rs, d, y, N, n, t); break;
-    case 2: int8_block<RB, 2, BLOCKS>(x, K, q, rs, d, y, N, n, t); break;
-    case 1: int8_block<RB, 1, BLOCKS>(x, K, q, rs, d, y, N, n, t); break;
+    case 3: int8_block<RB, 3, BG>(x, K, q, rs, d, y, N, n, t); break;
+    case 2: int8_block<RB, 2, BG>(x, K, q, rs, d, y, N, n, t); break;
+    case 1: int8_block<RB, 1, BG>(x, K, q, rs, d, y, N, n, t); break;
     default: break;
   }
 }
 
-template <bool BLOCKS>
+template <int BG>
 static void int8_all(const float* x, int T, int K, const int8_t* q, const uint16_t* rs,
                      const uint16_t* d, int N, float* y, int n0, int n1) {
   int n = n0;
-  if (BLOCKS && T > 4) {      // Q8_0 batches: each weight dequantized once a chunk, then the tile product
+  if (BG > 0 && T > 4) {      // block batches: each weight dequantized once a chunk, then the tile product
     for (int t0 = 0; t0 < T; t0 += T_CHUNK) {
       const int tn = imin(T_CHUNK, T - t0);
       for (n = n0; n < n1; n += KV_RB) {
         const int rb = imin(KV_RB, n1 - n);
         tile_rows(x + (size_t)t0 * K, tn, K, y + (size_t)t0 * N, N, n, rb, [&](int r, int k0, int kn, float* out) {
           const int8_t* p = q + (size_t)(n + r) * K + k0;
-          const uint16_t* dr = d + (size_t)(n + r) * (K / 32) + k0 / 32;
+          const uint16_t* dr = d + (size_t)(n + r) * (K / BG);
           for (int c = 0; c < kn; c += 32) {
             if (!(c & 63)) ahead(p + c);
-            const VF dv = vset(h2f(dr[c / 32]));
-            for (int v = 0; v < 32 / KV_W; ++v) vstore(out + c + v * KV_W, vmul(i8f(p + c + v * KV_W), dv));
+            VF dv[32 / KV_W];
+            block_scales<BG>(dr, k0 + c, dv);
+            for (int v = 0; v < 32 / KV_W; ++v) vstore(out + c + v * KV_W, vmul(i8f(p + c + v * KV_W), dv[v]));
           }
         });
       }
     }
     return;
   }
-  for (; n + KV_RB <= n1; n += KV_RB) int8_rows<KV_RB, BLOCKS>(x, T, K, q, rs, d, y, N, n);
-  for (; n < n1; ++n) int8_rows<1, BLOCKS>(x, T, K, q, rs, d, y, N, n);
+  for (; n + KV_RB <= n1; n += KV_RB) int8_rows<KV_RB, BG>(x, T, K, q, rs, d, y, N, n);
+  for (; n < n1; ++n) int8_rows<1, BG>(x, T, K, q, rs, d, y, N, n);
 }
 
 static void gemv_int8(const float* x, int T, int K, const int8_t* q, const uint16_t* scale, int N,
                       float* y, int n0, int n1) {
-  int8_all<false>(x, T, K, q, scale, nullptr, N, y, n0, n1);
+  int8_all<0>(x, T, K, q, scale, nullptr, N, y, n0, n1);
 }
 
-static void gemv_q8_0(const float* x, int T, int K, const int8_t* q, const uint16_t* d, int N,
+static void gemv_q8_0(const float* x, int T, int K, const int8_t* q, const uint16_t* d, int G, int N,
                       float* y, int n0, int n1) {
-  int8_all<true>(x, T, K, q, nullptr, d, N, y, n0, n1);
+  if (G == 16)
+    int8_all<16>(x, T, K, q, nullptr, d, N, y, n0, n1);
+  else
+    int8_all<32>(x, T, K, q, nullptr, d, N, y, n0, n1);
 }
 
 // ---- Q8_0 on integer dot products (few activation rows) ----------------------------------
@@ -591,10 +608,13 @@ static void gemv_q8_0(const float* x, int T, int K, const int8_t* q, const uint1
 //     two blocks, lanes 0-7 and 8-15.
 //   AVX2: each weight widened to int16, vpmaddwd per 16. The portable code: int32 sums.
 // Every partial sum is exact, so each ISA computes the same integers; only the float sums differ.
-template <int RB, int TB>
+// BG 16 (Q6_K's sub-blocks, d [N, K/16]): each half block's sum times its own d (AVX-512: lanes
+// 0-3 / 4-7 of a block's eight), x's blocks still of 32.
+template <int RB, int TB, int BG>
 static inline void q8_q16_rows(const int16_t* xq, const uint8_t* xl, const int8_t* xh, const int32_t* xc,
                                const float* dx, int K, const int8_t* q, const uint16_t* d, float* y, int N, int n) {
   const int nb = K / 32;
+  constexpr int SUB = 32 / BG, WIN = 16 / SUB;      // scales a block of 32; blocks a window of 16 scales
   alignas(64) float s16[RB][TB][16];
 #if KV_ISA == 512
   __m512 acc[RB][TB];
@@ -607,17 +627,19 @@ static inline void q8_q16_rows(const int16_t* xq, const uint8_t* xl, const int8_
 #else
   float acc[RB][TB] = {};
 #endif
-  for (int b0 = 0; b0 < nb; b0 += 16) {
-    const int bn = imin(16, nb - b0);
+  for (int b0 = 0; b0 < nb; b0 += WIN) {
+    const int bn = imin(WIN, nb - b0);
     for (int r = 0; r < RB; ++r)
       for (int t = 0; t < TB; ++t) {
-        const uint16_t* dr = d + (size_t)(n + r) * nb + b0;
+        const uint16_t* dr = d + (size_t)(n + r) * nb * SUB + b0 * SUB;
         const float* dt = dx + (size_t)t * nb + b0;
 #if KV_ISA == 512
-        const __mmask16 m = (__mmask16)((1u << bn) - 1);
-        _mm512_store_ps(s16[r][t], _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, dr)), _mm512_maskz_loadu_ps(m, dt)));
+        const __mmask16 m = (__mmask16)((1u << (bn * SUB)) - 1);
+        __m512 xs = _mm512_maskz_loadu_ps((__mmask16)((1u << bn) - 1), dt);
+        if (SUB == 2) xs = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), xs);
+        _mm512_store_ps(s16[r][t], _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, dr)), xs));
 #else
-        for (int i = 0; i < 16; ++i) s16[r][t][i] = i < bn ? h2f(dr[i]) * dt[i] : 0.0f;
+        for (int i = 0; i < 16; ++i) s16[r][t][i] = i < bn * SUB ? h2f(dr[i]) * dt[i / SUB] : 0.0f;
 #endif
       }
     for (int p = 0; p < bn; ++p) {
@@ -634,7 +656,9 @@ static inline void q8_q16_rows(const int16_t* xq, const uint8_t* xl, const int8_
         hv[t] = _mm512_maskz_loadu_epi8(m, xh + (size_t)t * K + off);
         cv[t] = _mm512_maskz_loadu_epi32(m4, xc + ((size_t)t * K + off) / 4);
       }
-      const __m512i idx = _mm512_setr_epi32(p, p, p, p, p, p, p, p, p + 1, p + 1, p + 1, p + 1, p + 1, p + 1, p + 1, p + 1);
+      const int j = p * SUB;                // the first scale of blocks p, p + 1
+      const __m512i idx = SUB == 1 ? _mm512_setr_epi32(j, j, j, j, j, j, j, j, j + 1, j + 1, j + 1, j + 1, j + 1, j + 1, j + 1, j + 1)
+                                   : _mm512_setr_epi32(j, j, j, j, j + 1, j + 1, j + 1, j + 1, j + 2, j + 2, j + 2, j + 2, j + 3, j + 3, j + 3, j + 3);
       for (int r = 0; r < RB; ++r) {
         ahead(q + (size_t)(n + r) * K + off);
         const __m512i w = _mm512_maskz_loadu_epi8(m, q + (size_t)(n + r) * K + off);
@@ -655,8 +679,15 @@ static inline void q8_q16_rows(const int16_t* xq, const uint8_t* xl, const int8_
         const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)wr));
         const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wr + 16)));
         for (int t = 0; t < TB; ++t) {
-          const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(lo, xv[t][0]), _mm256_madd_epi16(hi, xv[t][1]));
-          acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(&s16[r][t][p]), acc[r][t]);
+          if (SUB == 1) {
+            const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(lo, xv[t][0]), _mm256_madd_epi16(hi, xv[t][1]));
+            acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(&s16[r][t][p]), acc[r][t]);
+          } else {
+            acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(lo, xv[t][0])),
+                                        _mm256_broadcast_ss(&s16[r][t][2 * p]), acc[r][t]);
+            acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(hi, xv[t][1])),
+                                        _mm256_broadcast_ss(&s16[r][t][2 * p + 1]), acc[r][t]);
+          }
         }
       }
 #else
@@ -664,9 +695,11 @@ static inline void q8_q16_rows(const int16_t* xq, const uint8_t* xl, const int8_
         for (int t = 0; t < TB; ++t) {
           const int8_t* w = q + (size_t)(n + r) * K + off;
           const int16_t* xb = xq + (size_t)t * K + off;
-          int32_t dot = 0;
-          for (int j = 0; j < 32; ++j) dot += (int32_t)w[j] * xb[j];
-          acc[r][t] += (float)dot * s16[r][t][p];
+          for (int h = 0; h < SUB; ++h) {
+            int32_t dot = 0;
+            for (int j = h * BG; j < (h + 1) * BG; ++j) dot += (int32_t)w[j] * xb[j];
+            acc[r][t] += (float)dot * s16[r][t][p * SUB + h];
+          }
         }
 #endif
     }
@@ -712,26 +745,35 @@ static void quantize_q8(const float* x, int T, int K, int16_t* xq, uint8_t* xl, 
     }
 }
 
-template <int RB>
+template <int RB, int BG>
 static void q8_q16_tb(const int16_t* xq, const uint8_t* xl, const int8_t* xh, const int32_t* xc, const float* dx,
                       int T, int K, const int8_t* q, const uint16_t* d, float* y, int N, int n) {
   switch (T) {
-    case 3: q8_q16_rows<RB, 3>(xq, xl, xh, xc, dx, K, q, d, y, N, n); break;
-    case 2: q8_q16_rows<RB, 2>(xq, xl, xh, xc, dx, K, q, d, y, N, n); break;
-    default: q8_q16_rows<RB, 1>(xq, xl, xh, xc, dx, K, q, d, y, N, n); break;
+    case 3: q8_q16_rows<RB, 3, BG>(xq, xl, xh, xc, dx, K, q, d, y, N, n); break;
+    case 2: q8_q16_rows<RB, 2, BG>(xq, xl, xh, xc, dx, K, q, d, y, N, n); break;
+    default: q8_q16_rows<RB, 1, BG>(xq, xl, xh, xc, dx, K, q, d, y, N, n); break;
   }
 }
 
-static void gemv_q8_0_q16(const int16_t* xq, const uint8_t* xl, const int8_t* xh, const int32_t* xc, const float* dx,
-                          int T, int K, const int8_t* q, const uint16_t* d, int N, float* y, int n0, int n1) {
+template <int BG>
+static void q8_q16_all(const int16_t* xq, const uint8_t* xl, const int8_t* xh, const int32_t* xc, const float* dx,
+                       int T, int K, const int8_t* q, const uint16_t* d, int N, float* y, int n0, int n1) {
   for (int t = 0; t < T; t += 3) {
     const int tn = imin(3, T - t);
     const size_t o = (size_t)t * K;
     int n = n0;
     for (; n + KV_RB <= n1; n += KV_RB)
-      q8_q16_tb<KV_RB>(xq + o, xl + o, xh + o, xc + o / 4, dx + o / 32, tn, K, q, d, y + (size_t)t * N, N, n);
-    for (; n < n1; ++n) q8_q16_tb<1>(xq + o, xl + o, xh + o, xc + o / 4, dx + o / 32, tn, K, q, d, y + (size_t)t * N, N, n);
+      q8_q16_tb<KV_RB, BG>(xq + o, xl + o, xh + o, xc + o / 4, dx + o / 32, tn, K, q, d, y + (size_t)t * N, N, n);
+    for (; n < n1; ++n) q8_q16_tb<1, BG>(xq + o, xl + o, xh + o, xc + o / 4, dx + o / 32, tn, K, q, d, y + (size_t)t * N, N, n);
   }
+}
+
+static void gemv_q8_0_q16(const int16_t* xq, const uint8_t* xl, const int8_t* xh, const int32_t* xc, const float* dx,
+                          int T, int K, const int8_t* q, const uint16_t* d, int G, int N, float* y, int n0, int n1) {
+  if (G == 16)
+    q8_q16_all<16>(xq, xl, xh, xc, dx, T, K, q, d, N, y, n0, n1);
+  else
+    q8_q16_all<32>(xq, xl, xh, xc, dx, T, K, q, d, N, y, n0, n1);
 }
 
 // ---- dequantization: rows of a weight into a dense float32 or bfloat16 matrix --------------
@@ -763,15 +805,19 @@ static void dequant_int4(const uint8_t* nib, const uint16_t* sz, const uint8_t* 
   }
 }
 
-// Q8_0 rows n0..n1 (q [N, K] int8, d [N, K/32] float16) -> out rows [n1 - n0, K] (f or b).
-static void dequant_q8_0(const int8_t* q, const uint16_t* d, int K, int n0, int n1, float* f, uint16_t* b) {
+// Q8_0 rows n0..n1 (q [N, K] int8, d [N, K/G] float16, G 32 or 16) -> out rows [n1 - n0, K] (f or b).
+static void dequant_q8_0(const int8_t* q, const uint16_t* d, int K, int G, int n0, int n1, float* f, uint16_t* b) {
   for (int n = n0; n < n1; ++n) {
     const size_t o = (size_t)(n - n0) * K;
     for (int c = 0; c < K; c += 32) {
-      const VF s = vset(h2f(d[(size_t)n * (K / 32) + c / 32]));
+      VF s[32 / KV_W];
+      if (G == 16)
+        block_scales<16>(d + (size_t)n * (K / 16), c, s);
+      else
+        block_scales<32>(d + (size_t)n * (K / 32), c, s);
       const int8_t* p = q + (size_t)n * K + c;
       for (int v = 0; v < 32 / KV_W; ++v) {
-        const VF w = vmul(i8f(p + v * KV_W), s);        // exact: 8 bits times float16's 11
+        const VF w = vmul(i8f(p + v * KV_W), s[v]);     // exact: 8 bits times float16's 11
         if (f)
           vstore(f + o + c + v * KV_W, w);
         else

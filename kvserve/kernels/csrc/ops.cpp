@@ -83,8 +83,8 @@ Linear make_linear(int64_t format, const at::Tensor& a, const at::Tensor& b, con
                     b.numel() == w.N, "kvserve: int8 takes q [N, K] int8 and scale [N] bfloat16");
   } else {
     TORCH_CHECK(format == Q8_0 && a.scalar_type() == at::kChar && b.scalar_type() == at::kHalf && b.dim() == 2 &&
-                    w.K % 32 == 0 && b.size(0) == w.N && b.size(1) == w.K / 32,
-                "kvserve: Q8_0 takes q [N, K] int8 and d [N, K/32] float16");
+                    (w.G == 32 || w.G == 16) && w.K % 32 == 0 && b.size(0) == w.N && b.size(1) == w.K / w.G,
+                "kvserve: Q8_0 takes q [N, K] int8 and d [N, K/G] float16, G 32 (or 16: Q6_K's sub-blocks)");
   }
   return w;
 }
@@ -178,12 +178,12 @@ void linear_into(const float* x, int T, const Linear& w, float* y, float* xp) {
     const int8_t* q = w.a.data_ptr<int8_t>();
     const uint16_t* d = (const uint16_t*)w.b.data_ptr<at::Half>();
     parallel_rows(N, K, T, [&](int n0, int n1) {
-      k.gemv_q8_0_q16(xq, xl, xh, xc.data(), dx.data(), T, K, q, d, N, y, n0, n1);
+      k.gemv_q8_0_q16(xq, xl, xh, xc.data(), dx.data(), T, K, q, d, w.G, N, y, n0, n1);
     });
   } else {
     const int8_t* q = w.a.data_ptr<int8_t>();
     const uint16_t* d = (const uint16_t*)w.b.data_ptr<at::Half>();
-    parallel_rows(N, K, T, [&](int n0, int n1) { k.gemv_q8_0(x, T, K, q, d, N, y, n0, n1); });
+    parallel_rows(N, K, T, [&](int n0, int n1) { k.gemv_q8_0(x, T, K, q, d, w.G, N, y, n0, n1); });
   }
 }
 
@@ -205,8 +205,14 @@ static at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& nibbles, co
 static at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
   return linear_op(x, make_linear(INT8, q, scale, at::Tensor(), 0));
 }
+// A Q8_0-format weight's block: K / d's columns (32, or 16 for Q6_K's sub-blocks; make_linear checks).
+static int64_t q8_block(const at::Tensor& q, const at::Tensor& d) {
+  TORCH_CHECK(q.dim() == 2 && d.dim() == 2 && d.size(1) > 0 && q.size(1) % d.size(1) == 0,
+              "kvserve: Q8_0 takes q [N, K] int8 and d [N, K/G] float16");
+  return q.size(1) / d.size(1);
+}
 static at::Tensor linear_q8_0(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d) {
-  return linear_op(x, make_linear(Q8_0, q, d, at::Tensor(), 32));
+  return linear_op(x, make_linear(Q8_0, q, d, at::Tensor(), q8_block(q, d)));
 }
 static at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(w.scalar_type() == at::kBFloat16, "kvserve: linear_bf16 takes a bfloat16 weight [N, K]");
@@ -533,7 +539,7 @@ static at::Tensor dequantize_op(const Linear& w, at::ScalarType dtype) {
                      high_bits(w), w.K, w.G, (int)n0,
                      (int)n1, f ? f + o : nullptr, b ? b + o : nullptr);
     else
-      k.dequant_q8_0(w.a.data_ptr<int8_t>(), (const uint16_t*)w.b.data_ptr<at::Half>(), w.K, (int)n0, (int)n1, f ? f + o : nullptr,
+      k.dequant_q8_0(w.a.data_ptr<int8_t>(), (const uint16_t*)w.b.data_ptr<at::Half>(), w.K, w.G, (int)n0, (int)n1, f ? f + o : nullptr,
                      b ? b + o : nullptr);
   });
   return out;
@@ -544,7 +550,7 @@ static at::Tensor dequantize_int4(const at::Tensor& nibbles, const at::Tensor& s
   return dequantize_op(make_linear(INT4, nibbles, scales, high.value_or(at::Tensor()), group), dtype);
 }
 static at::Tensor dequantize_q8_0(const at::Tensor& q, const at::Tensor& d, at::ScalarType dtype) {
-  return dequantize_op(make_linear(Q8_0, q, d, at::Tensor(), 32), dtype);
+  return dequantize_op(make_linear(Q8_0, q, d, at::Tensor(), q8_block(q, d)), dtype);
 }
 
 }  // namespace kvk

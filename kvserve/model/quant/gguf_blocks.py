@@ -4,7 +4,9 @@ Int4Values: Q4_0 / Q4_1 / Q4_K unpacked (gguf_types.py) and not yet packed, beca
 of one fused matrix (q, k, v) are packed together once they are all read.
 
 Int8BlockWeight: Q8_0 (w = d q, a scale d per 32 weights) exactly, in its own type: q and d, read
-by kvserve's Q8_0 kernel. Where kvserve's kernels are not built (torch's int8 kernel takes one
+by kvserve's Q8_0 kernel; with kvserve's kernels also Q6_K, whose 6-bit values q - 32 are int8 with
+a scale d per 16 weights (its super-block's d times the sub-block's scale, rounded to float16).
+Where kvserve's kernels are not built (torch's int8 kernel takes one
 scale per row, and requantizing per row adds error: gguf_types.py measures it), each q
 is split into two nibbles instead, q = 16 hi + lo with hi in -8..7 and lo in 0..15, so that
     w = hi * 16 d + lo * d = ((hi + 8) - 8) * 16 d + ((lo - 8) * d + 8 d)
@@ -67,6 +69,18 @@ class Int4Values:
             zeros = torch.cat([torch.zeros_like(s) if z is None else z for _, s, z in values])
         return cls(torch.cat([q for q, _, _ in values]), torch.cat([s for _, s, _ in values]), zeros)
 
+    def int8_blocks(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(q [N, K] int8, d [N, K / 32] float32) of the same values as Int8BlockWeight holds them,
+        where each group of 32 is d times integers: no zero (Q4_0: q - 8) or a zero of -8 d
+        (Q5_0: q - 16), d a float16 value; else None (a min: Q4_1, Q5_1, Q4_K, Q5_K)."""
+        q, scale, zero = self.values()
+        if self.group_size != QK8 or not torch.equal(scale.half().float(), scale):
+            return None
+        if zero is not None and not torch.equal(zero, -8 * scale):
+            return None
+        offset = 8 if zero is None else 16
+        return (q.to(torch.int16) - offset).to(torch.int8), scale
+
     def dequantize(self) -> torch.Tensor:
         """W [N, K] float32, each weight (q - 8) * scale + zero in one float32 rounding."""
         N, K = self.shape
@@ -85,21 +99,27 @@ class Int4Values:
 
 
 class Int8BlockWeight(QuantizedWeight):
-    """GGUF Q8_0 in its own type: q [N, K] int8 with d [N, K / 32] float16 (GGUF's d as it is in
-    the file); W = q * d per block of 32, 1.0625 bytes a weight, the file's. kvserve's
-    kernel (`linear_q8_0`) reads it at every row count up to the plan's int4 limit (a few rows:
-    a float GEMV; more: each weight dequantized once into a tile, then a register-blocked
-    product), bigger steps dequantize in row blocks. Where kvserve's kernels are not built, the
-    weight is held as two int4 planes instead (module doc) for torch's int4 kernel."""
+    """GGUF Q8_0 in its own type: q [N, K] int8 with d [N, K / B] float16 (GGUF's d as it is in
+    the file), B = 32; W = q * d per block of B, 1.0625 bytes a weight, the file's. Q6_K's
+    sub-blocks are blocks of B = 16 (1.125 bytes a weight against the file's 0.82), with
+    kvserve's kernels only. kvserve's kernel (`linear_q8_0`) reads it at every row count up to
+    the plan's int4 limit (a few rows: a float GEMV; more: each weight dequantized once into a
+    tile, then a register-blocked product), bigger steps dequantize in row blocks. Where
+    kvserve's kernels are not built, a B = 32 weight is held as two int4 planes instead (module
+    doc) for torch's int4 kernel."""
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", name: str = "weight"):
         N, K = q.shape
-        if q.dtype != torch.int8 or K % QK8 or tuple(d.shape) != (N, K // QK8):
-            raise ValueError(f"Int8BlockWeight takes q [N, K] int8 (K a multiple of {QK8}) and d [N, K/{QK8}]; "
-                             f"got q {tuple(q.shape)} {q.dtype} and d {tuple(d.shape)}.")
+        self.block = K // d.shape[1] if d.dim() == 2 and d.shape[1] else 0
+        if (q.dtype != torch.int8 or K % QK8 or self.block not in (QK8, QK8 // 2)
+                or tuple(d.shape) != (N, K // self.block)):
+            raise ValueError(f"Int8BlockWeight takes q [N, K] int8 (K a multiple of {QK8}) and d [N, K/B], "
+                             f"B {QK8} or {QK8 // 2}; got q {tuple(q.shape)} {q.dtype} and d {tuple(d.shape)}.")
         device = torch.device(device)
         self.own_kernel = kernels.available(device)
+        if self.block != QK8 and not self.own_kernel:
+            raise ValueError(f"{name}: blocks of {self.block} weights need kvserve's kernels, which are not built.")
         # kvserve's own kernel, dequantizing into tiles past a few rows as the int4 one does: the
         # CPU plan's int4 rows (model/quant/cpu_paths.py) say where the dequantize path wins
         self._setup("int4" if self.own_kernel else "int8", (N, K), dtype, device)
@@ -134,12 +154,16 @@ class Int8BlockWeight(QuantizedWeight):
 
     @classmethod
     def cat(cls, parts: list["Int8BlockWeight"], dtype: torch.dtype, device) -> "Int8BlockWeight":
-        """Row blocks stacked into one weight (fused q, k, v), in the model's dtype and device."""
+        """Row blocks stacked into one weight (fused q, k, v), in the model's dtype and device;
+        parts of blocks of 16 and 32 (a Q6_K v beside Q8_0 q, k) in blocks of 16, each d of a
+        block of 32 repeated: the same values."""
         qd = [p.values() for p in parts]
-        return cls(torch.cat([q for q, _ in qd]), torch.cat([d for _, d in qd]), dtype, device)
+        block = min(p.block for p in parts)
+        ds = [d.repeat_interleave(q.shape[1] // d.shape[1] // block, dim=1) for q, d in qd]
+        return cls(torch.cat([q for q, _ in qd]), torch.cat(ds), dtype, device)
 
     def values(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q [N, K] int8, d [N, K / 32] float32) on the CPU."""
+        """(q [N, K] int8, d [N, K / B] float32) on the CPU."""
         if self.q is not None:
             return self.q.cpu(), self.d.float().cpu()
         w = self.planes
@@ -163,7 +187,7 @@ class Int8BlockWeight(QuantizedWeight):
     @staticmethod
     def _rows_values(q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         n, K = q.shape
-        return (q.to(dtype).view(n, -1, QK8) * d.to(dtype)[..., None]).view(n, K)
+        return (q.to(dtype).view(n, d.shape[1], -1) * d.to(dtype)[..., None]).view(n, K)
 
     def gemm_input_dtype(self, rows):
         return self.planes.gemm_input_dtype(rows) if self.planes is not None else super().gemm_input_dtype(rows)

@@ -15,7 +15,11 @@ time (Q4 tensors when they are fused and packed), so no float copy of the model 
                                                                               else int8 per row
                                                                               (requantized), embedding
                                                                               and lm_head exact
-  Q2_K, Q3_K, Q6_K (gguf.quants.dequantize)                                   int8 per row (requantized)
+  Q6_K  256: 128 B of low nibbles, 64 B of high bit     d sc_j (q - 32)     int8, d sc_j per 16
+        pairs, 16 int8 sc_j, fp16 d (210)                                     (float16; kvserve's
+                                                                              kernels), else int8
+                                                                              per row (requantized)
+  Q2_K, Q3_K (gguf.quants.dequantize)                                         int8 per row (requantized)
   F32, F16, BF16                                                              the model dtype
 
 int5 is int4 with a fifth bit per weight (formats.Int4Weight `high`, q = nibble + 16 bit in 0..31,
@@ -30,14 +34,16 @@ as in llama.cpp's blocks: tests/model/test_gguf_quant.py). q/k rows are un-permu
 and zero alike. The kernels then hold scales and zeros in
 bfloat16 (quant.py): on SmolLM2-135M's Q4_1 layers that moves the weights by 0.20% RMS.
 
-Q8_0's scale per 32 weights does not fit the int8 kernel's one scale per row, so its values d q
-are requantized per row (max |w| / 127.5): measured on SmolLM2-135M's Q8_0 embedding that adds
+With kvserve's kernels, every Q8_0 matrix keeps its type (gguf_blocks.Int8BlockWeight: q and the
+file's float16 d), and so does Q6_K (blocks of 16). Without them, Q8_0's scale per 32 weights
+does not fit torch's int8 kernel's one scale per row, so its values d q are requantized per row
+(max |w| / 127.5): measured on SmolLM2-135M's Q8_0 embedding that adds
 1.17% RMS of the weights (Q8_0's own rounding is about 0.7%; the row's step is 1.8 times the
 mean block step), and made its greedy answer to "What is the capital of France?" a tie (the top
 two first tokens 0.1449 / 0.1449, against 0.1522 / 0.1402 dequantized). The embedding and the
 lm_head, whose errors reach the residual stream and the logits directly, therefore keep Q8_0
-exactly (gguf_blocks.Int8BlockWeight: d in bfloat16, 0.16% RMS, 1.25 bytes a weight and a
-slower kernel); other Q8_0 matrices take the per-row int8 kernel.
+exactly (gguf_blocks.Int8BlockWeight as two int4 planes: d in bfloat16, 0.16% RMS, 1.25 bytes a
+weight and a slower kernel); other Q8_0 matrices take the per-row int8 kernel.
 """
 from __future__ import annotations
 
@@ -63,7 +69,7 @@ QK_K = 256       # weights per K-quant super-block
 # int8 adds 0.4-1.1% RMS of its own, which next to Q5's and Q6's own error grows the total by
 # 1-8%: int8 keeps them 4x smaller than float32 and runs on the int8 kernel. (Q2_K and Q3_K,
 # coarser than Q4, were not measured; int8 adds relatively less there.)
-REQUANTIZED = ("Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K")   # Q5: without kvserve's kernels
+REQUANTIZED = ("Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K")   # Q5, Q6_K: without kvserve's kernels
 INT8_ROWS_AT_ONCE = 1 << 20      # weights decoded and requantized at a time: bounds the transient
 
 
@@ -161,6 +167,28 @@ def unpack_q8_0(raw: np.ndarray, N: int, K: int) -> tuple[np.ndarray, np.ndarray
     return np.ascontiguousarray(b[:, 2:]).view(np.int8).reshape(N, K), _fp16(b[:, :2]).reshape(N, K // QK)
 
 
+def unpack_q6_k(raw: np.ndarray, N: int, K: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K bytes -> (q [N, K] int8 in -32..31, d [N, K/16] float32); w = q * d per 16 weights,
+    d = the super-block's d times the sub-block's int8 scale, rounded to float16 (the kernels'
+    scale type: within 2^-11 of the product, which float32 holds exactly).
+    A super-block (210 bytes): 128 B of low nibbles, 64 B of high bit pairs, 16 int8 scales,
+    fp16 d. Its two halves of 128 weights: weight i of half h takes the low nibble (i < 64) or
+    the high one of low byte 64h + i % 64, and bits 2 (i // 32), +1 of high byte 32h + i % 32."""
+    b = _blocks(raw, 210)
+    n = b.shape[0]
+    ql = b[:, :128].reshape(n, 2, 1, 64)
+    low = (ql >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15                # [n, 2, 2, 64]
+    qh = b[:, 128:192].reshape(n, 2, 1, 32)
+    high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3         # [n, 2, 4, 32]
+    q = (low.reshape(n, 256) | (high.reshape(n, 256) << 4)).astype(np.int8) - np.int8(32)
+    d = _fp16(b[:, 208:210])[:, None] * np.ascontiguousarray(b[:, 192:208]).view(np.int8)   # [n, 16], exact
+    with np.errstate(over="ignore"):
+        d16 = d.astype(np.float16).astype(np.float32)
+    if not np.isfinite(d16).all():
+        raise ValueError("a Q6_K scale past float16's range")
+    return q.reshape(N, K), d16.reshape(N, K // 16)
+
+
 UNPACK_INT4 = {"Q4_0": unpack_q4_0, "Q4_1": unpack_q4_1, "Q4_K": unpack_q4_k}
 UNPACK_INT5 = {"Q5_0": unpack_q5_0, "Q5_1": unpack_q5_1, "Q5_K": unpack_q5_k}   # kvserve's kernels only
 
@@ -193,11 +221,13 @@ def native_weight(t, shape: tuple[int, ...], heads: int | None, dtype: torch.dty
     `device` (Q5_0 / Q5_1 / Q5_K: Int4Values with a fifth bit where kvserve's kernels run them,
     else an Int8Weight). `heads`: undo llama.cpp's q/k row permutation over that many heads.
     Q8_0 stays exact, an Int8BlockWeight, where kvserve's kernels run it; without them only
-    `logits_side` (the embedding and the lm_head) does, the other Q8_0 tensors are requantized."""
+    `logits_side` (the embedding and the lm_head) does, the other Q8_0 tensors are requantized.
+    Q6_K is an Int8BlockWeight of 16-weight blocks where kvserve's kernels run it, else requantized."""
     kind = t.tensor_type.name
     own = kernels.available(device)
-    if len(shape) == 2 and kind == "Q8_0" and (own or logits_side) and Int8BlockWeight.fits(shape[0]):
-        q, d = unpack_q8_0(t.data, *shape)
+    if len(shape) == 2 and Int8BlockWeight.fits(shape[0]) and (
+            (kind == "Q8_0" and (own or logits_side)) or (kind == "Q6_K" and own)):
+        q, d = (unpack_q8_0 if kind == "Q8_0" else unpack_q6_k)(t.data, *shape)
         if heads is not None:
             q, d = unpermute_rope_rows(q, heads), unpermute_rope_rows(d, heads)
         return Int8BlockWeight(torch.from_numpy(q), torch.from_numpy(d), dtype, device, t.name)
