@@ -9,7 +9,8 @@
    (`-npp 128 -ntg 128 -npl 8,32`) against kvserve generating for b 128-token prompts at once,
    the batch's prefill (b prompts, one output token) taken out the same way.
 2. Prefill tokens/s of a 128-token prompt: llama-bench's pp128 (`-p 128 -n 0`) against kvserve's
-   128-token prompt with one output token (the best of two; it includes one sampling step).
+   128-token prompt with one output token (the best of two; it includes one sampling step); the
+   same at 512 tokens (pp512).
 3. Perplexity of docs/sample-story.txt (or `--text FILE`) with ctx 128: `llama-perplexity -c 128
    -t 2` against `kvserve perplexity --ctx 128`; both final PPLs, their ratio, and the
    tokenization of both (llama-perplexity's tokens are read from a `--kl-divergence-base` file of
@@ -54,12 +55,12 @@ import json, sys, time, torch
 from kvserve import LLM, SamplingParams
 torch.set_num_threads({threads})
 path, n, rep, batches, kwargs = {path!r}, {n}, {rep}, {batches!r}, {kwargs!r}
-llm = LLM(path, enable_prefix_caching=False, max_model_len=512, kv_cache_memory=1 << 30, **kwargs)
+llm = LLM(path, enable_prefix_caching=False, max_model_len=1024, kv_cache_memory=1 << 30, **kwargs)
 seed = iter(range(1000 * rep + 1, 1 << 30))
 span = min(1000, llm.engine.core.model_config.vocab_size - 3)     # ids 3 .. 1002, or the vocabulary's
 
-def timed(m, b=1):
-    prompts = [{{"prompt_token_ids": [1] + [(7 * s + 13 * i) % span + 3 for i in range(n - 1)]}}
+def timed(m, b=1, plen=n):
+    prompts = [{{"prompt_token_ids": [1] + [(7 * s + 13 * i) % span + 3 for i in range(plen - 1)]}}
                for s in [next(seed) for _ in range(b)]]
     t = time.perf_counter()
     out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
@@ -70,6 +71,7 @@ timed(4)
 prefill = min(timed(1) for _ in range(2))
 full = timed(n)
 res = {{"prefill_tok_s": n / prefill, "decode_tok_s": (n - 1) / (full - prefill),
+        "prefill512_tok_s": 512 / min(timed(1, plen=512) for _ in range(2)),
         "prefill_s": prefill, "gen128_s": full,
         "weight_bytes": llm.engine.runner.model.weight_bytes()}}
 for b in batches:   # b prompts at once: decode tokens/s with the batch's prefill taken out
@@ -124,6 +126,7 @@ def measure_speed(bindir: Path, model: str, repeats: int, batches: list[int], kw
         "kvserve": lambda rep: python_child(KVSERVE_CHILD.format(threads=THREADS, path=model, n=N, rep=rep,
                                                                  batches=batches, kwargs=kwargs)),
         "llama_pp128": lambda rep: llama_bench(bindir, model, ["-p", str(N), "-n", "0", *no_repack])["avg_ts"],
+        "llama_pp512": lambda rep: llama_bench(bindir, model, ["-p", "512", "-n", "0", *no_repack])["avg_ts"],
         "llama_tg128_d128": lambda rep: llama_bench(
             bindir, model, ["-p", "0", "-n", str(N), "-d", str(N), *no_repack])["avg_ts"],
     }
@@ -145,8 +148,10 @@ def measure_speed(bindir: Path, model: str, repeats: int, batches: list[int], kw
         "llama_tg128": statistics.median(runs["llama_tg128"]),
         "llama_tg128_d128": statistics.median(runs["llama_tg128_d128"]),
         "llama_pp128": statistics.median(runs["llama_pp128"]),
+        "llama_pp512": statistics.median(runs["llama_pp512"]),
         "kvserve_decode": statistics.median(r["decode_tok_s"] for r in runs["kvserve"]),
         "kvserve_prefill": statistics.median(r["prefill_tok_s"] for r in runs["kvserve"]),
+        "kvserve_prefill512": statistics.median(r["prefill512_tok_s"] for r in runs["kvserve"]),
         "kvserve_weight_bytes": runs["kvserve"][0]["weight_bytes"],
         "llama_model_bytes": llama_bench(bindir, model, ["-p", "0", "-n", "1"])["model_size"],
     }
@@ -278,6 +283,7 @@ def main() -> None:
         *((f"decode tok/s, batch {b}", m[f"llama_decode_b{b}_tok_s"], m[f"kvserve_decode_b{b}_tok_s"])
           for b in batches),
         ("prefill tok/s (pp128)", m["llama_pp128"], m["kvserve_prefill"]),
+        ("prefill tok/s (pp512)", m["llama_pp512"], m["kvserve_prefill512"]),
         ("weights, MB (llama.cpp: model size)", m["llama_model_bytes"] / 1e6, m["kvserve_weight_bytes"] / 1e6),
         *([(f"perplexity (ctx {args.ctx})", ppl["llama_ppl"], ppl["kvserve_ppl"])] if ppl else []),
     ]
