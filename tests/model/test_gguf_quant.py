@@ -259,8 +259,11 @@ def test_int8_blocks_of_16_and_32_fuse_into_blocks_of_16():
     exact = torch.cat([p.dequantize() for p in parts])
     assert torch.equal(w.dequantize(), exact)
     x = torch.randn(2, 64, generator=g)
-    ref = q16_activations(x) @ exact.double().T           # two rows: the int16 route
-    assert (w.linear(x).double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    if w.kernel_max_rows >= 2:                             # two rows: the int16 route
+        ref, tol = q16_activations(x) @ exact.double().T, 1e-5
+    else:                                                  # a plan that dequantizes (DEFAULT)
+        ref, tol = x.double() @ exact.double().T, 1e-2
+    assert (w.linear(x).double() - ref).abs().max() <= tol * ref.abs().max()
 
 
 @pytest.mark.parametrize("other", ["Q5_0", "Q4_0", "Q4_1"])
@@ -275,11 +278,16 @@ def test_mixed_parts_fuse_into_int8_blocks_where_their_values_allow(other):
     part = Int4Values(*[None if x is None else torch.from_numpy(x) for x in arrays])
     v = Int8BlockWeight(*[torch.from_numpy(x) for x in unpack_q8_0(encode(a[40:], "Q8_0"), 24, 256)])
     w = linear_weight([part, v], "qkv", None, None, torch.device("cpu"), torch.float32)
+    exact = torch.cat([part.dequantize(), v.dequantize()])
+    if not keeps_quantized("cpu"):          # this CPU's plan holds every weight dequantized
+        assert isinstance(w, torch.Tensor)
+        if other != "Q4_1":
+            assert torch.equal((w + 0).view(torch.int32), (exact + 0).view(torch.int32))
+        return
     if other == "Q4_1":
         assert isinstance(w, Int8Weight)
         return
     assert isinstance(w, Int8BlockWeight) and w.block == 32
-    exact = torch.cat([part.dequantize(), v.dequantize()])
     assert torch.equal((w.dequantize() + 0).view(torch.int32), (exact + 0).view(torch.int32))    # bits.__doc__
 
 
