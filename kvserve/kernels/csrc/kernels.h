@@ -497,7 +497,7 @@ static void gemv_int4(const float* xp, int T, int K, const uint8_t* nib, const u
 // sub-blocks, BG 16) ----------------------------------------------------------------------------
 // The scales of the 32 / KV_W vectors of 32 weights from column c of a block row `dr` [K / BG].
 template <int BG>
-static inline void block_scales(const uint16_t* dr, int c, VF* dv) {
+static inline void q8_scales(const uint16_t* dr, int c, VF* dv) {
   if constexpr (BG == 32) {
     const VF s = vset(h2f(dr[c / 32]));
     for (int v = 0; v < 32 / KV_W; ++v) dv[v] = s;
@@ -524,7 +524,7 @@ static inline void int8_block(const float* x, int K, const int8_t* q, const uint
       VF w[NV];
       if constexpr (BG > 0) {
         VF dv[NV];
-        block_scales<BG>(d + (size_t)(n + r) * (K / BG), c, dv);
+        q8_scales<BG>(d + (size_t)(n + r) * (K / BG), c, dv);
         for (int v = 0; v < NV; ++v) w[v] = vmul(i8f(p + v * KV_W), dv[v]);
       } else {
         for (int v = 0; v < NV; ++v) w[v] = i8f(p + v * KV_W);
@@ -571,7 +571,7 @@ static void int8_all(const float* x, int T, int K, const int8_t* q, const uint16
           for (int c = 0; c < kn; c += 32) {
             if (!(c & 63)) ahead(p + c);
             VF dv[32 / KV_W];
-            block_scales<BG>(dr, k0 + c, dv);
+            q8_scales<BG>(dr, k0 + c, dv);
             for (int v = 0; v < 32 / KV_W; ++v) vstore(out + c + v * KV_W, vmul(i8f(p + c + v * KV_W), dv[v]));
           }
         });
@@ -812,9 +812,9 @@ static void dequant_q8_0(const int8_t* q, const uint16_t* d, int K, int G, int n
     for (int c = 0; c < K; c += 32) {
       VF s[32 / KV_W];
       if (G == 16)
-        block_scales<16>(d + (size_t)n * (K / 16), c, s);
+        q8_scales<16>(d + (size_t)n * (K / 16), c, s);
       else
-        block_scales<32>(d + (size_t)n * (K / 32), c, s);
+        q8_scales<32>(d + (size_t)n * (K / 32), c, s);
       const int8_t* p = q + (size_t)n * K + c;
       for (int v = 0; v < 32 / KV_W; ++v) {
         const VF w = vmul(i8f(p + v * KV_W), s[v]);     // exact: 8 bits times float16's 11

@@ -14,7 +14,8 @@ const IsaKernels& isa_dividing(int n);
 
 // A linear weight as the kernels read it (kvserve/kernels/__init__.py packs them):
 //   DENSE: a float32 or bfloat16 tensor [N, K] (bfloat16: x rounded to bfloat16 for the GEMM); INT4: nibbles [N, K/2] uint8 + scales and zeros [N, 2, K/G]
-//   bfloat16; INT8: q [N, K] int8 + scale [N] bfloat16; Q8_0: q [N, K] int8 + d [N, K/32] float16.
+//   bfloat16; INT8: q [N, K] int8 + scale [N] bfloat16; Q8_0: q [N, K] int8 + d [N, K/G] float16
+//   (G 32: GGUF Q8_0; G 16: GGUF Q6_K's sub-blocks).
 //   `c`: an INT4 weight's fifth bits [N, K/8] uint8 (a GGUF Q5 type; common.h gemv_int4's hb), else
 //   unused (empty). Steps of <= INT4_Q16_ROWS rows of an INT4 weight take the integer-dot route
 //   (activations in int16 per 32 weights), of <= Q8_ROWS rows of a Q8_0 weight too (int16 in two

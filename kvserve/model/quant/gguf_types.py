@@ -227,7 +227,10 @@ def native_weight(t, shape: tuple[int, ...], heads: int | None, dtype: torch.dty
     own = kernels.available(device)
     if len(shape) == 2 and Int8BlockWeight.fits(shape[0]) and (
             (kind == "Q8_0" and (own or logits_side)) or (kind == "Q6_K" and own)):
-        q, d = (unpack_q8_0 if kind == "Q8_0" else unpack_q6_k)(t.data, *shape)
+        try:
+            q, d = (unpack_q8_0 if kind == "Q8_0" else unpack_q6_k)(t.data, *shape)
+        except ValueError as e:     # a scale float16 cannot hold: say which tensor
+            raise ValueError(f"{t.name}: {e}") from None
         if heads is not None:
             q, d = unpermute_rope_rows(q, heads), unpermute_rope_rows(d, heads)
         return Int8BlockWeight(torch.from_numpy(q), torch.from_numpy(d), dtype, device, t.name)
